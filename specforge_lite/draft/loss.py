@@ -1,0 +1,62 @@
+"""The EAGLE3 objective: soft cross-entropy to the target's draft-vocabulary distribution, per TTT step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .ttt import TTTCache, shift_left
+
+
+@dataclass
+class StepStats:
+    loss: torch.Tensor  # scalar, mean over valid tokens of this step
+    correct: torch.Tensor  # scalar count: draft argmax == teacher argmax
+    valid: torch.Tensor  # scalar count of valid tokens
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor  # weighted sum over steps (what backward() sees)
+    steps: list[StepStats]
+
+    def accuracies(self) -> list[float]:
+        return [float(s.correct) / max(float(s.valid), 1.0) for s in self.steps]
+
+
+def ttt_loss(draft, aux: list[torch.Tensor], input_ids: torch.Tensor, teacher_logits: torch.Tensor,
+             in_vocab: torch.Tensor, loss_mask: torch.Tensor, ttt_length: int, decay: float = 0.8) -> TTTOutput:
+    """Unroll the draft ``ttt_length`` steps over a batch and score every step.
+
+    Alignment (step k, row t): input token x[t+1+k] at position t+k, hidden = fused aux state h[t] at
+    k=0 and the previous step's pre-norm output after; the teacher is the target's distribution at
+    position t+1+k (which predicts x[t+2+k]); the row counts only if x[t+2+k] is an assistant token
+    (mask aligned with the predicted token) and the target's full-vocab argmax lies in the draft vocab.
+    Each step's loss is normalised over its valid tokens; step k is weighted decay**k.
+    """
+    B, T = input_ids.shape
+    hidden = draft.project_aux(aux)
+    positions = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
+    teacher_top = teacher_logits.argmax(-1)
+    cache = TTTCache()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    steps = []
+    for k in range(ttt_length):
+        hidden = draft.step(shift_left(input_ids, 1 + k), hidden, positions + k, cache)
+        valid = shift_left(loss_mask, 2 + k).bool() & shift_left(in_vocab, 1 + k)
+        rows = valid.nonzero(as_tuple=True)
+        t_rows = (rows[0], rows[1] + 1 + k)  # teacher rows for the valid positions
+        n = valid.sum()
+        if int(n) == 0:
+            zero = total.new_zeros(())
+            steps.append(StepStats(zero, zero, zero))
+            continue
+        logits = draft.compute_logits(hidden[rows]).float()
+        target_p = torch.softmax(teacher_logits[t_rows].float(), dim=-1)
+        ce = -(target_p * torch.log_softmax(logits, dim=-1)).sum(-1)
+        step_loss = ce.sum() / n
+        total = total + (decay ** k) * step_loss
+        correct = (logits.argmax(-1) == teacher_top[t_rows]).sum()
+        steps.append(StepStats(step_loss.detach(), correct.detach(), n.detach()))
+    return TTTOutput(total, steps)

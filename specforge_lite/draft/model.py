@@ -1,0 +1,219 @@
+"""The EAGLE3 draft: one Llama decoder layer fed by the fused aux states, with server weight names.
+
+Names match what SGLang and vLLM load (eagle3-contracts.md): ``fc``, ``fc_norm.{k}`` (optional),
+``midlayer.{input_layernorm,hidden_norm,self_attn.*,post_attention_layernorm,mlp.*}``, ``norm``,
+``lm_head``, ``d2t``, ``t2d``. The token embedding is the target's, frozen and shared (not copied).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from .ttt import TTTCache, ttt_attention
+
+
+@dataclass
+class Eagle3Spec:
+    """Everything that fixes the draft's shapes and meaning; saved with checkpoints and exports."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    max_position_embeddings: int
+    rope_parameters: dict
+    vocab_size: int  # the TARGET vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    target_num_layers: int
+    aux_layer_ids: list[int]
+    aux_convention: str
+    use_aux_norm: bool = False
+    num_layers: int = 1
+    norm_before_residual: bool = False  # SGLang's Llama draft always takes the residual before hidden_norm
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.num_layers != 1:
+            raise ValueError(f"draft.num_layers={self.num_layers}: only single-layer EAGLE3 drafts are implemented "
+                             "(the layout SGLang, vLLM and speculators all load); use draft.num_layers=1")
+        if self.norm_before_residual:
+            raise ValueError("norm_before_residual=True is not implemented (and SGLang ignores it)")
+
+    @classmethod
+    def from_target(cls, target_config: Any, draft_cfg, aux_layer_ids: list[int], convention: str,
+                    vocab_size: int, draft_vocab_size: int, target_hidden_size: int) -> "Eagle3Spec":
+        c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        heads = c.num_attention_heads
+        rope = dict(getattr(c, "rope_parameters", None) or {})
+        if not rope:
+            rope = {"rope_type": "default", "rope_theta": float(getattr(c, "rope_theta", 10000.0))}
+        if "full_attention" in rope and isinstance(rope["full_attention"], dict):  # per-layer-type families
+            rope = dict(rope["full_attention"])
+        return cls(
+            hidden_size=target_hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or target_hidden_size // heads,
+            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+            hidden_act=getattr(c, "hidden_act", None) or getattr(c, "hidden_activation", "silu"),
+            max_position_embeddings=getattr(c, "max_position_embeddings", 8192),
+            rope_parameters=rope,
+            vocab_size=vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=target_hidden_size,
+            target_num_layers=c.num_hidden_layers,
+            aux_layer_ids=list(aux_layer_ids),
+            aux_convention=convention,
+            use_aux_norm=draft_cfg.use_aux_norm,
+            num_layers=draft_cfg.num_layers,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def llama_config(self) -> LlamaConfig:
+        return LlamaConfig(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, hidden_act=self.hidden_act,
+            max_position_embeddings=self.max_position_embeddings, rope_parameters=dict(self.rope_parameters),
+            vocab_size=self.vocab_size, num_hidden_layers=1, attention_bias=self.attention_bias,
+            mlp_bias=self.mlp_bias,
+        )
+
+
+class DraftAttention(nn.Module):
+    """Attention over cat(embedding, hidden) (2H wide) with the TTT key pattern."""
+
+    def __init__(self, spec: Eagle3Spec):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+        width = 2 * spec.hidden_size
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=spec.attention_bias)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=spec.attention_bias)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, spec.hidden_size, bias=spec.attention_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TTTCache, q_offset: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        cache.append(k, v)
+        out = ttt_attention(q, cache, q_offset, self.head_dim ** -0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class DraftDecoderLayer(nn.Module):
+    def __init__(self, spec: Eagle3Spec):
+        super().__init__()
+        cfg = spec.llama_config()
+        self.input_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.self_attn = DraftAttention(spec)
+        self.post_attention_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, embeds, hidden, cos, sin, cache: TTTCache, q_offset: int) -> torch.Tensor:
+        residual = hidden  # taken before hidden_norm (norm_before_residual=false, as SGLang does)
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        h = self.self_attn(x, cos, sin, cache, q_offset) + residual
+        return self.mlp(self.post_attention_layernorm(h)) + h
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, spec: Eagle3Spec, embedding_weight: torch.Tensor | None = None):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        if embedding_weight is not None:
+            self.set_embedding(embedding_weight)
+        self.embed_tokens.weight.requires_grad_(False)
+        n_aux = len(spec.aux_layer_ids)
+        self.fc = nn.Linear(n_aux * spec.target_hidden_size, spec.hidden_size, bias=False)
+        if spec.use_aux_norm:
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(spec.target_hidden_size, eps=spec.rms_norm_eps) for _ in range(n_aux))
+        self.midlayer = DraftDecoderLayer(spec)
+        self.norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))
+        self.rotary_emb = LlamaRotaryEmbedding(spec.llama_config())
+        self._init_weights()
+
+    def _init_weights(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    # ---- wiring to the target ----------------------------------------------------------------
+    def set_embedding(self, weight: torch.Tensor) -> None:
+        """Share the target's embedding tensor (frozen; SGLang and vLLM substitute it at load too)."""
+        if tuple(weight.shape) != (self.spec.vocab_size, self.spec.hidden_size):
+            raise ValueError(f"target embedding {tuple(weight.shape)} does not match the draft's "
+                             f"({self.spec.vocab_size}, {self.spec.hidden_size}); the draft was built for another target")
+        self.embed_tokens.weight = nn.Parameter(weight, requires_grad=False)
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def init_lm_head_from_target(self, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor) -> None:
+        with torch.no_grad():
+            rows = target_lm_head.index_select(0, draft_to_target.to(target_lm_head.device))
+            self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything a checkpoint needs: all but the shared target embedding."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def draft_vocab_ids(self) -> torch.Tensor:
+        """The target id of every draft token, in draft order."""
+        return self.draft_to_target(torch.arange(self.spec.draft_vocab_size, device=self.d2t.device))
+
+    # ---- forward pieces ------------------------------------------------------------------------
+    def project_aux(self, aux: list[torch.Tensor]) -> torch.Tensor:
+        """Fuse the captured aux states [B, T, H_t] x n into the draft's hidden input [B, T, H]."""
+        if len(aux) != len(self.spec.aux_layer_ids):
+            raise ValueError(f"got {len(aux)} aux states, the draft was built for {len(self.spec.aux_layer_ids)}")
+        if aux[0].shape[-1] != self.spec.target_hidden_size:
+            raise ValueError(f"aux hidden size {aux[0].shape[-1]} != the draft's target_hidden_size "
+                             f"{self.spec.target_hidden_size}: the captured target is not the one the draft was built for")
+        if self.spec.use_aux_norm:
+            aux = [norm(a) for norm, a in zip(self.fc_norm, aux)]
+        return self.fc(torch.cat(aux, dim=-1).to(self.fc.weight.dtype))
+
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: TTTCache,
+             q_offset: int = 0) -> torch.Tensor:
+        """One draft step: returns the pre-norm output (fed back as the next step's hidden input)."""
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        return self.midlayer(embeds, hidden, cos, sin, cache, q_offset)
+
+    def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits from the pre-norm output."""
+        return self.lm_head(self.norm(prenorm))

@@ -1,0 +1,1 @@
+"""Evaluation: speculative decoding acceptance and held-out accuracy (entry point: eval/acceptance.py)."""

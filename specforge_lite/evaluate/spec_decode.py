@@ -1,0 +1,105 @@
+"""Greedy chain speculative decoding with a trained draft: the server's algorithm, in plain PyTorch.
+
+Each round the draft proposes k tokens from the target's aux states of the committed context, the
+target verifies them in one cached forward, and the longest agreeing prefix plus the target's own next
+token are committed. With greedy verification the output equals the target's greedy decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..draft.ttt import TTTCache
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per verification round
+
+
+def _new_cache(target):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=target.config)
+
+
+def _cut(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    tokens = tokens[:max_new_tokens]
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+@torch.no_grad()
+def greedy_generate(target, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    """Plain greedy decoding with a KV cache (the baseline speculative decoding must reproduce)."""
+    cache = _new_cache(target)
+    _, logits = target.forward_cached(torch.tensor([prompt], device=target.device), cache)
+    out = [int(logits[0, -1].argmax())]
+    while len(out) < max_new_tokens and out[-1] not in stop_ids:
+        _, logits = target.forward_cached(torch.tensor([[out[-1]]], device=target.device), cache)
+        out.append(int(logits[0, -1].argmax()))
+    return _cut(out, max_new_tokens, stop_ids)
+
+
+@torch.no_grad()
+def draft_chain(draft, aux_ctx: list[torch.Tensor], context: list[int], next_token: int, k: int) -> list[int]:
+    """k greedy draft tokens after ``context + [next_token]`` (target ids)."""
+    device = aux_ctx[0].device
+    n = len(context)
+    hidden = draft.project_aux(aux_ctx)  # row t: the target's state at position t
+    tokens = torch.tensor([context[1:] + [next_token]], device=device)  # row t: token t + 1
+    cache = TTTCache()
+    h = draft.step(tokens, hidden, torch.arange(n, device=device)[None], cache)[:, -1:]
+    proposals = []
+    for j in range(k):
+        d = int(draft.draft_to_target(draft.compute_logits(h)[0, -1].argmax()))
+        proposals.append(d)
+        if j + 1 < k:  # step j+1 at row n-1 stands for position n-1+(j+1)
+            h = draft.step(torch.tensor([[d]], device=device), h, torch.tensor([[n + j]], device=device), cache,
+                           q_offset=n - 1)
+    return proposals
+
+
+@torch.no_grad()
+def speculative_generate(target, draft, prompt: list[int], max_new_tokens: int, k: int, stop_ids: set[int]) -> Generation:
+    cache = _new_cache(target)
+    aux_ctx, logits = target.forward_cached(torch.tensor([prompt], device=target.device), cache)
+    context = list(prompt)
+    next_token = int(logits[0, -1].argmax())
+    out = [next_token]
+    accepted: list[int] = []
+    while len(out) < max_new_tokens and next_token not in stop_ids:
+        proposals = draft_chain(draft, aux_ctx, context, next_token, k)
+        verify = torch.tensor([[next_token] + proposals], device=target.device)
+        aux_new, vlogits = target.forward_cached(verify, cache)
+        greedy = vlogits[0].argmax(-1).tolist()  # greedy[i]: the target's token after verify[:i+1]
+        a = 0
+        while a < k and proposals[a] == greedy[a]:
+            a += 1
+        accepted.append(a)
+        context += [next_token] + proposals[:a]
+        aux_ctx = [torch.cat([c, new[:, : a + 1]], dim=1) for c, new in zip(aux_ctx, aux_new)]
+        cache.crop(len(context) - cache.get_seq_length())  # drop the rejected drafts' entries
+        next_token = greedy[a]
+        out += proposals[:a] + [next_token]
+        if any(t in stop_ids for t in proposals[:a]):
+            break
+    return Generation(_cut(out, max_new_tokens, stop_ids), accepted)
+
+
+def acceptance_summary(accepted_per_round: list[int], k: int) -> dict:
+    """Mean acceptance length (1 + accepted drafts per round) and how often each position was accepted."""
+    rounds = len(accepted_per_round)
+    if rounds == 0:
+        return {"mean_acceptance_length": float("nan"), "per_position_acceptance": [], "rounds": 0}
+    per_pos = [sum(a > i for a in accepted_per_round) / rounds for i in range(k)]
+    conditional = [per_pos[i] / (per_pos[i - 1] if i else 1.0) if (per_pos[i - 1] if i else 1.0) > 0 else 0.0
+                   for i in range(k)]
+    return {"mean_acceptance_length": 1.0 + sum(accepted_per_round) / rounds,
+            "per_position_acceptance": per_pos, "per_position_conditional_acceptance": conditional,
+            "rounds": rounds}

@@ -1,0 +1,56 @@
+"""Exports that inference servers load as they are. One module per server format."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..device import resolve_dtype
+from ..draft.model import Eagle3Spec
+from ..training.checkpoint import latest_checkpoint, load_checkpoint
+from . import sglang, vllm
+from .layout import PROVENANCE_KEY, draft_weights, llama_draft_config, write_export
+
+FORMATS = {m.NAME: m for m in (vllm, sglang)}
+
+
+def export_draft(weights: dict[str, torch.Tensor], spec: Eagle3Spec, fmt: str, out_dir: Path, dtype: str = "auto",
+                 embedding: torch.Tensor | None = None, warn=None) -> Path:
+    if fmt not in FORMATS:
+        raise ValueError(f"export format {fmt!r}: choose one of {sorted(FORMATS)}")
+    warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
+    module = FORMATS[fmt]
+    torch_dtype = weights["fc.weight"].dtype if dtype == "auto" else resolve_dtype(dtype, torch.device("cpu"))
+    config = llama_draft_config(spec, module.server_aux_ids(spec, warn), torch_dtype)
+    config[PROVENANCE_KEY]["format"] = fmt
+    return write_export(out_dir, config, draft_weights(weights, torch_dtype, module.with_vocab_maps(spec), embedding))
+
+
+def export_run(run_dir: Path, fmt: str, out_dir: Path, checkpoint: Path | None = None, dtype: str = "auto") -> Path:
+    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(Path(run_dir))
+    if ckpt is None:
+        raise FileNotFoundError(f"no checkpoint under {Path(run_dir) / 'checkpoints'}; train first or pass --checkpoint")
+    weights, _, spec = load_checkpoint(ckpt)
+    return export_draft(weights, Eagle3Spec(**spec), fmt, out_dir, dtype)
+
+
+def load_export(export_dir: Path) -> tuple[Eagle3Spec, dict[str, torch.Tensor]]:
+    """Read an export back into our spec and state dict (round trip, and evaluation of final/)."""
+    from safetensors.torch import load_file
+
+    export_dir = Path(export_dir)
+    config = json.loads((export_dir / "config.json").read_text())
+    if PROVENANCE_KEY not in config:
+        raise ValueError(f"{export_dir} was not written by specforge_lite (no {PROVENANCE_KEY!r} block)")
+    spec = Eagle3Spec(**config[PROVENANCE_KEY]["spec"])
+    weights = load_file(str(export_dir / "model.safetensors"))
+    if "d2t" not in weights:  # full draft vocabulary: identity maps
+        weights["d2t"] = torch.zeros(spec.draft_vocab_size, dtype=torch.long)
+        weights["t2d"] = torch.ones(spec.vocab_size, dtype=torch.bool)
+    return spec, weights
+
+
+__all__ = ["FORMATS", "export_draft", "export_run", "load_export"]

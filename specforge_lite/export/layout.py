@@ -1,0 +1,82 @@
+"""What every EAGLE3 Llama-draft export shares: the flat Llama config and the weight names.
+
+Server-specific choices (which aux-id convention, when d2t/t2d are written) are passed in by the
+format modules (vllm.py, sglang.py); nothing here knows a server's quirks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..device import dtype_name
+from ..draft.model import Eagle3Spec
+
+PROVENANCE_KEY = "specforge_lite"
+
+
+def llama_draft_config(spec: Eagle3Spec, server_aux_ids: list[int], dtype: torch.dtype) -> dict:
+    rope = dict(spec.rope_parameters)
+    scaling = None if rope.get("rope_type", "default") == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "num_hidden_layers": spec.num_layers,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "hidden_act": spec.hidden_act,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rope_theta": rope.get("rope_theta", 10000.0),
+        "rope_scaling": scaling,
+        "attention_bias": spec.attention_bias,
+        "mlp_bias": spec.mlp_bias,
+        "vocab_size": spec.vocab_size,  # the TARGET vocabulary: servers size the d2t scatter with it
+        "draft_vocab_size": spec.draft_vocab_size,
+        "target_hidden_size": spec.target_hidden_size,
+        "tie_word_embeddings": False,
+        # Written at the top level (vLLM) and in eagle_config (SGLang): a missing id list makes servers
+        # fall back to defaults silently.
+        "eagle_aux_hidden_state_layer_ids": list(server_aux_ids),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(server_aux_ids), "use_aux_hidden_state": True},
+        # The speculators adapter defaults this to true when absent; this draft was trained with false.
+        "norm_before_residual": spec.norm_before_residual,
+        "norm_output": False,  # the next step is fed the pre-norm state
+        "torch_dtype": dtype_name(dtype),
+        PROVENANCE_KEY: {"aux_layer_ids": list(spec.aux_layer_ids), "aux_convention": spec.aux_convention,
+                         "spec": spec.to_dict()},
+    }
+    if spec.use_aux_norm:
+        config["fc_norm"] = True
+        config["use_aux_norm"] = True  # legacy alias read by older SGLang builds
+    return config
+
+
+def draft_weights(state: dict[str, torch.Tensor], dtype: torch.dtype, with_vocab_maps: bool,
+                  embedding: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in state.items():
+        if name.startswith("embed_tokens."):
+            continue
+        if name in ("d2t", "t2d"):
+            if with_vocab_maps:
+                out[name] = t.detach().cpu().to(torch.int64 if name == "d2t" else torch.bool).contiguous()
+            continue
+        out[name] = t.detach().cpu().to(dtype).contiguous()
+    if embedding is not None:
+        out["embed_tokens.weight"] = embedding.detach().cpu().to(dtype).contiguous()
+    return out
+
+
+def write_export(out_dir: Path, config: dict, weights: dict[str, torch.Tensor]) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir

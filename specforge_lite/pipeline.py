@@ -1,0 +1,78 @@
+"""Builders for each stage, so train.py, eval and the benchmarks wire the same objects the same way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .config import Config
+from .data import DraftVocab, build_draft_vocab
+from .draft import Eagle3Draft, Eagle3Spec
+from .targets import HFTarget
+from .targets.families import get_family
+
+
+def build_target(config: Config, aux_layer_ids=None) -> HFTarget:
+    get_family(config.model.family)  # an unknown family fails before any download
+    ids = aux_layer_ids if aux_layer_ids is not None else config.draft.aux_layer_ids
+    return HFTarget.from_config(config.model, ids)
+
+
+def load_tokenizer(target: HFTarget) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target.location)
+    if tok.chat_template is None:
+        raise ValueError(f"the tokenizer at {target.location} has no chat template; the loss mask needs one "
+                         "(set tokenizer.chat_template in its tokenizer_config.json)")
+    return tok
+
+
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def stop_ids(tokenizer, target: HFTarget) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    gen = getattr(target.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos])
+    return {i for i in ids if i is not None}
+
+
+def build_vocab(config: Config, target: HFTarget, train_dataset, tokenizer) -> DraftVocab:
+    vocab = build_draft_vocab(train_dataset, target.vocab_size, config.draft.draft_vocab_size,
+                              f"{tokenizer.name_or_path}|{len(tokenizer)}")
+    target.set_draft_vocab(vocab.draft_to_target, vocab.t2d)
+    return vocab
+
+
+def build_draft(config: Config, target: HFTarget, vocab: DraftVocab) -> Eagle3Draft:
+    spec = Eagle3Spec.from_target(target.config, config.draft, target.aux_layer_ids, target.convention,
+                                  vocab_size=target.vocab_size, draft_vocab_size=vocab.size,
+                                  target_hidden_size=target.hidden_size)
+    torch.manual_seed(config.trainer.seed)
+    draft = Eagle3Draft(spec)
+    draft.set_vocab(vocab.d2t, vocab.t2d)
+    if config.draft.init_lm_head_from_target:
+        draft.init_lm_head_from_target(target.lm_head_weight().float(), vocab.draft_to_target)
+    draft.to(target.device)
+    draft.set_embedding(target.embedding_weight())
+    return draft
+
+
+def draft_from_weights(spec: Eagle3Spec, weights: dict[str, torch.Tensor], target: HFTarget) -> Eagle3Draft:
+    """A draft rebuilt from a checkpoint or export, wired to its target's embedding."""
+    if spec.target_hidden_size != target.hidden_size or spec.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft was trained for a target with hidden size {spec.target_hidden_size} and vocab "
+                         f"{spec.vocab_size}; this target has {target.hidden_size} and {target.vocab_size}")
+    draft = Eagle3Draft(spec)
+    result = draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()},
+                                   strict=False)
+    missing = [k for k in result.missing_keys if not k.startswith("embed_tokens.")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"draft weights do not fit: missing {missing}, unexpected {result.unexpected_keys}")
+    draft.to(target.device)
+    draft.set_embedding(target.embedding_weight())
+    return draft.eval()

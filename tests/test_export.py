@@ -1,0 +1,116 @@
+"""Exports: every field the servers read, their id conventions, weight names, and a lossless round trip."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, tiny_draft, tiny_target
+from specforge_lite.draft.ttt import TTTCache
+from specforge_lite.export import export_draft, load_export
+from specforge_lite.export.sglang import ExportRefused
+from specforge_lite.pipeline import draft_from_weights
+
+SERVER_NAMES = {"fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+                "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+                "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
+                "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
+                "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight"}
+
+
+def draft_logits(draft, target, ids, steps=3):
+    aux = target.capture(ids).aux
+    T = ids.shape[1]
+    hidden, cache, out = draft.project_aux(aux), TTTCache(), []
+    with torch.no_grad():
+        for k in range(steps):
+            hidden = draft.step(torch.roll(ids, -1 - k, 1), hidden, torch.arange(T)[None] + k, cache)
+            out.append(draft.compute_logits(hidden))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("use_aux_norm", [False, True])
+def test_vllm_export_fields_names_and_round_trip(tmp_path, use_aux_norm):
+    target = tiny_target(aux_ids=[1, 3, 6])
+    draft = tiny_draft(target, draft_vocab_size=100, use_aux_norm=use_aux_norm)
+    out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["vocab_size"] == target.vocab_size and cfg["draft_vocab_size"] == 100
+    assert cfg["target_hidden_size"] == target.hidden_size and cfg["tie_word_embeddings"] is False
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]  # vLLM: input of layer i, as trained
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 6], "use_aux_hidden_state": True}
+    assert cfg["norm_before_residual"] is False and cfg["norm_output"] is False
+    assert cfg.get("fc_norm", False) is use_aux_norm and cfg.get("use_aux_norm", False) is use_aux_norm
+    w = load_file(str(out / "model.safetensors"))
+    expected = SERVER_NAMES | {"d2t", "t2d"} | ({f"fc_norm.{i}.weight" for i in range(3)} if use_aux_norm else set())
+    assert set(w) == expected
+    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
+    assert w["fc.weight"].shape == (target.hidden_size, 3 * target.hidden_size)
+    assert w["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * target.hidden_size
+    assert w["lm_head.weight"].shape == (100, target.hidden_size)
+
+    spec, weights = load_export(out)
+    back = draft_from_weights(spec, weights, target)
+    ids = torch.randint(0, target.vocab_size, (2, 10))
+    torch.testing.assert_close(draft_logits(back, target, ids), draft_logits(draft, target, ids), atol=0, rtol=0)
+
+
+def test_vllm_full_vocab_leaves_out_maps_and_sglang_keeps_them(tmp_path):
+    target = tiny_target()
+    draft = tiny_draft(target, draft_vocab_size=target.vocab_size)
+    export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "v")
+    export_draft(draft.trainable_state_dict(), draft.spec, "sglang", tmp_path / "s")
+    assert "d2t" not in load_file(str(tmp_path / "v" / "model.safetensors"))
+    assert "d2t" in load_file(str(tmp_path / "s" / "model.safetensors"))
+    spec, weights = load_export(tmp_path / "v")  # identity maps restored on import
+    assert int(weights["d2t"].abs().sum()) == 0 and bool(weights["t2d"].all())
+
+
+def test_sglang_ids_are_shifted_to_its_output_convention(tmp_path):
+    target = tiny_target(num_layers=12)  # default ids [2, 6, 9]
+    draft = tiny_draft(target)
+    out = export_draft(draft.trainable_state_dict(), draft.spec, "sglang", tmp_path)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 5, 8]  # SGLang adds 1 back: inputs of 2, 6, 9
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 5, 8]
+    warned = []
+    odd = tiny_draft(tiny_target(aux_ids=[3, 6, 9], num_layers=12))
+    export_draft(odd.trainable_state_dict(), odd.spec, "sglang", tmp_path / "odd", warn=warned.append)
+    assert warned and "first id is 1" in warned[0]
+    zero = tiny_draft(tiny_target(aux_ids=[0, 3, 6]))
+    with pytest.raises(ExportRefused, match="aux id 0"):
+        export_draft(zero.trainable_state_dict(), zero.spec, "sglang", tmp_path / "zero")
+
+
+def test_bf16_export_and_hidden_size_mismatch(tmp_path):
+    target = tiny_target()
+    draft = tiny_draft(target)
+    out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path, dtype="bfloat16")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert load_file(str(out / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+    spec, weights = load_export(out)
+    other = tiny_target(vocab=300)
+    with pytest.raises(ValueError, match="trained for a target with hidden size"):
+        draft_from_weights(spec, weights, other)
+
+
+def test_cli_reexports_a_run(tmp_path):
+    from test_training import run_training
+
+    run_training(tmp_path / "run", max_steps=2)
+    out = tmp_path / "sg"
+    proc = subprocess.run([sys.executable, "-m", "specforge_lite.export", "--run-dir", str(tmp_path / "run"),
+                           "--format", "sglang", "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["specforge_lite"]["format"] == "sglang"
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in cfg["specforge_lite"]["aux_layer_ids"]]
+    missing = subprocess.run([sys.executable, "-m", "specforge_lite.export", "--run-dir", str(tmp_path / "none"),
+                              "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert missing.returncode != 0 and "no checkpoint" in missing.stderr

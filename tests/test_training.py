@@ -1,0 +1,105 @@
+"""Training loop: exact resume, atomic checkpoints, metrics.jsonl, learning on a tiny target."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+import torch
+
+from conftest import tiny_draft, tiny_target
+from specforge_lite.config import DraftConfig, TrackerConfig, TrainerConfig
+from specforge_lite.data import BatchStream
+from specforge_lite.training import checkpoint as ckpt_mod
+from specforge_lite.training.loop import train
+from specforge_lite.training.tracking import Tracker
+
+
+def synthetic_dataset(n=24, vocab=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = {"input_ids": [], "loss_mask": []}
+    for _ in range(n):
+        T = int(torch.randint(10, 24, (1,), generator=g))
+        # a learnable pattern: the sequence counts upwards from a random start
+        start = int(torch.randint(0, vocab, (1,), generator=g))
+        rows["input_ids"].append([(start + i) % vocab for i in range(T)])
+        rows["loss_mask"].append([0] * 4 + [1] * (T - 4))
+    return datasets.Dataset.from_dict(rows)
+
+
+def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2):
+    target = tiny_target()
+    draft = tiny_draft(target, draft_vocab_size=target.vocab_size, seed=seed)
+    cfg = TrainerConfig(max_steps=max_steps, micro_batch_size=2, grad_accum_steps=accum, lr=lr, save_every=2,
+                        stop_at_step=stop_at, progress_bar=False, precision="fp32", warmup_ratio=0.1)
+    stream = BatchStream(synthetic_dataset(), cfg.micro_batch_size, pad_id=0, seed=seed)
+    result = train(cfg, DraftConfig(ttt_length=3), target, draft, stream, run_dir,
+                   lambda step: Tracker(TrackerConfig(kind="none"), run_dir, {}, resume_step=step),
+                   draft.spec.to_dict(), log=lambda m: None)
+    return result, draft
+
+
+def test_resume_is_exact(tmp_path):
+    straight, d1 = run_training(tmp_path / "a", max_steps=8)
+    first, _ = run_training(tmp_path / "b", max_steps=8, stop_at=4)
+    assert first.step == 4
+    resumed, d2 = run_training(tmp_path / "b", max_steps=8)
+    assert resumed.step == 8
+    for name, tensor in d1.trainable_state_dict().items():
+        assert torch.equal(tensor, d2.trainable_state_dict()[name]), name
+    lines = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 9))
+    straight_lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["loss"] for x in lines] == [x["loss"] for x in straight_lines]
+
+
+def test_metrics_fields_and_learning(tmp_path):
+    result, _ = run_training(tmp_path, max_steps=60, lr=3e-3, accum=1)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for key in ["step", "loss", "acc_0", "acc_1", "acc_2", "sim_accept_len", "tokens_per_s", "lr"]:
+        assert key in lines[-1]
+    accs = [lines[-1][f"acc_{k}"] for k in range(3)]
+    expected = accs[0] + accs[0] * accs[1] + accs[0] * accs[1] * accs[2]
+    assert abs(lines[-1]["sim_accept_len"] - expected) < 1e-9
+    def mean(rows, key):
+        return sum(r[key] for r in rows) / len(rows)
+
+    first, last = lines[:10], lines[-10:]  # single steps are noisy at this batch size
+    assert mean(last, "loss") < 0.5 * mean(first, "loss")
+    assert mean(last, "acc_0") > mean(first, "acc_0") + 0.2
+
+
+def test_killed_save_leaves_previous_checkpoint_usable(tmp_path, monkeypatch):
+    run_training(tmp_path, max_steps=8, stop_at=2)
+    good = ckpt_mod.latest_checkpoint(tmp_path)
+    assert good.name == "step_00000002"
+
+    real_save = torch.save
+
+    def dying_save(obj, path, *a, **kw):  # the process "dies" after part of the checkpoint is on disk
+        real_save(obj, path, *a, **kw)
+        raise KeyboardInterrupt("killed mid-save")
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(tmp_path, max_steps=8, stop_at=4)
+    monkeypatch.setattr(ckpt_mod.torch, "save", real_save)
+    assert ckpt_mod.latest_checkpoint(tmp_path) == good  # the half-written step 4 is invisible
+    assert list((tmp_path / "checkpoints").glob(".tmp-*"))  # ... and it really was partly written
+    result, _ = run_training(tmp_path, max_steps=8)
+    assert result.step == 8 and not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_resume_refuses_a_checkpoint_from_another_draft(tmp_path):
+    run_training(tmp_path, max_steps=4, stop_at=2)
+    target = tiny_target(num_layers=10)
+    from conftest import tiny_draft as make
+
+    other = make(target, draft_vocab_size=64)
+    cfg = TrainerConfig(max_steps=4, micro_batch_size=2, progress_bar=False)
+    stream = BatchStream(synthetic_dataset(), 2, pad_id=0, seed=0)
+    with pytest.raises(RuntimeError, match="does not fit this draft|size mismatch"):
+        train(cfg, DraftConfig(ttt_length=2), target, other, stream, tmp_path,
+              lambda s: Tracker(TrackerConfig(kind="none"), tmp_path, {}, resume_step=s), other.spec.to_dict(),
+              log=lambda m: None)
