@@ -22,10 +22,10 @@ register_configs()
 def run(config: Config, run_dir: Path, log=print) -> dict:
     import torch
 
-    from specforge_lite.data import BatchStream, prepare_data
+    from specforge_lite.data import BatchStream
     from specforge_lite.evaluate.acceptance import evaluate_export, write_eval
     from specforge_lite.export import export_draft
-    from specforge_lite.pipeline import build_draft, build_target, build_vocab, load_tokenizer, pad_id
+    from specforge_lite.pipeline import build_draft, build_target, build_vocab, load_tokenizer, pad_id, prepare
     from specforge_lite.training.loop import train
     from specforge_lite.training.tracking import Tracker
 
@@ -38,7 +38,7 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
     tokenizer = load_tokenizer(target)
     log(f"[target] {config.model.name} from {target.location}: {target.num_layers} layers, hidden {target.hidden_size}, "
         f"vocab {target.vocab_size}, aux ids {target.aux_layer_ids} ({target.convention}) on {target.device}/{target.dtype}")
-    data = prepare_data(config.data, tokenizer, log=log)
+    data = prepare(config, target, tokenizer, log=log)
     vocab = build_vocab(config, target, data.train, tokenizer)
     log(f"[vocab] draft vocabulary {vocab.size} tokens, covering {vocab.coverage:.1%} of training loss tokens")
     draft = build_draft(config, target, vocab)

@@ -59,6 +59,23 @@ class DraftConfig:
 
 
 @dataclass
+class GenerationConfig:
+    """How the target regenerates the assistant turns when data.regenerate=true."""
+
+    # all: each answer sees the conversation so far (earlier answers already regenerated);
+    # last: each answer sees only the user turn before it (single-turn samples).
+    context: str = "all"
+    max_turns: Optional[int] = None  # assistant turns regenerated per conversation (null: every one)
+    max_conversations: Optional[int] = None  # cap on training conversations regenerated (null: all)
+    temperature: float = 0.0  # 0: greedy, as the served model answers at temperature 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    batch_size: int = 32  # conversations per generate() call; larger is faster until memory runs out
+    dtype: str = "auto"  # auto: the target's dtype; bfloat16 is ~2x faster on CPUs with avx512_bf16
+    seed: int = 0
+
+
+@dataclass
 class DataConfig:
     # builtin_chitchat: the bundled chitchat-dataset conversations (MIT), converted to ShareGPT JSONL.
     # Otherwise a path to a JSONL/JSON file (or folder of them) in ShareGPT or OpenAI `messages` format.
@@ -70,6 +87,10 @@ class DataConfig:
     # A run stops with an error when more than this share of rows is malformed.
     max_malformed_fraction: float = 0.1
     num_proc: int = 1  # tokenisation workers
+    # Replace the assistant turns with the target's own answers (cached on disk, resumable), and build
+    # the draft vocabulary from them: the draft learns what the served model says, not what people say.
+    regenerate: bool = False
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
 
 
 @dataclass

@@ -41,6 +41,54 @@ def stop_ids(tokenizer, target: HFTarget) -> set[int]:
     return {i for i in ids if i is not None}
 
 
+class LazyGenerator:
+    """The target's answer generator, built on first use: a run whose regenerated data is cached loads
+    no extra model. With ``generation.dtype`` other than the target's, a second copy is loaded in it."""
+
+    def __init__(self, config: Config, target: HFTarget, tokenizer):
+        self.config, self.target, self.tokenizer = config, target, tokenizer
+        self._impl = None
+
+    @property
+    def tokens_generated(self) -> int:
+        return self._impl.tokens_generated if self._impl is not None else 0
+
+    def fingerprint(self) -> str:
+        import hashlib
+
+        gen = self.config.data.generation
+        blob = f"{self.target.location}|{self.target.config.to_json_string()}|{self._dtype()}|{gen.batch_size}"
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def _dtype(self) -> torch.dtype:
+        from .device import resolve_dtype
+
+        name = self.config.data.generation.dtype
+        return self.target.dtype if name == "auto" else resolve_dtype(name, self.target.device)
+
+    def __call__(self, conversations):
+        if self._impl is None:
+            from .targets.generate import HFGenerator
+
+            model = self.target.model
+            if self._dtype() != self.target.dtype:
+                from transformers import AutoModelForCausalLM
+
+                model = AutoModelForCausalLM.from_pretrained(self.target.location, dtype=self._dtype()).to(self.target.device).eval()
+            gen = self.config.data.generation
+            self._impl = HFGenerator(model, self.tokenizer, gen.max_new_tokens, gen.temperature, gen.top_p, gen.seed,
+                                     stop_ids(self.tokenizer, self.target))
+        return self._impl(conversations)
+
+
+def prepare(config: Config, target: HFTarget, tokenizer, log=print):
+    """The data stage, with the target as the answer generator when data.regenerate is on."""
+    from .data import prepare_data
+
+    generator = LazyGenerator(config, target, tokenizer)
+    return prepare_data(config.data, tokenizer, generate=generator, model_fingerprint=generator.fingerprint(), log=log)
+
+
 def build_vocab(config: Config, target: HFTarget, train_dataset, tokenizer) -> DraftVocab:
     vocab = build_draft_vocab(train_dataset, target.vocab_size, config.draft.draft_vocab_size,
                               f"{tokenizer.name_or_path}|{len(tokenizer)}")

@@ -60,6 +60,11 @@ def test_truncation_and_no_loss_left(smollm2):
         tokenize_conversation(tok, CONV, max_length=10)
 
 
+def distinct(n):
+    """n conversations with different openings (identical ones would all match a held-out prompt)."""
+    return [{"messages": [{**CONV[0], "content": f"Question {i}: what is two plus two?"}] + CONV[1:]} for i in range(n)]
+
+
 def _write(path, rows):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
 
@@ -67,8 +72,7 @@ def _write(path, rows):
 def test_malformed_rows_are_skipped_and_counted(tmp_path, smollm2, monkeypatch):
     monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
     _, _, tok = smollm2
-    good = {"messages": CONV}
-    _write(tmp_path / "d.jsonl", [good] * 30 + ["{not json", {"messages": [{"role": "user", "content": "q"}]}])
+    _write(tmp_path / "d.jsonl", distinct(30) + ["{not json", {"messages": [{"role": "user", "content": "q"}]}])
     data = prepare_data(DataConfig(source="path", path=str(tmp_path / "d.jsonl"), heldout_samples=4), tok, log=lambda m: None)
     assert len(data.train) == 26 and len(data.heldout) == 4
     assert sum(data.stats["skipped"].values()) == 2
@@ -78,7 +82,7 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path, smollm2, monkeypatch):
 def test_too_many_malformed_rows_is_an_error(tmp_path, smollm2, monkeypatch):
     monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
     _, _, tok = smollm2
-    _write(tmp_path / "d.jsonl", [{"messages": CONV}] * 5 + [{"oops": 1}] * 5)
+    _write(tmp_path / "d.jsonl", distinct(5) + [{"oops": 1}] * 5)
     with pytest.raises(DataError, match="5 of 10 rows .* malformed .*max_malformed_fraction"):
         prepare_data(DataConfig(source="path", path=str(tmp_path / "d.jsonl")), tok)
 
@@ -86,11 +90,14 @@ def test_too_many_malformed_rows_is_an_error(tmp_path, smollm2, monkeypatch):
 def test_empty_after_filtering_and_missing_file(tmp_path, smollm2, monkeypatch):
     monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
     _, _, tok = smollm2
-    _write(tmp_path / "d.jsonl", [{"messages": CONV}] * 4)
+    _write(tmp_path / "d.jsonl", distinct(4))
     with pytest.raises(DataError, match="no usable training conversations"):
         prepare_data(DataConfig(source="path", path=str(tmp_path / "d.jsonl"), max_length=8, heldout_samples=1), tok)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         prepare_data(DataConfig(source="path", path=str(tmp_path / "nope.jsonl")), tok)
+    _write(tmp_path / "same.jsonl", [{"messages": CONV}] * 6)  # every opening equals a held-out prompt's
+    with pytest.raises(DataError, match="6 shared an opening|5 shared an opening"):
+        prepare_data(DataConfig(source="path", path=str(tmp_path / "same.jsonl"), heldout_samples=1), tok)
 
 
 def test_draft_vocab_is_the_most_frequent_loss_tokens():

@@ -13,8 +13,10 @@ from conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
-OVERRIDES = ["trainer.max_steps=60", "trainer.save_every=25", "trainer.progress_bar=false", "data.max_length=256",
-             "data.max_samples=400", "eval.num_prompts=3", "eval.max_new_tokens=24", "eval.heldout_batches=12"]
+# The embedded default (recipe=cpu_20min, regeneration included) on a budget that fits CI.
+OVERRIDES = ["trainer.max_steps=40", "trainer.save_every=20", "trainer.progress_bar=false", "data.max_length=256",
+             "data.generation.max_conversations=64", "data.generation.max_new_tokens=48",
+             "eval.num_prompts=3", "eval.max_new_tokens=24", "eval.heldout_batches=12"]
 
 
 def run(args, **kw):
@@ -32,11 +34,17 @@ def default_run(tmp_path_factory):
 
 def test_run_directory_contract(default_run):
     out, stdout = default_run
+    from omegaconf import OmegaConf
+
+    ttt = OmegaConf.load(out / "config.yaml").draft.ttt_length
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert lines[-1]["step"] == 60
-    for key in ["step", "loss", "sim_accept_len"] + [f"acc_{k}" for k in range(7)]:
+    assert lines[-1]["step"] == 40
+    for key in ["step", "loss", "sim_accept_len"] + [f"acc_{k}" for k in range(ttt)]:
         assert key in lines[-1]
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000060"
+    assert f"acc_{ttt}" not in lines[-1]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000040"
+    stats = json.loads((out / "data_stats.json").read_text())
+    assert stats["regeneration"]["regenerated"] == 64 and stats["heldout_overlap_removed"] >= 0
     cfg = json.loads((out / "final" / "config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27] and cfg["vocab_size"] == 49152
     assert (out / "final" / "model.safetensors").stat().st_size > 1_000_000
@@ -51,16 +59,15 @@ def test_trained_draft_beats_an_untrained_one_on_heldout_acc0(default_run):
     from omegaconf import OmegaConf
 
     from specforge_lite.config import to_config
-    from specforge_lite.data import prepare_data
     from specforge_lite.evaluate.heldout import heldout_accuracy
-    from specforge_lite.pipeline import build_draft, build_target, build_vocab, load_tokenizer, pad_id
+    from specforge_lite.pipeline import build_draft, build_target, build_vocab, load_tokenizer, pad_id, prepare
 
     out, _ = default_run
     trained = json.loads((out / "eval.json").read_text())["heldout_acc"]
     config = to_config(OmegaConf.load(out / "config.yaml"))
     target = build_target(config)
     tok = load_tokenizer(target)
-    data = prepare_data(config.data, tok, log=lambda m: None)
+    data = prepare(config, target, tok, log=lambda m: None)
     untrained = build_draft(config, target, build_vocab(config, target, data.train, tok))
     with torch.no_grad():
         base = heldout_accuracy(target, untrained, data.heldout, pad_id(tok), config.draft, config.eval.heldout_batches)

@@ -1,10 +1,10 @@
-"""python -m specforge_lite.bench <benchmark> [options]; benchmarks: train_step"""
+"""python -m specforge_lite.bench <benchmark> [options]; benchmarks: train_step, regenerate"""
 
 from __future__ import annotations
 
 import sys
 
-BENCHMARKS = {"train_step": "specforge_lite.bench.train_step"}
+BENCHMARKS = {"train_step": "specforge_lite.bench.train_step", "regenerate": "specforge_lite.bench.regenerate"}
 
 
 def main() -> None:

@@ -44,10 +44,9 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
 
     from ..config import load_config
-    from ..data import prepare_data
     from ..draft.loss import ttt_loss
     from ..draft.ttt import shift_left
-    from ..pipeline import build_draft, build_target, build_vocab, load_tokenizer, pad_id
+    from ..pipeline import build_draft, build_target, build_vocab, load_tokenizer, pad_id, prepare
     from ..training.loop import autocast_for
     from ..training.optim import build_optimizer
     from .memory import peak_bytes
@@ -55,7 +54,7 @@ def main(argv=None) -> None:
     config = load_config(["tracker=none", *a.overrides])
     target = build_target(config)
     tok = load_tokenizer(target)
-    data = prepare_data(config.data, tok, log=lambda m: None)
+    data = prepare(config, target, tok, log=lambda m: None)
     vocab = build_vocab(config, target, data.train, tok)
     batch = _fixed_length_batch(data.train, a.seq_len, pad_id(tok)).to(target.device)
     n_tok = batch.num_tokens

@@ -15,7 +15,7 @@ from .builtin import chitchat_path
 from .chat import prompt_ids, tokenize_conversation
 from .formats import MalformedRow, iter_rows, normalize_conversation
 
-_PREP_VERSION = "1"  # bump when tokenisation or masking changes, so stale caches are not reused
+_PREP_VERSION = "2"  # bump when tokenisation or masking changes, so stale caches are not reused
 _HELDOUT_SEED = 1234  # fixed: the held-out split does not move with trainer.seed
 
 
@@ -58,15 +58,31 @@ def _fingerprint(path: Path, tokenizer: Any, cfg: DataConfig) -> str:
                             tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), 4096))))])
     h.update(tok_state.encode())
     h.update(json.dumps([_PREP_VERSION, cfg.max_length, cfg.heldout_samples, cfg.max_samples]).encode())
+    # (regeneration settings are keyed separately, see regenerate.regeneration_key)
     return h.hexdigest()[:20]
 
 
-def prepare_data(cfg: DataConfig, tokenizer: Any, log=print) -> PreparedData:
+def _opening(messages: list[dict[str, str]]) -> str:
+    """A conversation's first user turn, normalised: what an evaluation prompt is made of."""
+    first = next((m["content"] for m in messages if m["role"] == "user"), "")
+    return " ".join(first.lower().split())
+
+
+def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerprint: str = "", log=print) -> PreparedData:
+    """Read, split, check, optionally regenerate with the target, tokenise; cached by content.
+
+    ``generate`` (conversations -> answers) is required when ``cfg.regenerate`` is set.
+    """
     import datasets
 
     path = data_file(cfg)
-    key = _fingerprint(path, tokenizer, cfg)
-    cached = cache_dir() / "prepared" / key
+    source_key = _fingerprint(path, tokenizer, cfg)
+    regen_key = None
+    if cfg.regenerate:
+        from .regenerate import regeneration_key
+
+        regen_key = regeneration_key(source_key, model_fingerprint, cfg.generation)
+    cached = cache_dir() / "prepared" / (source_key + (f"-regen-{regen_key}" if regen_key else ""))
     if (cached / "stats.json").is_file():
         stats = json.loads((cached / "stats.json").read_text())
         prompts = json.loads((cached / "heldout_prompts.json").read_text())
@@ -87,9 +103,26 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, log=print) -> PreparedData:
     order = list(range(len(conversations)))
     random.Random(_HELDOUT_SEED).shuffle(order)
     n_held = min(cfg.heldout_samples, len(order) // 2)
-    held_idx, train_idx = order[:n_held], order[n_held:]
+    heldout_convs = [conversations[i] for i in order[:n_held]]
+    # Evaluation prompts are held-out openings: no training conversation may start the same way
+    # (chit-chat repeats "hi"-style openings, and a greedy target answers them identically).
+    held_openings = {_opening(c) for c in heldout_convs}
+    train_convs = [conversations[i] for i in order[n_held:] if _opening(conversations[i]) not in held_openings]
+    overlap = len(order) - n_held - len(train_convs)
     if cfg.max_samples is not None:
-        train_idx = train_idx[: cfg.max_samples]
+        train_convs = train_convs[: cfg.max_samples]
+    prompts = [prompt_ids(tokenizer, c) for c in heldout_convs]
+
+    stats: dict = {"file": str(path), "rows": total, "conversations": len(conversations),
+                   "heldout_overlap_removed": overlap}
+    if cfg.regenerate:
+        if generate is None:
+            raise ValueError("data.regenerate=true needs the target to generate answers (pass generate=...)")
+        from .regenerate import regenerate
+
+        train_convs, regen_stats = regenerate(train_convs, generate, cfg.generation, regen_key + "-train", log=log)
+        heldout_convs, _ = regenerate(heldout_convs, generate, cfg.generation, regen_key + "-heldout", log=log)
+        stats["regeneration"] = regen_stats
 
     def tokenize(batch):
         out = {"input_ids": [], "loss_mask": [], "error": []}
@@ -101,27 +134,28 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, log=print) -> PreparedData:
                 out["input_ids"].append([]), out["loss_mask"].append([]), out["error"].append(str(e))
         return out
 
-    def build(indices):
-        ds = datasets.Dataset.from_dict({"messages": [conversations[i] for i in indices]})
+    def build(convs):
+        if not convs:
+            return datasets.Dataset.from_dict({"input_ids": [], "loss_mask": []}), Counter()
+        ds = datasets.Dataset.from_dict({"messages": convs})
         ds = ds.map(tokenize, batched=True, remove_columns=["messages"], num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
                     desc="tokenising")
         errors = Counter(e for e in ds["error"] if e)
         return ds.filter(lambda e: not e, input_columns="error").remove_columns("error"), errors
 
-    train, train_err = build(train_idx)
-    heldout, held_err = build(held_idx)
+    train, train_err = build(train_convs)
+    heldout, held_err = build(heldout_convs)
     reasons.update(train_err)
     reasons.update(held_err)
     if len(train) == 0:
         raise DataError(
-            f"no usable training conversations in {path} after filtering ({dict(reasons)}); check the format "
+            f"no usable training conversations in {path} after filtering ({dict(reasons)}; {overlap} shared an "
+            f"opening with a held-out prompt); check the format "
             f"(ShareGPT 'conversations' or OpenAI 'messages') and data.max_length={cfg.max_length}"
         )
-    prompts = [prompt_ids(tokenizer, conversations[i]) for i in held_idx]
     n_tokens = sum(len(x) for x in train["input_ids"])
-    stats = {"file": str(path), "rows": total, "conversations": len(conversations), "train": len(train),
-             "heldout": len(heldout), "train_tokens": n_tokens,
-             "train_loss_tokens": sum(sum(m) for m in train["loss_mask"]), "skipped": dict(reasons)}
+    stats.update({"train": len(train), "heldout": len(heldout), "train_tokens": n_tokens,
+                  "train_loss_tokens": sum(sum(m) for m in train["loss_mask"]), "skipped": dict(reasons)})
     tmp = cached.with_name(cached.name + ".tmp")
     train.save_to_disk(str(tmp / "train"))
     heldout.save_to_disk(str(tmp / "heldout"))
@@ -132,7 +166,8 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, log=print) -> PreparedData:
     except OSError:
         pass  # a concurrent run published the same content first
     skipped = sum(reasons.values())
-    log(f"[data] {path.name}: {len(train)} train / {len(heldout)} held-out conversations, {n_tokens} train tokens"
+    log(f"[data] {path.name}: {len(train)} train / {len(heldout)} held-out conversations, {n_tokens} train tokens; "
+        f"{overlap} training conversations dropped for sharing an opening with a held-out prompt"
         + (f"; skipped {skipped}: {dict(reasons)}" if skipped else ""))
     return PreparedData(datasets.load_from_disk(str(cached / "train")),
                         datasets.load_from_disk(str(cached / "heldout")), prompts, stats)

@@ -24,14 +24,21 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
     ev = config.eval
     prompts = data.heldout_prompts[: ev.num_prompts]
     stops = stop_ids(tokenizer, target)
-    accepted, new_tokens = [], 0
+    accepted, new_tokens, outputs, per_prompt = [], 0, [], []
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
         gen = speculative_generate(target, draft, prompt, ev.max_new_tokens, ev.num_draft_tokens, stops)
         accepted += gen.accepted
         new_tokens += len(gen.tokens)
+        outputs.append(gen.tokens)
+        per_prompt.append(1 + sum(gen.accepted) / max(len(gen.accepted), 1))
         log(f"[eval] prompt {i + 1}/{len(prompts)}: {len(gen.tokens)} tokens in {len(gen.accepted)} rounds")
     elapsed = time.perf_counter() - t0
+    # What eval/vllm_acceptance.py needs to serve the same prompts and compare outputs token for token.
+    (Path(export_dir).parent / "eval_inputs.json").write_text(json.dumps({
+        "target": str(target.location), "prompts": prompts, "generated": outputs, "stop_ids": sorted(stops),
+        "max_new_tokens": ev.max_new_tokens, "num_draft_tokens": ev.num_draft_tokens,
+        "max_model_len": max(len(p) for p in prompts) + ev.max_new_tokens + ev.num_draft_tokens + 8}))
     held = heldout_accuracy(target, draft, data.heldout, pad_id(tokenizer), config.draft, ev.heldout_batches)
     result = {
         "num_draft_tokens": ev.num_draft_tokens,
@@ -39,6 +46,7 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
         "generated_tokens": new_tokens,
         "tokens_per_s": new_tokens / max(elapsed, 1e-9),
         **acceptance_summary(accepted, ev.num_draft_tokens),
+        "per_prompt_mean_acceptance_length": per_prompt,
         "heldout_acc": held["acc"],
         "heldout_sim_accept_len": held["sim_accept_len"],
         "heldout_tokens": held["tokens"],
@@ -52,9 +60,8 @@ def evaluate_run(run_dir: Path, overrides: dict | None = None, log=print) -> dic
     """Load a finished run (its config.yaml, target, data cache and final/ export) and evaluate it."""
     from omegaconf import OmegaConf
 
-    from ..data import prepare_data
     from ..export import load_export
-    from ..pipeline import build_target, load_tokenizer
+    from ..pipeline import build_target, load_tokenizer, prepare
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file() or not (run_dir / "final" / "config.json").is_file():
@@ -65,7 +72,7 @@ def evaluate_run(run_dir: Path, overrides: dict | None = None, log=print) -> dic
     spec, _ = load_export(run_dir / "final")
     target = build_target(config, aux_layer_ids=spec.aux_layer_ids)
     tokenizer = load_tokenizer(target)
-    data = prepare_data(config.data, tokenizer, log=log)
+    data = prepare(config, target, tokenizer, log=log)
     result = evaluate_export(config, target, tokenizer, data, run_dir / "final", log=log)
     write_eval(run_dir, result)
     return result

@@ -1,0 +1,125 @@
+"""Regeneration: semantics, resume after a kill, batched generation = one-by-one greedy, held-out hygiene."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specforge_lite.config import DataConfig, GenerationConfig
+from specforge_lite.data import prepare_data
+from specforge_lite.data.regenerate import regenerate
+
+CONVS = [
+    [{"role": "user", "content": f"q{i}a"}, {"role": "assistant", "content": f"human answer {i}"},
+     {"role": "user", "content": f"q{i}b"}, {"role": "assistant", "content": f"human answer {i}b"}]
+    for i in range(7)
+]
+
+
+class Recorder:
+    """A fake target: answers name the prompt they saw, so the conditioning is visible."""
+
+    def __init__(self, die_after=None):
+        self.prompts, self.calls, self.die_after = [], 0, die_after
+
+    def __call__(self, batch):
+        if self.die_after is not None and self.calls >= self.die_after:
+            raise KeyboardInterrupt("killed")
+        self.calls += 1
+        self.prompts += batch
+        return [f"model says: {' | '.join(m['content'] for m in conv)}" for conv in batch]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
+
+
+def test_context_all_regenerates_every_turn_in_order():
+    out, stats = regenerate(CONVS, Recorder(), GenerationConfig(context="all", batch_size=3), "k1", log=lambda m: None)
+    assert len(out) == 7 and stats["regenerated"] == 7
+    first, second = out[0][1]["content"], out[0][3]["content"]
+    assert first == "model says: q0a"
+    # the second answer was conditioned on the conversation with the first answer already regenerated
+    assert second == "model says: q0a | model says: q0a | q0b"
+    assert all(m["content"].startswith("model says") for c in out for m in c if m["role"] == "assistant")
+
+
+def test_context_last_and_max_turns():
+    out, _ = regenerate(CONVS, Recorder(), GenerationConfig(context="last", batch_size=4), "k2", log=lambda m: None)
+    assert len(out) == 14 and out[1] == [{"role": "user", "content": "q0b"}, {"role": "assistant", "content": "model says: q0b"}]
+    out, _ = regenerate(CONVS, Recorder(), GenerationConfig(context="all", max_turns=1, max_conversations=5),
+                        "k3", log=lambda m: None)
+    assert len(out) == 5 and all(len(c) == 2 for c in out)
+
+
+def test_empty_answers_are_counted_and_cut():
+    def shy(batch):
+        return ["" if conv[-1]["content"].endswith("b") else "ok" for conv in batch]
+
+    out, stats = regenerate(CONVS, shy, GenerationConfig(context="all"), "k4", log=lambda m: None)
+    assert stats["empty_answers"] == 7 and all(len(c) == 2 for c in out)
+
+
+def test_resume_after_kill_regenerates_only_what_is_missing():
+    cfg = GenerationConfig(context="all", batch_size=2)
+    straight, _ = regenerate(CONVS, Recorder(), cfg, "ref", log=lambda m: None)
+    dying = Recorder(die_after=3)  # two turns per batch: dies inside the second batch
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(CONVS, dying, cfg, "run", log=lambda m: None)
+    again = Recorder()
+    resumed, _ = regenerate(CONVS, again, cfg, "run", log=lambda m: None)
+    assert resumed == straight
+    assert len(again.prompts) == len(CONVS) * 2 - 2 * 2  # the first batch (2 conversations x 2 turns) was kept
+
+
+def test_heldout_openings_never_reach_training(tmp_path, smollm2):
+    _, _, tok = smollm2
+    rows = [{"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": f"hello {i}"}]}
+            for i in range(20)]
+    rows += [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"a{i}"}]}
+             for i in range(20)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = prepare_data(DataConfig(source="path", path=str(tmp_path / "d.jsonl"), heldout_samples=10), tok,
+                        log=lambda m: None)
+    held = {tok.decode(p) for p in data.heldout_prompts}
+    train_text = [tok.decode(ids) for ids in data.train["input_ids"]]
+    assert held and not any(any(t.startswith(h) for h in held) for t in train_text)
+    assert data.stats["heldout_overlap_removed"] > 0
+
+
+def test_training_data_and_vocab_come_from_the_regenerated_answers(tmp_path, smollm2):
+    from specforge_lite.data.vocab import count_loss_tokens
+
+    _, target, tok = smollm2
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "human text"}]}
+            for i in range(12)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = prepare_data(DataConfig(source="path", path=str(tmp_path / "d.jsonl"), heldout_samples=2, regenerate=True),
+                        tok, generate=lambda b: ["Photosynthesis converts light." for _ in b], model_fingerprint="fake",
+                        log=lambda m: None)
+    texts = [tok.decode(ids) for ids in data.train["input_ids"]]
+    assert all("Photosynthesis" in t and "human text" not in t for t in texts)
+    counts = count_loss_tokens(data.train["input_ids"], data.train["loss_mask"], target.vocab_size)
+    assert counts[tok("Photosynthesis", add_special_tokens=False)["input_ids"][0]] == len(texts)
+    assert data.stats["regeneration"]["regenerated"] == 10
+
+
+def test_batched_generation_equals_one_by_one_greedy(smollm2):
+    from specforge_lite.evaluate.spec_decode import greedy_generate
+    from specforge_lite.pipeline import stop_ids
+    from specforge_lite.targets.generate import HFGenerator
+
+    _, target, tok = smollm2
+    convs = [[{"role": "user", "content": q}] for q in ["Name a fruit.", "What is 2+2? Answer briefly please.", "Hi!"]]
+    stops = stop_ids(tok, target)
+    gen = HFGenerator(target.model, tok, max_new_tokens=20, stop_ids=stops)
+    batched = gen(convs)
+    for conv, answer in zip(convs, batched):
+        prompt = tok(tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+        alone = greedy_generate(target, prompt, 20, stops)
+        assert answer == tok.decode([t for t in alone if t not in stops], skip_special_tokens=True).strip()
+    assert gen.tokens_generated > 0
