@@ -56,8 +56,7 @@ class LazyGenerator:
     def fingerprint(self) -> str:
         import hashlib
 
-        gen = self.config.data.generation
-        blob = f"{self.target.location}|{self.target.config.to_json_string()}|{self._dtype()}|{gen.batch_size}"
+        blob = f"{self.target.location}|{self.target.config.to_json_string()}|{self._dtype()}"
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def _dtype(self) -> torch.dtype:
