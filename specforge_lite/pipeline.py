@@ -96,6 +96,9 @@ def build_vocab(config: Config, target: HFTarget, train_dataset, tokenizer) -> D
 
 
 def build_draft(config: Config, target: HFTarget, vocab: DraftVocab) -> Eagle3Draft:
+    if config.draft.attn_implementation != "eager":
+        raise ValueError(f"draft.attn_implementation={config.draft.attn_implementation!r}: only 'eager' (the TTT "
+                         "attention pattern in plain PyTorch, draft/ttt.py) is implemented")
     spec = Eagle3Spec.from_target(target.config, config.draft, target.aux_layer_ids, target.convention,
                                   vocab_size=target.vocab_size, draft_vocab_size=vocab.size,
                                   target_hidden_size=target.hidden_size)
