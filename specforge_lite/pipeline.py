@@ -75,7 +75,7 @@ class LazyGenerator:
 
                 model = AutoModelForCausalLM.from_pretrained(self.target.location, dtype=self._dtype()).to(self.target.device).eval()
             gen = self.config.data.generation
-            self._impl = HFGenerator(model, self.tokenizer, gen.max_new_tokens, gen.temperature, gen.top_p, gen.seed,
+            self._impl = HFGenerator(model, self.tokenizer, gen.max_new_tokens, gen.temperature, gen.top_p,
                                      stop_ids(self.tokenizer, self.target))
         return self._impl(conversations)
 

@@ -75,6 +75,27 @@ def test_resume_after_kill_regenerates_only_what_is_missing():
     assert len(again.prompts) == len(CONVS) * 2 - 2 * 2  # the first batch (2 conversations x 2 turns) was kept
 
 
+def test_sampled_resume_draws_what_an_uninterrupted_run_draws():
+    """Sampling uses torch's generator; seeding per shard makes a resumed run identical."""
+    state = {"calls": 0}
+
+    def sampler(batch):
+        state["calls"] += 1
+        if state.get("die_at") == state["calls"]:
+            raise KeyboardInterrupt("killed")
+        return [f"draw {torch.rand(1).item():.6f}" for _ in batch]
+
+    cfg = GenerationConfig(context="all", max_turns=1, batch_size=2, temperature=0.7)
+    straight, _ = regenerate(CONVS, sampler, cfg, "ref-s", log=lambda m: None)
+    state.update(calls=0, die_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(CONVS, sampler, cfg, "run-s", log=lambda m: None)
+    state.update(calls=0, die_at=None)
+    torch.manual_seed(12345)  # whatever the global state is when the run comes back
+    resumed, _ = regenerate(CONVS, sampler, cfg, "run-s", log=lambda m: None)
+    assert resumed == straight
+
+
 def test_heldout_openings_never_reach_training(tmp_path, smollm2):
     _, _, tok = smollm2
     rows = [{"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": f"hello {i}"}]}

@@ -14,6 +14,7 @@ from ..config import DataConfig, cache_dir
 from .builtin import chitchat_path
 from .chat import prompt_ids, tokenize_conversation
 from .formats import MalformedRow, iter_rows, normalize_conversation
+from .regenerate import regenerate, regeneration_key
 
 _PREP_VERSION = "2"  # bump when tokenisation or masking changes, so stale caches are not reused
 _HELDOUT_SEED = 1234  # fixed: the held-out split does not move with trainer.seed
@@ -79,8 +80,6 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     source_key = _fingerprint(path, tokenizer, cfg)
     regen_key = None
     if cfg.regenerate:
-        from .regenerate import regeneration_key
-
         regen_key = regeneration_key(source_key, model_fingerprint, cfg.generation)
     cached = cache_dir() / "prepared" / (source_key + (f"-regen-{regen_key}" if regen_key else ""))
     if (cached / "stats.json").is_file():
@@ -118,8 +117,6 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     if cfg.regenerate:
         if generate is None:
             raise ValueError("data.regenerate=true needs the target to generate answers (pass generate=...)")
-        from .regenerate import regenerate
-
         train_convs, regen_stats = regenerate(train_convs, generate, cfg.generation, regen_key + "-train", log=log)
         heldout_convs, _ = regenerate(heldout_convs, generate, cfg.generation, regen_key + "-heldout", log=log)
         stats["regeneration"] = regen_stats

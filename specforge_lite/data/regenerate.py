@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from ..config import GenerationConfig, cache_dir
 
 Messages = list[dict[str, str]]
@@ -97,21 +99,23 @@ def regenerate(conversations: list[Messages], generate: Generate, cfg: Generatio
     root.mkdir(parents=True, exist_ok=True)
     shards = [units[i : i + cfg.batch_size] for i in range(0, len(units), cfg.batch_size)]
     turns = 1 if cfg.context == "last" else cfg.max_turns
+
     def shard_path(i: int) -> Path:
         return root / f"part-{i:05d}-of-{len(shards[i])}.jsonl"
 
     todo = [i for i in range(len(shards)) if not shard_path(i).is_file()]
-    if todo:
-        log(f"[regenerate] {len(units)} {'conversations' if cfg.context == 'all' else 'prompts'} in {len(shards)} "
-            f"batches of {cfg.batch_size} ({len(shards) - len(todo)} already cached in {root})")
     bar = None
     if todo:
         from tqdm import tqdm
 
+        log(f"[regenerate] {len(units)} {'conversations' if cfg.context == 'all' else 'prompts'} in {len(shards)} "
+            f"batches of {cfg.batch_size} ({len(shards) - len(todo)} already cached in {root})")
         bar = tqdm(total=len(shards), initial=len(shards) - len(todo), desc="regenerate", dynamic_ncols=True)
     tokens_before, elapsed = getattr(generate, "tokens_generated", 0), 0.0
     for i in todo:
         t0 = time.perf_counter()
+        # Seeded by shard, not by call order: a resumed run samples exactly what an uninterrupted one would.
+        torch.manual_seed(cfg.seed * 1_000_003 + i)
         rebuilt, empty = _regenerate_batch(shards[i], generate, turns)
         elapsed += time.perf_counter() - t0
         path = shard_path(i)

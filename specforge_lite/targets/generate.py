@@ -11,12 +11,12 @@ class HFGenerator:
     """``generate(conversations) -> answers``: one assistant answer per conversation, from the target."""
 
     def __init__(self, model: Any, tokenizer: Any, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, stop_ids: set[int] | None = None):
+                 stop_ids: set[int] | None = None):
+        """Sampling draws from torch's global generator: the caller seeds it (per shard, in regenerate)."""
         self.model, self.tokenizer = model, tokenizer
-        self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.stop_ids = sorted(stop_ids or {tokenizer.eos_token_id})
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.calls = 0
         self.tokens_generated = 0
 
     @torch.no_grad()
@@ -32,9 +32,6 @@ class HFGenerator:
             ids[i, width - len(e):] = torch.tensor(e)
             mask[i, width - len(e):] = 1
         sampling = self.temperature > 0
-        # Each batch gets its own seed, so a resumed run samples exactly what an uninterrupted one would.
-        torch.manual_seed(self.seed * 1_000_003 + self.calls)
-        self.calls += 1
         out = self.model.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=self.max_new_tokens,
             do_sample=sampling, temperature=self.temperature if sampling else None,
