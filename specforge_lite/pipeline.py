@@ -14,18 +14,37 @@ from .targets.families import get_family
 
 
 def build_target(config: Config, aux_layer_ids=None) -> HFTarget:
+    """The frozen target on the configured backend (``target.backend``: hf | custom)."""
     get_family(config.model.family)  # an unknown family fails before any download
     ids = aux_layer_ids if aux_layer_ids is not None else config.draft.aux_layer_ids
-    return HFTarget.from_config(config.model, ids)
+    backend = config.target.backend
+    if backend == "hf":
+        return HFTarget.from_config(config.model, ids)
+    if backend == "custom":
+        from .targets.custom import CustomTarget
+
+        return CustomTarget.from_config(config.model, ids)
+    raise ValueError(f"target.backend={backend!r}: use hf (transformers modules) or custom (our lean forward)")
 
 
-def load_tokenizer(target: HFTarget) -> Any:
+def load_tokenizer(target: HFTarget, chat_template: str | None = None) -> Any:
+    """The target's tokenizer with a chat template: ``chat_template`` (a Jinja file) if given, else the
+    tokenizer's own, else the family's documented turn format (base checkpoints ship none)."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target.location)
+    if chat_template:
+        path = Path(chat_template).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"model.chat_template={chat_template!r} is not a file; give a Jinja template file")
+        tok.chat_template = path.read_text()
+    elif tok.chat_template is None:
+        tok.chat_template = target.family.fallback_chat_template
     if tok.chat_template is None:
-        raise ValueError(f"the tokenizer at {target.location} has no chat template; the loss mask needs one "
-                         "(set tokenizer.chat_template in its tokenizer_config.json)")
+        raise ValueError(f"the tokenizer at {target.location} has no chat template and the {target.family.name} family "
+                         "has no documented turn format; the loss mask needs one: model.chat_template=/path/to/template.jinja")
     return tok
 
 
@@ -71,9 +90,7 @@ class LazyGenerator:
 
             model = self.target.model
             if self._dtype() != self.target.dtype:
-                from transformers import AutoModelForCausalLM
-
-                model = AutoModelForCausalLM.from_pretrained(self.target.location, dtype=self._dtype()).to(self.target.device).eval()
+                model = self.target.family.load(self.target.location, dtype=self._dtype()).to(self.target.device).eval()
             gen = self.config.data.generation
             self._impl = HFGenerator(model, self.tokenizer, gen.max_new_tokens, gen.temperature, gen.top_p,
                                      stop_ids(self.tokenizer, self.target))

@@ -1,10 +1,11 @@
-"""python -m specforge_lite.bench <benchmark> [options]; benchmarks: train_step, regenerate"""
+"""python -m specforge_lite.bench <benchmark> [options]; benchmarks: train_step, regenerate, capture"""
 
 from __future__ import annotations
 
 import sys
 
-BENCHMARKS = {"train_step": "specforge_lite.bench.train_step", "regenerate": "specforge_lite.bench.regenerate"}
+BENCHMARKS = {"train_step": "specforge_lite.bench.train_step", "regenerate": "specforge_lite.bench.regenerate",
+              "capture": "specforge_lite.bench.capture"}
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ def main(argv=None) -> None:
 
     config = load_config(["tracker=none", *a.overrides])
     target = build_target(config)
-    tok = load_tokenizer(target)
+    tok = load_tokenizer(target, config.model.chat_template)
     convs = []
     for _, row in iter_rows(data_file(config.data)):
         try:

@@ -53,7 +53,7 @@ def main(argv=None) -> None:
 
     config = load_config(["tracker=none", *a.overrides])
     target = build_target(config)
-    tok = load_tokenizer(target)
+    tok = load_tokenizer(target, config.model.chat_template)
     data = prepare(config, target, tok, log=lambda m: None)
     vocab = build_vocab(config, target, data.train, tok)
     batch = _fixed_length_batch(data.train, a.seq_len, pad_id(tok)).to(target.device)

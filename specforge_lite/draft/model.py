@@ -23,6 +23,10 @@ from transformers.models.llama.modeling_llama import (
 from .ttt import TTTCache, ttt_attention
 
 
+# Rope variants the Llama draft layer (and the servers' Llama drafts) implement.
+_LLAMA_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+
+
 @dataclass
 class Eagle3Spec:
     """Everything that fixes the draft's shapes and meaning; saved with checkpoints and exports."""
@@ -60,26 +64,30 @@ class Eagle3Spec:
     def from_target(cls, target_config: Any, draft_cfg, aux_layer_ids: list[int], convention: str,
                     vocab_size: int, draft_vocab_size: int, target_hidden_size: int) -> "Eagle3Spec":
         c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        heads = c.num_attention_heads
-        rope = dict(getattr(c, "rope_parameters", None) or {})
+        # Plain values: per-layer (heterogeneous) configs such as Gemma 4's refuse attribute access.
+        get = c.to_dict().get
+        heads = get("num_attention_heads")
+        rope = dict(get("rope_parameters", None) or {})
         if not rope:
-            rope = {"rope_type": "default", "rope_theta": float(getattr(c, "rope_theta", 10000.0))}
+            rope = {"rope_type": "default", "rope_theta": float(get("rope_theta", 10000.0))}
         if "full_attention" in rope and isinstance(rope["full_attention"], dict):  # per-layer-type families
             rope = dict(rope["full_attention"])
+        if rope.get("rope_type", "default") not in _LLAMA_ROPE_TYPES:  # e.g. Gemma 4's partial "proportional"
+            rope = {"rope_type": "default", "rope_theta": float(rope.get("rope_theta", 10000.0))}
         return cls(
             hidden_size=target_hidden_size,
-            intermediate_size=c.intermediate_size,
+            intermediate_size=get("intermediate_size"),
             num_attention_heads=heads,
-            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
-            head_dim=getattr(c, "head_dim", None) or target_hidden_size // heads,
-            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
-            hidden_act=getattr(c, "hidden_act", None) or getattr(c, "hidden_activation", "silu"),
-            max_position_embeddings=getattr(c, "max_position_embeddings", 8192),
+            num_key_value_heads=get("num_key_value_heads", None) or heads,
+            head_dim=get("head_dim", None) or target_hidden_size // heads,
+            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            hidden_act=get("hidden_act", None) or get("hidden_activation", "silu"),
+            max_position_embeddings=get("max_position_embeddings", 8192),
             rope_parameters=rope,
             vocab_size=vocab_size,
             draft_vocab_size=draft_vocab_size,
             target_hidden_size=target_hidden_size,
-            target_num_layers=c.num_hidden_layers,
+            target_num_layers=get("num_hidden_layers"),
             aux_layer_ids=list(aux_layer_ids),
             aux_convention=convention,
             use_aux_norm=draft_cfg.use_aux_norm,

@@ -71,7 +71,7 @@ def evaluate_run(run_dir: Path, overrides: dict | None = None, log=print) -> dic
         setattr(config.eval, key, value)
     spec, _ = load_export(run_dir / "final")
     target = build_target(config, aux_layer_ids=spec.aux_layer_ids)
-    tokenizer = load_tokenizer(target)
+    tokenizer = load_tokenizer(target, config.model.chat_template)
     data = prepare(config, target, tokenizer, log=log)
     result = evaluate_export(config, target, tokenizer, data, run_dir / "final", log=log)
     write_eval(run_dir, result)

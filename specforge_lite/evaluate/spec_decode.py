@@ -7,6 +7,7 @@ token are committed. With greedy verification the output equals the target's gre
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,14 @@ def _new_cache(target):
     from transformers import DynamicCache
 
     return DynamicCache(config=target.config)
+
+
+def _croppable(cache) -> bool:
+    """Plain KV layers can drop their last entries; sliding-window and recurrent (linear-attention)
+    layers cannot roll back, so rejected drafts are undone by restoring a snapshot and replaying."""
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", []))
 
 
 def _cut(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
@@ -76,6 +85,7 @@ def speculative_generate(target, draft, prompt: list[int], max_new_tokens: int, 
     while len(out) < max_new_tokens and next_token not in stop_ids:
         proposals = draft_chain(draft, aux_ctx, context, next_token, k)
         verify = torch.tensor([[next_token] + proposals], device=target.device)
+        snapshot = None if _croppable(cache) else copy.deepcopy(cache)
         aux_new, vlogits = target.forward_cached(verify, cache)
         greedy = vlogits[0].argmax(-1).tolist()  # greedy[i]: the target's token after verify[:i+1]
         a = 0
@@ -84,7 +94,11 @@ def speculative_generate(target, draft, prompt: list[int], max_new_tokens: int, 
         accepted.append(a)
         context += [next_token] + proposals[:a]
         aux_ctx = [torch.cat([c, new[:, : a + 1]], dim=1) for c, new in zip(aux_ctx, aux_new)]
-        cache.crop(len(context) - cache.get_seq_length())  # drop the rejected drafts' entries
+        if snapshot is None:
+            cache.crop(len(context) - cache.get_seq_length())  # drop the rejected drafts' entries
+        elif a < k:  # back to before the verification, then run only what was accepted
+            cache = snapshot
+            target.forward_cached(verify[:, : a + 1], cache)
         next_token = greedy[a]
         out += proposals[:a] + [next_token]
         if any(t in stop_ids for t in proposals[:a]):

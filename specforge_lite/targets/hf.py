@@ -40,21 +40,18 @@ class HFTarget:
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, aux_layer_ids: Sequence[int] | None) -> "HFTarget":
-        from transformers import AutoModelForCausalLM
-
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
+        family = get_family(cfg.family)
         location = resolve_model_dir(cfg)
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                location, dtype=dtype, attn_implementation=cfg.attn_implementation,
-                trust_remote_code=cfg.trust_remote_code,
-            )
+            model = family.load(location, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                                trust_remote_code=cfg.trust_remote_code)
         except OSError as e:  # hub unreachable, missing files
             raise unavailable_error(cfg, str(e).splitlines()[0]) from e
         model.to(device)
         model.config.use_cache = False
-        return cls(model, get_family(cfg.family), aux_layer_ids, location)
+        return cls(model, family, aux_layer_ids, location)
 
     def close(self) -> None:
         """Remove the capture hooks (the model stays usable, e.g. by another HFTarget)."""
@@ -64,6 +61,10 @@ class HFTarget:
     @property
     def config(self) -> Any:
         return self.model.config
+
+    @property
+    def text_config(self) -> Any:
+        return self.family.text_config(self.model.config)
 
     @property
     def device(self) -> torch.device:
@@ -93,13 +94,13 @@ class HFTarget:
 
     # ---- training capture -------------------------------------------------------------------
     @torch.no_grad()
-    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Captured:
-        """Run the decoder (no lm_head, no KV cache) and keep only the aux states and the final state."""
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **inputs: Any) -> Captured:
+        """Run the decoder (no lm_head, no KV cache) and keep only the aux states and the final state.
+
+        ``inputs`` are modality inputs for the families that take them (Qwen3-VL ``pixel_values``)."""
         with self.capture_hooks.recording() as states:
-            out = self.family.decoder(self.model)(
-                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-            )
-        return Captured(aux=self.capture_hooks.collect(states), final_hidden=out.last_hidden_state)
+            final = self.family.run_decoder(self.model, input_ids, attention_mask, **inputs)
+        return Captured(aux=self.capture_hooks.collect(states), final_hidden=final)
 
     def set_draft_vocab(self, draft_to_target: torch.Tensor, t2d: torch.Tensor) -> None:
         """Keep only the lm_head rows the draft vocabulary selects, for the teacher."""
@@ -109,29 +110,36 @@ class HFTarget:
         self._draft_bias = None if bias is None else bias.index_select(0, draft_to_target.to(w.device))
         self._t2d = t2d.to(w.device)
 
-    @torch.no_grad()
-    def teacher(self, final_hidden: torch.Tensor, needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher logits over the draft vocabulary [B, T, Vd] (fp32) and whether the target's argmax
-        over its full vocabulary lies in the draft vocabulary [B, T] (False where not ``needed``)."""
+    def _draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         if self._draft_rows is None:
             raise RuntimeError("call set_draft_vocab() before teacher()")
-        h = final_hidden.to(self._draft_rows.dtype)
-        logits = h @ self._draft_rows.T
+        logits = h.to(self._draft_rows.dtype) @ self._draft_rows.T
         if self._draft_bias is not None:
             logits = logits + self._draft_bias
-        logits = self.family.postprocess_logits(logits.float())
+        return self.family.postprocess_logits(logits.float(), self.model.config)
+
+    @torch.no_grad()
+    def teacher_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher logits over the draft vocabulary [N, Vd] (fp32) for final states [N, H], and whether the
+        target's argmax over its full vocabulary lies in the draft vocabulary [N]."""
+        logits = self._draft_logits(rows)
         if bool(self._t2d.all()):
-            in_vocab = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device)
+            return logits, torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+        return logits, self._t2d[self._full_argmax(rows.to(self._draft_rows.dtype))]
+
+    @torch.no_grad()
+    def teacher(self, final_hidden: torch.Tensor, needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher logits over the draft vocabulary [B, T, Vd] (fp32) at every position, and whether the
+        target's full-vocabulary argmax lies in the draft vocabulary [B, T] (False where not ``needed``)."""
+        logits = self._draft_logits(final_hidden)
+        if needed is None:
+            needed = torch.ones(final_hidden.shape[:2], dtype=torch.bool, device=final_hidden.device)
+        where = needed.nonzero(as_tuple=True)
+        in_vocab = torch.zeros(final_hidden.shape[:2], dtype=torch.bool, device=final_hidden.device)
+        if bool(self._t2d.all()):
+            in_vocab[where] = True
         else:
-            in_vocab = torch.zeros(h.shape[:2], dtype=torch.bool, device=h.device)
-            where = needed.nonzero(as_tuple=True) if needed is not None else None
-            rows = h[where] if where is not None else h.reshape(-1, h.shape[-1])
-            top = self._full_argmax(rows)
-            hit = self._t2d[top]
-            if where is not None:
-                in_vocab[where] = hit
-            else:
-                in_vocab = hit.view(h.shape[:2])
+            in_vocab[where] = self._t2d[self._full_argmax(final_hidden[where].to(self._draft_rows.dtype))]
         return logits, in_vocab
 
     def _full_argmax(self, rows: torch.Tensor) -> torch.Tensor:
@@ -142,7 +150,7 @@ class HFTarget:
             chunk = rows[s : s + _ARGMAX_CHUNK] @ w.T
             if bias is not None:
                 chunk = chunk + bias
-            out[s : s + _ARGMAX_CHUNK] = self.family.postprocess_logits(chunk).argmax(-1)
+            out[s : s + _ARGMAX_CHUNK] = self.family.postprocess_logits(chunk, self.model.config).argmax(-1)
         return out
 
     # ---- decoding (evaluation) --------------------------------------------------------------

