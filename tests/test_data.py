@@ -120,3 +120,40 @@ def test_d2t_and_t2d_invariants():
     assert int(t2d.sum()) == 6 and bool(t2d[used].all())
     assert torch.equal(DraftVocab.from_d2t(d2t, 50).draft_to_target, used)
     assert bool((np.diff(used.numpy()) > 0).all())
+
+
+# A template with Qwen3's thinking behaviour (written for this test): an answer's <think> block is
+# kept only for the answer after the last user turn; earlier answers are rendered without it.
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- set content = m['content'] -%}"
+    "{%- if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip() -%}{%- endif -%}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + content + '<|im_end|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+
+def test_thinking_template_gives_one_sample_per_turn_as_the_server_sees_it(smollm2):
+    import copy
+
+    from specforge_lite.data.chat import tokenize_samples
+
+    tok = copy.deepcopy(smollm2[2])
+    tok.chat_template = THINKING_TEMPLATE
+    msgs = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "<think>r1</think>A1"},
+            {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "<think>r2</think>A2"}]
+    with pytest.raises(MalformedRow, match="prefix-stable"):
+        tokenize_conversation(tok, msgs, 256)
+    samples = tokenize_samples(tok, msgs, 256)
+    assert len(samples) == 2
+    learned = [tok.decode([t for t, m in zip(ids, mask) if m]) for ids, mask in samples]
+    assert learned == ["<think>r1</think>A1<|im_end|>", "<think>r2</think>A2<|im_end|>"]
+    # the second sample's history shows the first answer as the server renders history: without thinking
+    context = tok.decode(samples[1][0])
+    assert "r1" not in context and "A1<|im_end|>" in context
+    # a prefix-stable template still gives a single sample with both turns in the loss
+    assert len(tokenize_samples(smollm2[2], msgs, 256)) == 1

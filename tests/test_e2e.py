@@ -96,12 +96,14 @@ def test_unknown_preset_names_the_presets_and_model_path():
     assert "smollm2_135m" in proc.stderr and "model.path=" in proc.stderr
 
 
-def test_unreachable_model_says_how_to_fix(tmp_path):
-    proc = run(["train.py", "model=llama3_8b", f"output_dir={tmp_path}", "tracker=none"],
+@pytest.mark.parametrize("preset,offline", [("llama3_8b", "llama3_tiny"), ("gemma4", "gemma4_tiny")])
+def test_unreachable_model_says_how_to_fix(tmp_path, preset, offline):
+    proc = run(["train.py", f"model={preset}", f"output_dir={tmp_path}", "tracker=none"],
                env={"HF_HUB_OFFLINE": "1"}, timeout=300)
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
     assert "not reachable" in text and "model.path=" in text and "smollm2_135m" in text
+    assert f"model={offline}" in text  # the family's offline preset
 
 
 def test_bad_aux_ids_and_unknown_key(tmp_path):

@@ -4,6 +4,12 @@ The mask comes from character spans: the text the template adds for assistant tu
 difference between rendering ``messages[:i]`` with a generation prompt and rendering
 ``messages[:i+1]``. This works for any prefix-stable template without ``{% generation %}`` tags, and
 includes the turn's end token (the draft must learn to predict it) but not the whitespace after it.
+
+Some real templates render a past turn differently from the live one: Qwen3 drops the ``<think>``
+block of earlier answers, GPT-OSS's Harmony ends the last answer with ``<|return|>`` and earlier
+ones with ``<|end|>``. A conversation through such a template becomes one sample per assistant turn,
+each rendered the way the served model sees that turn (history as the template renders history,
+the turn itself as the live answer), with the loss on that turn only.
 """
 
 from __future__ import annotations
@@ -17,16 +23,28 @@ def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+class NotPrefixStable(MalformedRow):
+    pass
+
+
+def _turn_span(tokenizer: Any, messages: list[dict[str, str]], i: int) -> tuple[str, str]:
+    """(the prompt for assistant turn i, the render up to and including that turn)."""
+    prefix = render(tokenizer, messages[:i], add_generation_prompt=True)
+    upto = render(tokenizer, messages[: i + 1])
+    if not upto.startswith(prefix):
+        raise MalformedRow("the chat template renders an assistant turn differently from its generation prompt")
+    return prefix, upto
+
+
 def assistant_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
     full = render(tokenizer, messages)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prefix = render(tokenizer, messages[:i], add_generation_prompt=True)
-        upto = render(tokenizer, messages[: i + 1])
-        if not (upto.startswith(prefix) and full.startswith(upto)):
-            raise MalformedRow("the chat template is not prefix-stable for this conversation")
+        prefix, upto = _turn_span(tokenizer, messages, i)
+        if not full.startswith(upto):
+            raise NotPrefixStable("the chat template is not prefix-stable for this conversation")
         end = len(upto.rstrip())
         if end > len(prefix):
             spans.append((len(prefix), end))
@@ -49,7 +67,32 @@ def _within_budget(messages: list[dict[str, str]], max_length: int) -> list[dict
 
 
 def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]], max_length: int) -> tuple[list[int], list[int]]:
-    text, spans = assistant_spans(tokenizer, _within_budget(messages, max_length))
+    """One sample with every assistant turn in the loss (prefix-stable templates)."""
+    return _encode(tokenizer, *assistant_spans(tokenizer, _within_budget(messages, max_length)), max_length)
+
+
+def tokenize_samples(tokenizer: Any, messages: list[dict[str, str]], max_length: int) -> list[tuple[list[int], list[int]]]:
+    """The training samples of a conversation: one for a prefix-stable template, else one per assistant
+    turn (see the module docstring). Turns cut off by max_length are dropped; none left is a MalformedRow."""
+    messages = _within_budget(messages, max_length)
+    try:
+        return [tokenize_conversation(tokenizer, messages, max_length)]
+    except NotPrefixStable:
+        pass
+    samples = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            prefix, upto = _turn_span(tokenizer, messages, i)
+            try:
+                samples.append(_encode(tokenizer, upto, [(len(prefix), len(upto.rstrip()))], max_length))
+            except MalformedRow:
+                break  # this turn starts past max_length, and so does every later one
+    if not samples:
+        raise MalformedRow(f"no assistant tokens within max_length={max_length}")
+    return samples
+
+
+def _encode(tokenizer: Any, text: str, spans: list[tuple[int, int]], max_length: int) -> tuple[list[int], list[int]]:
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     mask = [0] * len(ids)

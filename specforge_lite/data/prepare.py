@@ -12,11 +12,11 @@ from typing import Any
 
 from ..config import DataConfig, cache_dir
 from .builtin import chitchat_path
-from .chat import prompt_ids, tokenize_conversation
+from .chat import prompt_ids, tokenize_samples
 from .formats import MalformedRow, iter_rows, normalize_conversation
 from .regenerate import regenerate, regeneration_key
 
-_PREP_VERSION = "2"  # bump when tokenisation or masking changes, so stale caches are not reused
+_PREP_VERSION = "3"  # bump when tokenisation or masking changes, so stale caches are not reused
 _HELDOUT_SEED = 1234  # fixed: the held-out split does not move with trainer.seed
 
 
@@ -125,8 +125,8 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
         out = {"input_ids": [], "loss_mask": [], "error": []}
         for messages in batch["messages"]:
             try:
-                ids, mask = tokenize_conversation(tokenizer, messages, cfg.max_length)
-                out["input_ids"].append(ids), out["loss_mask"].append(mask), out["error"].append("")
+                for ids, mask in tokenize_samples(tokenizer, messages, cfg.max_length):
+                    out["input_ids"].append(ids), out["loss_mask"].append(mask), out["error"].append("")
             except MalformedRow as e:
                 out["input_ids"].append([]), out["loss_mask"].append([]), out["error"].append(str(e))
         return out

@@ -18,11 +18,27 @@ class ModelUnavailableError(RuntimeError):
     pass
 
 
+def offline_presets(family: str | None = None) -> list[str]:
+    """Presets that need no model hub (a registry package or a tiny random model), of one family or all."""
+    from omegaconf import OmegaConf
+
+    from ..config import CONF_DIR
+
+    out = []
+    for name in available_presets("model"):
+        p = OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml")
+        if (p.get("registry") or p.get("tiny")) and (family is None or p.get("family") == family):
+            out.append(name)
+    return out
+
+
 def unavailable_error(cfg: ModelConfig, why: str) -> ModelUnavailableError:
+    same = offline_presets(cfg.family)
     return ModelUnavailableError(
         f"model {cfg.name!r} ({cfg.path or 'no path'}) is not reachable: {why}\n"
         f"  - point at a local folder with config.json and weights: model.path=/path/to/folder\n"
-        f"  - or pick a preset that runs offline (model=smollm2_135m); presets: {', '.join(available_presets('model'))}"
+        + (f"  - or run this family offline: {', '.join('model=' + p for p in same)}\n" if same else "")
+        + f"  - presets that run offline: {', '.join(offline_presets())} (default smollm2_135m)"
     )
 
 
