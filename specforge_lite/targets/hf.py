@@ -63,10 +63,6 @@ class HFTarget:
         return self.model.config
 
     @property
-    def text_config(self) -> Any:
-        return self.family.text_config(self.model.config)
-
-    @property
     def device(self) -> torch.device:
         return self.family.embedding(self.model).weight.device
 
