@@ -86,13 +86,17 @@ def registry_model_dir(cfg: ModelConfig) -> Path:
         staging = Path(tmp) / "converted"
         print(f"[specforge_lite] converting {gguf_path.name} to safetensors (once) -> {target}")
         convert_gguf(gguf_path, staging)
-        # Atomic publish: a concurrent or killed conversion never leaves a half-written folder.
-        try:
-            os.replace(staging, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
+        _publish(staging, target)
     return target
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Atomic publish: a concurrent or killed build never leaves a half-written model folder."""
+    try:
+        os.replace(staging, target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
 
 
 def _fetch_gguf(cfg: ModelConfig, tmp: Path) -> Path:
@@ -140,11 +144,7 @@ def tiny_model_dir(cfg: ModelConfig) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         staging = Path(tmp) / "model"
         build_tiny_model(tiny.architecture, tiny.config, tiny.config_class, tiny.seed, tokenizer_dir, staging)
-        try:
-            os.replace(staging, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
+        _publish(staging, target)
     return target
 
 
