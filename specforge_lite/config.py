@@ -48,6 +48,10 @@ class TinyModelSource:
     config_class: str = ""  # the config class when it is not the architecture's own (Gemma3TextConfig, ...)
     tokenizer_from: str = "smollm2_135m"  # model preset whose tokenizer (and chat template) the tiny model uses
     seed: int = 0
+    # Special tokens appended to the borrowed tokenizer, in id order (e.g. a vision model's image tokens).
+    added_tokens: list = field(default_factory=list)
+    # Written as preprocessor_config.json (image models: what AutoImageProcessor reads).
+    image_processor: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -77,6 +81,10 @@ class TargetConfig:
     # have one (unpadded, only the requested layers' states kept, teacher only where a loss is taken);
     # families without one say so in their preset and use the transformers modules.
     backend: str = "hf"  # hf | custom
+    # none: every rank holds the whole target (fastest while it fits one device). zero3: its parameters
+    # are partitioned across ranks with DeepSpeed ZeRO-3 and gathered layer by layer in the forward, for
+    # a target larger than one device (70B in bf16 is 140 GB); needs a distributed launch.
+    shard: str = "none"  # none | zero3
 
 
 @dataclass
@@ -115,6 +123,8 @@ class DataConfig:
     # Otherwise a path to a JSONL/JSON file (or folder of them) in ShareGPT or OpenAI `messages` format.
     source: str = "builtin_chitchat"
     path: Optional[str] = None
+    # data.source=offline: train from a hidden-state store (python -m specforge_lite.offline dump|ingest)
+    store: Optional[str] = None
     max_length: int = 2048
     max_samples: Optional[int] = None  # cap on training conversations after the held-out split
     heldout_samples: int = 64  # conversations held out from training for evaluation
@@ -125,6 +135,36 @@ class DataConfig:
     # the draft vocabulary from them: the draft learns what the served model says, not what people say.
     regenerate: bool = False
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+
+@dataclass
+class DeepSpeedConfig:
+    """ZeRO for the draft's training state; trainer=zero0|zero1|zero2|zero3|zero3_offload set these.
+    Batch sizes, accumulation, clipping, precision, optimizer and schedule come from the trainer config
+    (training/distributed.py builds DeepSpeed's JSON from it), so no number is written twice."""
+
+    enabled: bool = False
+    zero_stage: int = 0  # 0: replicated (data parallel) | 1: optimizer state | 2: + gradients | 3: + parameters
+    offload_optimizer: str = "none"  # none | cpu: optimizer state and step in host memory
+    offload_param: str = "none"  # none | cpu: ZeRO-3 parameters in host memory
+    reduce_bucket_size: int = 50_000_000  # elements per gradient all-reduce bucket
+    allgather_bucket_size: int = 50_000_000
+    overlap_comm: bool = False  # overlap gradient reduction with backward (GPU/NCCL)
+
+
+@dataclass
+class StoreConfig:
+    """``python -m specforge_lite.offline dump ... store=DIR``: the hidden-state store it writes."""
+
+    path: Optional[str] = None  # store=DIR sets it
+    dtype: str = "bfloat16"  # aux and final states; float32 doubles the size (exact online parity)
+    samples_per_shard: int = 256  # one shard is written (atomically) per this many samples
+    batch_size: int = 8  # samples per target forward
+    # final: keep the last layer's pre-norm state (the teacher is recomputed exactly at train time).
+    # topk: keep only the teacher's top-k draft-vocabulary logits (one state fewer per token; the teacher
+    # becomes the renormalised top-k distribution, its argmax unchanged).
+    teacher: str = "final"
+    topk: int = 32
 
 
 @dataclass
@@ -148,6 +188,7 @@ class TrainerConfig:
     stop_at_step: Optional[int] = None
     num_threads: Optional[int] = None  # torch CPU threads; null keeps torch's default
     progress_bar: bool = True
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
 
 @dataclass
@@ -170,7 +211,7 @@ class EvalConfig:
 
 @dataclass
 class ExportConfig:
-    format: str = "vllm"  # format of <run>/final: vllm (ids as the servers capture them) | sglang
+    format: str = "vllm"  # format of <run>/final: vllm (ids as the servers capture them) | sglang | speculators
     dtype: str = "auto"  # auto keeps the training dtype
     include_embeddings: bool = False  # servers take the target's embedding; True writes it anyway
 
@@ -185,6 +226,7 @@ class Config:
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
     output_dir: str = "runs/default"
 
 

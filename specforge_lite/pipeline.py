@@ -13,18 +13,34 @@ from .targets import HFTarget
 from .targets.families import get_family
 
 
-def build_target(config: Config, aux_layer_ids=None) -> HFTarget:
-    """The frozen target on the configured backend (``target.backend``: hf | custom)."""
+def build_target(config: Config, aux_layer_ids=None, ctx=None) -> HFTarget:
+    """The frozen target on the configured backend (``target.backend``: hf | custom), replicated on every
+    rank or, with ``target.shard=zero3`` in a distributed run (``ctx``), partitioned across the ranks."""
     get_family(config.model.family)  # an unknown family fails before any download
     ids = aux_layer_ids if aux_layer_ids is not None else config.draft.aux_layer_ids
-    backend = config.target.backend
+    backend, shard = config.target.backend, config.target.shard
+    if shard not in ("none", "zero3"):
+        raise ValueError(f"target.shard={shard!r}: use none (a whole target per rank) or zero3 (partitioned)")
+    if shard == "zero3":
+        if ctx is None or not ctx.enabled:
+            raise ValueError("target.shard=zero3 partitions the target across ranks: launch several processes "
+                             "(torchrun --nproc_per_node N train.py trainer=zero2 target.shard=zero3 ...)")
+        if backend != "hf":
+            raise ValueError("target.shard=zero3 runs the transformers modules (target.backend=hf): the lean "
+                             "forward reads whole weights, which ZeRO-3 keeps partitioned")
     if backend == "hf":
-        return HFTarget.from_config(config.model, ids)
-    if backend == "custom":
+        target = HFTarget.from_config(config.model, ids)
+    elif backend == "custom":
         from .targets.custom import CustomTarget
 
-        return CustomTarget.from_config(config.model, ids)
-    raise ValueError(f"target.backend={backend!r}: use hf (transformers modules) or custom (our lean forward)")
+        target = CustomTarget.from_config(config.model, ids)
+    else:
+        raise ValueError(f"target.backend={backend!r}: use hf (transformers modules) or custom (our lean forward)")
+    if shard == "zero3":
+        from .targets.sharding import shard_target_zero3
+
+        shard_target_zero3(target.model, ctx.world_size)
+    return target
 
 
 def load_tokenizer(target: HFTarget, chat_template: str | None = None) -> Any:
@@ -102,7 +118,8 @@ def prepare(config: Config, target: HFTarget, tokenizer, log=print):
     from .data import prepare_data
 
     generator = LazyGenerator(config, target, tokenizer)
-    return prepare_data(config.data, tokenizer, generate=generator, model_fingerprint=generator.fingerprint(), log=log)
+    return prepare_data(config.data, tokenizer, generate=generator, model_fingerprint=generator.fingerprint(), log=log,
+                        images=target.image_inputs)
 
 
 def build_vocab(config: Config, target: HFTarget, train_dataset, tokenizer) -> DraftVocab:
@@ -123,7 +140,8 @@ def build_draft(config: Config, target: HFTarget, vocab: DraftVocab) -> Eagle3Dr
     draft = Eagle3Draft(spec)
     draft.set_vocab(vocab.d2t, vocab.t2d)
     if config.draft.init_lm_head_from_target:
-        draft.init_lm_head_from_target(target.lm_head_weight().float(), vocab.draft_to_target)
+        rows = target.lm_head_rows(vocab.draft_to_target).float()
+        draft.init_lm_head_from_target(rows, torch.arange(vocab.size))
     draft.to(target.device)
     draft.set_embedding(target.embedding_weight())
     return draft
@@ -135,11 +153,11 @@ def draft_from_weights(spec: Eagle3Spec, weights: dict[str, torch.Tensor], targe
         raise ValueError(f"the draft was trained for a target with hidden size {spec.target_hidden_size} and vocab "
                          f"{spec.vocab_size}; this target has {target.hidden_size} and {target.vocab_size}")
     draft = Eagle3Draft(spec)
-    result = draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()},
-                                   strict=False)
-    missing = [k for k in result.missing_keys if not k.startswith("embed_tokens.")]
-    if missing or result.unexpected_keys:
-        raise ValueError(f"draft weights do not fit: missing {missing}, unexpected {result.unexpected_keys}")
+    # an export may carry the target's embedding (export.include_embeddings); the draft reads the target's own
+    result = draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()
+                                    if not k.startswith("embed_tokens.")}, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(f"draft weights do not fit: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
     draft.to(target.device)
     draft.set_embedding(target.embedding_weight())
     return draft.eval()

@@ -40,7 +40,7 @@ def test_malformed_rows_are_named(row, reason):
 
 def test_loss_mask_covers_exactly_the_assistant_turns_on_smollm2_template(smollm2):
     _, _, tok = smollm2
-    ids, mask = tokenize_conversation(tok, CONV, max_length=4096)
+    ids, mask, _ = tokenize_conversation(tok, CONV, max_length=4096)
     text = tok.apply_chat_template(CONV, tokenize=False)
     assert ids == tok(text, add_special_tokens=False)["input_ids"]
     masked = tok.decode([i for i, m in zip(ids, mask) if m])
@@ -54,7 +54,7 @@ def test_loss_mask_covers_exactly_the_assistant_turns_on_smollm2_template(smollm
 
 def test_truncation_and_no_loss_left(smollm2):
     _, _, tok = smollm2
-    ids, mask = tokenize_conversation(tok, CONV, max_length=40)
+    ids, mask, _ = tokenize_conversation(tok, CONV, max_length=40)
     assert len(ids) == len(mask) == 40
     with pytest.raises(MalformedRow, match="no assistant tokens within max_length=10"):
         tokenize_conversation(tok, CONV, max_length=10)
@@ -150,10 +150,46 @@ def test_thinking_template_gives_one_sample_per_turn_as_the_server_sees_it(smoll
         tokenize_conversation(tok, msgs, 256)
     samples = tokenize_samples(tok, msgs, 256)
     assert len(samples) == 2
-    learned = [tok.decode([t for t, m in zip(ids, mask) if m]) for ids, mask in samples]
+    learned = [tok.decode([t for t, m in zip(ids, mask) if m]) for ids, mask, _ in samples]
     assert learned == ["<think>r1</think>A1<|im_end|>", "<think>r2</think>A2<|im_end|>"]
     # the second sample's history shows the first answer as the server renders history: without thinking
     context = tok.decode(samples[1][0])
     assert "r1" not in context and "A1<|im_end|>" in context
     # a prefix-stable template still gives a single sample with both turns in the loss
     assert len(tokenize_samples(smollm2[2], msgs, 256)) == 1
+
+
+def test_image_rows_in_both_formats_and_their_errors(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
+    Image.new("RGB", (32, 32)).save(tmp_path / "b.png")
+    openai = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file://a.png"}},
+                                                        {"type": "text", "text": "what?"}]},
+                           {"role": "assistant", "content": "dark"}]}
+    llava = {"images": ["a.png", "b.png"], "conversations": [
+        {"from": "human", "value": "<image> vs <image>"}, {"from": "gpt", "value": "same"}]}
+    bare = {"image": "a.png", "conversations": [{"from": "human", "value": "what?"}, {"from": "gpt", "value": "dark"}]}
+    a, b = str(tmp_path / "a.png"), str(tmp_path / "b.png")
+    assert normalize_conversation(openai, tmp_path)[0] == {"role": "user", "content": "<image>what?", "images": [a]}
+    assert normalize_conversation(llava, tmp_path)[0]["images"] == [a, b]
+    assert normalize_conversation(bare, tmp_path)[0] == {"role": "user", "content": "<image>\nwhat?", "images": [a]}
+    with pytest.raises(MalformedRow, match="image file not found"):
+        normalize_conversation({**bare, "image": "missing.png"}, tmp_path)
+    with pytest.raises(MalformedRow, match="2 images but its turns hold 1"):
+        normalize_conversation({**llava, "conversations": [{"from": "human", "value": "<image>"},
+                                                           {"from": "gpt", "value": "x"}]}, tmp_path)
+
+
+def test_a_text_only_target_skips_image_rows_and_counts_them(tmp_path, smollm2):
+    from PIL import Image
+
+    Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
+    rows = [{"messages": [{"role": "user", "content": f"hello {i}"}, {"role": "assistant", "content": f"hi {i}"}]}
+            for i in range(12)]
+    rows.append({"image": "a.png", "conversations": [{"from": "human", "value": "what?"}, {"from": "gpt", "value": "x"}]})
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = DataConfig(source="path", path=str(tmp_path / "d.jsonl"), heldout_samples=2)
+    data = prepare_data(cfg, smollm2[2], log=lambda m: None)
+    assert data.stats["skipped"] == {"a turn holds images but the target takes text only": 1}
+    assert len(data.train) + len(data.heldout) == 12

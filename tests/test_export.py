@@ -114,3 +114,112 @@ def test_cli_reexports_a_run(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "specforge_lite.export", "--run-dir", str(tmp_path / "none"),
                               "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert missing.returncode != 0 and "no checkpoint" in missing.stderr
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+@pytest.mark.parametrize("use_aux_norm", [False, True])
+def test_every_format_round_trips_to_identical_logits_and_passes_the_check(tmp_path, fmt, use_aux_norm):
+    from specforge_lite.export.check import check_export
+
+    target = tiny_target(aux_ids=[2, 4, 6])
+    draft = tiny_draft(target, draft_vocab_size=100, use_aux_norm=use_aux_norm)
+    out = export_draft(draft.trainable_state_dict(), draft.spec, fmt, tmp_path,
+                       verifier={"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]})
+    report = check_export(out)
+    assert report.ok, report.text()
+    assert not [w for w in report.warnings if "norm_before_residual" in w]
+    spec, weights = load_export(out)
+    back = draft_from_weights(spec, weights, target)
+    ids = torch.randint(0, target.vocab_size, (2, 10))
+    torch.testing.assert_close(draft_logits(back, target, ids), draft_logits(draft, target, ids), atol=0, rtol=0)
+
+
+def test_speculators_export_follows_its_config_and_names(tmp_path):
+    target = tiny_target(aux_ids=[2, 4, 6])
+    draft = tiny_draft(target, draft_vocab_size=100, use_aux_norm=True)
+    out = export_draft(draft.trainable_state_dict(), draft.spec, "speculators", tmp_path,
+                       verifier={"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]},
+                       num_speculative_tokens=5)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Eagle3Speculator"] and cfg["speculators_model_type"] == "eagle3"
+    layer = cfg["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["vocab_size"] == target.vocab_size  # the TARGET vocabulary
+    assert layer["hidden_size"] == target.hidden_size and layer["num_hidden_layers"] == 1
+    assert cfg["draft_vocab_size"] == 100 and cfg["target_hidden_size"] == target.hidden_size
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]  # input of layer i, as trained
+    assert cfg["norm_before_residual"] is False  # written: the adapter would take true when absent
+    assert cfg["fc_norm"] is True and cfg["norm_before_fc"] is False and cfg["norm_output"] is False
+    assert cfg["speculators_config"] == {
+        "algorithm": "eagle3", "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}],
+        "default_proposal_method": "greedy", "verifier": {"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]}}
+    w = load_file(str(out / "model.safetensors"))
+    assert {n.replace("midlayer.", "layers.0.") for n in SERVER_NAMES} | {"d2t", "t2d"} | {
+        f"fc_norm.{i}.weight" for i in range(3)} == set(w)
+
+
+def test_sglang_contract_fields_names_shapes_and_dtypes(tmp_path):
+    """What SGLang's llama_eagle3.py reads (eagle3-contracts.md section 2), checked field by field; the
+    same weights are what the vLLM path serves (the vLLM export differs only in ids and d2t rules)."""
+    target = tiny_target(aux_ids=[2, 4, 6])
+    draft = tiny_draft(target, draft_vocab_size=target.vocab_size, use_aux_norm=True)
+    sg = export_draft(draft.trainable_state_dict(), draft.spec, "sglang", tmp_path / "sg", dtype="bfloat16")
+    vl = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "vl", dtype="bfloat16")
+    cfg = json.loads((sg / "config.json").read_text())
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rms_norm_eps", "rope_theta", "max_position_embeddings", "hidden_act", "num_hidden_layers"):
+        assert key in cfg, key
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["vocab_size"] == target.vocab_size and cfg["draft_vocab_size"] == target.vocab_size
+    assert cfg["tie_word_embeddings"] is False and cfg["target_hidden_size"] == target.hidden_size
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 5], "use_aux_hidden_state": True}
+    assert cfg["fc_norm"] is True and cfg["use_aux_norm"] is True  # and the legacy alias
+    H = target.hidden_size
+    sw, vw = load_file(str(sg / "model.safetensors")), load_file(str(vl / "model.safetensors"))
+    assert sw["fc.weight"].shape == (H, 3 * H) and sw["lm_head.weight"].shape == (target.vocab_size, H)
+    assert sw["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * H  # cat(embedding, hidden), embedding first
+    assert sw["d2t"].dtype == torch.int64 and sw["d2t"].shape == (target.vocab_size,)  # kept for a full vocab
+    assert all(v.dtype == torch.bfloat16 for k, v in sw.items() if k not in ("d2t", "t2d"))
+    assert "embed_tokens.weight" not in sw  # SGLang substitutes the target's embedding
+    for name, tensor in vw.items():  # the same weights go to vLLM
+        assert torch.equal(tensor, sw[name]), name
+
+
+def test_check_names_what_a_server_would_misread(tmp_path):
+    from specforge_lite.export.check import check_export
+
+    target = tiny_target(aux_ids=[2, 4, 6])
+    draft = tiny_draft(target, draft_vocab_size=100, use_aux_norm=True)
+    out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "ok")
+    good = check_export(out)
+    assert good.ok and "input of layers [2, 4, 6]" in good.servers["vLLM"] and "[1, 2, 3]" not in good.text()
+
+    def broken(edit_config=None, edit_weights=None):
+        import shutil
+
+        from safetensors.torch import save_file
+
+        d = tmp_path / f"b{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(out, d)
+        cfg = json.loads((d / "config.json").read_text())
+        if edit_config:
+            edit_config(cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+        w = load_file(str(d / "model.safetensors"))
+        if edit_weights:
+            edit_weights(w)
+        save_file(w, str(d / "model.safetensors"))
+        return check_export(d)
+
+    def no_ids(c):
+        del c["eagle_aux_hidden_state_layer_ids"], c["eagle_config"]
+
+    assert any("fall back to their default ids" in e for e in broken(no_ids).errors)
+    assert any("fc_norm is not set" in e for e in broken(lambda c: (c.pop("fc_norm"), c.pop("use_aux_norm"))).errors)
+    assert any("unknown weight names ['model.fc.weight']" in e
+               for e in broken(edit_weights=lambda w: w.__setitem__("model.fc.weight", w.pop("fc.weight"))).errors)
+    assert any("differ" in e for e in broken(lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3])).errors)
+    assert any("norm_before_residual" in w for w in broken(lambda c: c.pop("norm_before_residual")).warnings)
+    assert any("no d2t" in e for e in broken(edit_weights=lambda w: w.pop("d2t")).errors)
+    cli = subprocess.run([sys.executable, "-m", "specforge_lite.export", "--check", str(tmp_path / "b1")], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert cli.returncode == 1 and "NOT SERVABLE" in cli.stdout

@@ -122,7 +122,7 @@ def test_gemma_draft_takes_the_raw_embedding_table_like_the_servers():
         draft = build_draft(config, target, vocab)
         ids = torch.tensor([[5, 17, 400]])
         table = target.model.get_input_embeddings().weight
-        assert torch.equal(draft.embed_tokens(ids), table[ids])
+        assert torch.equal(draft.embed(ids), table[ids])
         scaled = target.model.get_input_embeddings()(ids)
         assert torch.allclose(scaled, table[ids] * target.hidden_size ** 0.5, rtol=1e-3)
 
@@ -168,6 +168,88 @@ def test_qwen3_vl_capture_includes_the_deepstack_injection():
         target.family.run_decoder(target.model, ids, mask, audio=pixels)
 
 
+def _image_conversation(folder):
+    """Two drawn images of known size in one OpenAI-style row (paths relative to the data folder)."""
+    from PIL import Image
+
+    Image.new("RGB", (96, 64), (200, 30, 30)).save(folder / "wide.png")
+    Image.new("RGB", (128, 128), (30, 30, 200)).save(folder / "square.png")
+    return {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Compare "}, {"type": "image", "image": "wide.png"},
+                                     {"type": "text", "text": " and "}, {"type": "image", "image": "square.png"}]},
+        {"role": "assistant", "content": "The first is red and wide, the second blue and square."},
+        {"role": "user", "content": "Which is larger?"}, {"role": "assistant", "content": "The square one."}]}
+
+
+def test_qwen3_vl_image_conversations_are_laid_out_as_the_model_reads_them(tmp_path):
+    """Tokens, pixels and capture of an image+text conversation: each image's pad token is repeated once
+    per merged patch group (computed here by hand from Qwen's 16-px patches and 2x2 merge), the loss skips
+    the images, and the captured states equal HF's own forward on the same inputs."""
+    from PIL import Image
+
+    from specforge_lite.data.chat import tokenize_samples
+    from specforge_lite.data.formats import normalize_conversation
+    from specforge_lite.data.loader import collate
+    from specforge_lite.pipeline import load_tokenizer
+
+    target = hf_target("qwen3_vl_tiny")
+    cfg, images = target.config, target.image_inputs
+    tok = load_tokenizer(target)
+    messages = normalize_conversation(_image_conversation(tmp_path), base_dir=tmp_path)
+    [(ids, mask, paths)] = tokenize_samples(tok, messages, 512, images)
+    assert paths == [str(tmp_path / "wide.png"), str(tmp_path / "square.png")]
+    runs, t = [], torch.tensor(ids)
+    for start in (t == cfg.vision_start_token_id).nonzero().flatten().tolist():
+        end = start + 1 + int((t[start + 1 :] != cfg.image_token_id).nonzero()[0])
+        assert ids[end] == cfg.vision_end_token_id
+        runs.append(end - start - 1)
+    assert runs == [(64 // 16) * (96 // 16) // 4, (128 // 16) ** 2 // 4]  # 6 and 16 tokens
+    assert not any(m for i, m in zip(ids, mask) if i == cfg.image_token_id)
+    learned = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert "red and wide" in learned and "square one" in learned and "Compare" not in learned
+
+    batch = collate([{"input_ids": ids, "loss_mask": mask, "images": paths}], 0, images)
+    assert batch.inputs["image_grid_thw"].tolist() == [[1, 4, 6], [1, 8, 8]]
+    cap = target.capture(batch.input_ids, batch.attention_mask, **batch.inputs)
+    pix = images.processor(images=[Image.open(p).convert("RGB") for p in paths], return_tensors="pt")
+    with torch.no_grad():
+        out = target.model(input_ids=batch.input_ids, pixel_values=pix["pixel_values"],
+                           image_grid_thw=pix["image_grid_thw"], mm_token_type_ids=(batch.input_ids == cfg.image_token_id).int(),
+                           output_hidden_states=True, use_cache=False)
+    assert close(cap.aux[0], out.hidden_states[0])  # embeddings with the image features merged in
+    assert close(cap.aux[2], out.hidden_states[5])  # past the deepstack layers
+    assert close(cap.final_hidden @ target.lm_head_weight().T, out.logits, rel=1e-4)
+
+
+def test_qwen3_vl_speculative_decoding_on_image_prompts_equals_hf_generate(tmp_path):
+    """eval's speculative decoding with an image prompt reproduces HF generate's greedy output (image
+    prefill, mrope offsets kept while decoding), and a text prompt after it is unaffected."""
+    from conftest import tiny_draft
+
+    from specforge_lite.data.chat import prompt_ids
+    from specforge_lite.data.formats import normalize_conversation
+    from specforge_lite.evaluate.spec_decode import speculative_generate
+    from specforge_lite.pipeline import load_tokenizer, stop_ids
+
+    target = hf_target("qwen3_vl_tiny")
+    draft = tiny_draft(target, draft_vocab_size=512)
+    tok, images = load_tokenizer(target), target.image_inputs
+    messages = normalize_conversation(_image_conversation(tmp_path), base_dir=tmp_path)
+    stops = stop_ids(tok, target)
+    text_prompt = tok.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                          add_generation_prompt=True, tokenize=False)
+    cases = [prompt_ids(tok, messages, images), (tok(text_prompt, add_special_tokens=False)["input_ids"], [])]
+    for prompt, paths in cases:
+        inputs = images.pixels(paths)
+        ids = torch.tensor([prompt])
+        extra = {**inputs, "mm_token_type_ids": (ids == target.config.image_token_id).int()} if paths else {}
+        with torch.no_grad():
+            want = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                         max_new_tokens=16, eos_token_id=sorted(stops), pad_token_id=0, **extra)
+        got = speculative_generate(target, draft, prompt, 16, 3, stops, inputs)
+        assert got.tokens == want[0, len(prompt):].tolist()
+
+
 FAST = ["trainer.max_steps=2", "trainer.save_every=2", "trainer.progress_bar=false", "tracker=none",
         "data.max_length=96", "data.heldout_samples=4", "data.max_samples=24", "data.generation.max_conversations=8",
         "data.generation.max_new_tokens=8", "data.generation.batch_size=8", "draft.draft_vocab_size=1024",
@@ -179,6 +261,7 @@ FAST = ["trainer.max_steps=2", "trainer.save_every=2", "trainer.progress_bar=fal
     ("gemma4_tiny", ["draft.use_aux_norm=true"]),
     ("qwen3_tiny", ["target.backend=custom"]),
     ("gemma3_tiny", ["target.backend=custom"]),
+    ("qwen3_vl_tiny", ["data=shapes"]),  # image+text conversations
 ])
 def test_every_family_trains_exports_and_evaluates(preset, extra, tmp_path):
     import sys

@@ -71,7 +71,7 @@ def test_gemma3_270m_has_a_usable_chat_template():
     target = build_target(load_config(["model=gemma3_270m", "tracker=none"]))
     tok = load_tokenizer(target)
     msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"}]
-    ids, mask = tokenize_conversation(tok, msgs, 64)
+    ids, mask, _ = tokenize_conversation(tok, msgs, 64)
     text = tok.decode([t for t, m in zip(ids, mask) if m])
     assert text.strip() == "Hello! How can I help?<end_of_turn>"
     assert tok.decode(ids).startswith("<bos><start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n")

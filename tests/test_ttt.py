@@ -34,7 +34,7 @@ def naive_unroll(draft, aux, input_ids, steps):
     keys, values, outs = [], [], []  # keys[k][t]: [kv_heads, d]
     for k in range(steps):
         tokens = [int(input_ids[0, t + 1 + k]) if t + 1 + k < T else 0 for t in range(T)]
-        emb = draft.embed_tokens.weight[tokens]
+        emb = draft.embedding_weight[tokens]
         x = torch.cat([rms(emb, layer.input_layernorm.weight, s.rms_norm_eps),
                        rms(hidden, layer.hidden_norm.weight, s.rms_norm_eps)], -1)
         q = (x @ attn.q_proj.weight.T).view(T, s.num_attention_heads, s.head_dim)

@@ -1,11 +1,12 @@
-"""python -m specforge_lite.bench <benchmark> [options]; benchmarks: train_step, regenerate, capture"""
+"""python -m specforge_lite.bench <benchmark> [options]; benchmarks: train_step, regenerate, capture, memory, store"""
 
 from __future__ import annotations
 
 import sys
 
 BENCHMARKS = {"train_step": "specforge_lite.bench.train_step", "regenerate": "specforge_lite.bench.regenerate",
-              "capture": "specforge_lite.bench.capture"}
+              "capture": "specforge_lite.bench.capture", "memory": "specforge_lite.bench.zero_memory",
+              "store": "specforge_lite.bench.store"}
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ def main(argv=None) -> None:
     target = build_target(config)
     tok = load_tokenizer(target, config.model.chat_template)
     convs = []
-    for _, row in iter_rows(data_file(config.data)):
+    for _, _, row in iter_rows(data_file(config.data)):
         try:
             m = normalize_conversation(row)
         except Exception:

@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     from ..draft.loss import ttt_loss
     from ..draft.ttt import shift_left
     from ..pipeline import build_draft, build_target, build_vocab, load_tokenizer, pad_id, prepare
-    from ..training.loop import autocast_for
+    from ..training.distributed import use_bf16
     from ..training.optim import build_optimizer
     from .memory import peak_bytes
 
@@ -72,7 +72,7 @@ def main(argv=None) -> None:
             (teacher, in_vocab), t_teach = _timed(lambda: target.teacher(cap.final_hidden, shift_left(batch.loss_mask, 1).bool()))
 
             def forward():
-                with autocast_for(precision, target.device):
+                with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=use_bf16(precision)):
                     return ttt_loss(draft, cap.aux, batch.input_ids, teacher, in_vocab, batch.loss_mask,
                                     config.draft.ttt_length, config.draft.step_loss_decay)
 

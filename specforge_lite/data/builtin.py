@@ -54,3 +54,71 @@ def chitchat_path() -> Path:
     (out.parent / "chitchat.LICENSE").write_text(LICENSE_NOTICE)
     os.replace(tmp, out)
     return out
+
+
+_COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30),
+           "purple": (140, 60, 180), "orange": (245, 140, 30), "black": (20, 20, 20), "gray": (130, 130, 130)}
+_BACKGROUNDS = {"white": (250, 250, 250), "light blue": (200, 225, 250), "beige": (240, 230, 200),
+                "pale green": (210, 240, 210)}
+_SHAPES = ("circle", "square", "triangle")
+_NUMBERS = ("one", "two", "three")
+
+
+def shapes_path(num_images: int = 120, seed: int = 0) -> Path:
+    """A small image+text conversation set made here (no download): pictures of coloured shapes drawn
+    with PIL, and conversations about them (what is shown, how many, which colour, where), some with a
+    text-only follow-up turn. OpenAI ``messages`` rows with image parts; images beside the JSONL."""
+    import random
+
+    out_dir = cache_dir() / "data" / f"shapes-{num_images}-{seed}"
+    out = out_dir / "shapes.jsonl"
+    if out.is_file():
+        return out
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
+    (tmp_dir / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(num_images):
+        w, h = rng.choice((64, 96, 128)), rng.choice((64, 96, 128))
+        bg_name, color_name, shape = rng.choice(list(_BACKGROUNDS)), rng.choice(list(_COLORS)), rng.choice(_SHAPES)
+        count = rng.randint(1, 3)
+        im = Image.new("RGB", (w, h), _BACKGROUNDS[bg_name])
+        draw = ImageDraw.Draw(im)
+        r = min(w, h) // 6
+        centers = [(int(w * (k + 1) / (count + 1)), rng.randint(r + 2, h - r - 2)) for k in range(count)]
+        for cx, cy in centers:
+            box = (cx - r, cy - r, cx + r, cy + r)
+            if shape == "circle":
+                draw.ellipse(box, fill=_COLORS[color_name])
+            elif shape == "square":
+                draw.rectangle(box, fill=_COLORS[color_name])
+            else:
+                draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=_COLORS[color_name])
+        name = f"images/shape_{i:04d}.png"
+        im.save(tmp_dir / name)
+        noun = shape + ("s" if count > 1 else "")
+        side = "left" if centers[0][0] < w / 3 else "right" if centers[0][0] > 2 * w / 3 else "middle"
+        described = f"{_NUMBERS[count - 1]} {color_name} {noun} on a {bg_name} background"
+        questions = [
+            ("What is in this picture?", f"The picture shows {described}."),
+            ("Describe the image in one sentence.", f"It is a simple drawing of {described}."),
+            (f"How many {shape}s can you see?", f"I can see {_NUMBERS[count - 1]} {noun}."),
+            ("What colour are the shapes?", f"The {noun} {'are' if count > 1 else 'is'} {color_name}."),
+        ]
+        for q, a in rng.sample(questions, 2):
+            messages = [{"role": "user", "content": [{"type": "image", "image": name}, {"type": "text", "text": q}]},
+                        {"role": "assistant", "content": a}]
+            if rng.random() < 0.5:
+                messages += [{"role": "user", "content": "Where is the first one?"},
+                             {"role": "assistant", "content": f"The first {shape} is on the {side} side of the image."}]
+            rows.append({"id": f"shape-{i}-{len(rows)}", "messages": messages})
+    with open(tmp_dir / "shapes.jsonl", "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+    try:
+        os.replace(tmp_dir, out_dir)
+    except OSError:
+        pass  # published by a concurrent run
+    return out

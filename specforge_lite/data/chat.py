@@ -16,10 +16,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from .formats import MalformedRow
+from .formats import MalformedRow, conversation_images
+from .images import ImageInputs
+
+# One training sample: token ids, loss mask, and the image files its ids hold placeholders for.
+Sample = tuple[list[int], list[int], list[str]]
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+           images: ImageInputs | None = None) -> str:
+    if images is not None:
+        messages = [{**m, "content": images.render(m["content"])} if m.get("images") else m for m in messages]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
@@ -27,22 +34,24 @@ class NotPrefixStable(MalformedRow):
     pass
 
 
-def _turn_span(tokenizer: Any, messages: list[dict[str, str]], i: int) -> tuple[str, str]:
+def _turn_span(tokenizer: Any, messages: list[dict[str, str]], i: int, images: ImageInputs | None = None
+               ) -> tuple[str, str]:
     """(the prompt for assistant turn i, the render up to and including that turn)."""
-    prefix = render(tokenizer, messages[:i], add_generation_prompt=True)
-    upto = render(tokenizer, messages[: i + 1])
+    prefix = render(tokenizer, messages[:i], add_generation_prompt=True, images=images)
+    upto = render(tokenizer, messages[: i + 1], images=images)
     if not upto.startswith(prefix):
         raise MalformedRow("the chat template renders an assistant turn differently from its generation prompt")
     return prefix, upto
 
 
-def assistant_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-    full = render(tokenizer, messages)
+def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], images: ImageInputs | None = None
+                    ) -> tuple[str, list[tuple[int, int]]]:
+    full = render(tokenizer, messages, images=images)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prefix, upto = _turn_span(tokenizer, messages, i)
+        prefix, upto = _turn_span(tokenizer, messages, i, images)
         if not full.startswith(upto):
             raise NotPrefixStable("the chat template is not prefix-stable for this conversation")
         end = len(upto.rstrip())
@@ -66,25 +75,32 @@ def _within_budget(messages: list[dict[str, str]], max_length: int) -> list[dict
     return kept
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]], max_length: int) -> tuple[list[int], list[int]]:
+def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]], max_length: int,
+                          images: ImageInputs | None = None) -> Sample:
     """One sample with every assistant turn in the loss (prefix-stable templates)."""
-    return _encode(tokenizer, *assistant_spans(tokenizer, _within_budget(messages, max_length)), max_length)
+    messages = _within_budget(messages, max_length)
+    _check_images(messages, images)
+    return _encode(tokenizer, *assistant_spans(tokenizer, messages, images), max_length,
+                   images, conversation_images(messages))
 
 
-def tokenize_samples(tokenizer: Any, messages: list[dict[str, str]], max_length: int) -> list[tuple[list[int], list[int]]]:
+def tokenize_samples(tokenizer: Any, messages: list[dict[str, str]], max_length: int,
+                     images: ImageInputs | None = None) -> list[Sample]:
     """The training samples of a conversation: one for a prefix-stable template, else one per assistant
-    turn (see the module docstring). Turns cut off by max_length are dropped; none left is a MalformedRow."""
+    turn (see the module docstring). Turns cut off by max_length are dropped; none left is a MalformedRow.
+    ``images``: how the (vision) target takes the conversation's images; None for text-only targets."""
     messages = _within_budget(messages, max_length)
     try:
-        return [tokenize_conversation(tokenizer, messages, max_length)]
+        return [tokenize_conversation(tokenizer, messages, max_length, images)]
     except NotPrefixStable:
         pass
     samples = []
     for i, m in enumerate(messages):
         if m["role"] == "assistant":
-            prefix, upto = _turn_span(tokenizer, messages, i)
+            prefix, upto = _turn_span(tokenizer, messages, i, images)
             try:
-                samples.append(_encode(tokenizer, upto, [(len(prefix), len(upto.rstrip()))], max_length))
+                samples.append(_encode(tokenizer, upto, [(len(prefix), len(upto.rstrip()))], max_length,
+                                       images, conversation_images(messages[: i + 1])))
             except MalformedRow:
                 break  # this turn starts past max_length, and so does every later one
     if not samples:
@@ -92,7 +108,13 @@ def tokenize_samples(tokenizer: Any, messages: list[dict[str, str]], max_length:
     return samples
 
 
-def _encode(tokenizer: Any, text: str, spans: list[tuple[int, int]], max_length: int) -> tuple[list[int], list[int]]:
+def _check_images(messages: list[dict[str, Any]], images: ImageInputs | None) -> None:
+    if images is None and conversation_images(messages):
+        raise MalformedRow("a turn holds images but the target takes text only")
+
+
+def _encode(tokenizer: Any, text: str, spans: list[tuple[int, int]], max_length: int,
+            images: ImageInputs | None = None, paths: list[str] = ()) -> Sample:
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     mask = [0] * len(ids)
@@ -102,14 +124,28 @@ def _encode(tokenizer: Any, text: str, spans: list[tuple[int, int]], max_length:
             s += 1
         if s < len(spans) and spans[s][0] <= start < spans[s][1]:
             mask[j] = 1
+    paths = list(paths)
+    if images is not None:
+        try:
+            ids, mask = images.expand(ids, mask, paths)
+        except ValueError as e:
+            raise MalformedRow(str(e)) from None
+        ids, mask, paths = images.truncate(ids, mask, paths, max_length)
     ids, mask = ids[:max_length], mask[:max_length]
     if sum(mask) == 0:
         raise MalformedRow(f"no assistant tokens within max_length={max_length}")
-    return ids, mask
+    return ids, mask, paths
 
 
-def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The conversation up to its first assistant turn, ready for the assistant to answer."""
+def prompt_ids(tokenizer: Any, messages: list[dict[str, str]], images: ImageInputs | None = None
+               ) -> tuple[list[int], list[str]]:
+    """The conversation up to its first assistant turn, ready for the assistant to answer, and the
+    image files its ids hold placeholders for."""
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    text = render(tokenizer, messages[:first], add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    _check_images(messages[:first], images)
+    text = render(tokenizer, messages[:first], add_generation_prompt=True, images=images)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    paths = conversation_images(messages[:first])
+    if images is not None:
+        ids, _ = images.expand(ids, [0] * len(ids), paths)
+    return ids, paths

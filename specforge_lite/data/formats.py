@@ -2,6 +2,12 @@
 
 * ShareGPT: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": "..."}]}``
 * OpenAI: ``{"messages": [{"role": "user"|"assistant"|"system", "content": "..."}]}``
+
+Images (vision targets): OpenAI content parts ``[{"type": "image", "image": "a.png"}, {"type": "text", ...}]``
+(``image_url`` with a local path or ``file://`` URL too), or LLaVA-style ShareGPT rows with ``"image"`` /
+``"images"`` at the row and ``<image>`` markers in the turns. Relative paths are read from the data
+file's folder. A turn with images gets ``"images": [absolute paths]`` and ``<image>`` markers in its
+content (see images.py).
 """
 
 from __future__ import annotations
@@ -9,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any, Iterator
+
+from .images import IMAGE_MARKER
 
 ROLES = {
     "human": "user", "user": "user",
@@ -21,7 +29,37 @@ class MalformedRow(ValueError):
     """A row that cannot be used; the loader counts these and skips them."""
 
 
-def normalize_conversation(row: Any) -> list[dict[str, str]]:
+def _image_path(ref: Any, base_dir: Path | None) -> str:
+    if isinstance(ref, dict):  # OpenAI image_url: {"url": ...}
+        ref = ref.get("url")
+    if not isinstance(ref, str) or not ref:
+        raise MalformedRow("an image part names no file")
+    if ref.startswith(("http://", "https://", "data:")):
+        raise MalformedRow("image URLs are not fetched; give a local file path")
+    path = Path(ref.removeprefix("file://")).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    if not path.is_file():
+        raise MalformedRow(f"image file not found: {path}")
+    return str(path.resolve())
+
+
+def _content_parts(parts: list, base_dir: Path | None) -> tuple[str, list[str]]:
+    """OpenAI content parts -> text with <image> markers, and the image paths in order."""
+    text, images = [], []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            text.append(str(part.get("text", "")))
+        elif kind in ("image", "image_url"):
+            images.append(_image_path(part.get(kind, part.get("path")), base_dir))
+            text.append(IMAGE_MARKER)
+        else:
+            raise MalformedRow(f"unknown content part {kind!r} (text, image and image_url are read)")
+    return "".join(text), images
+
+
+def normalize_conversation(row: Any, base_dir: Path | None = None) -> list[dict[str, Any]]:
     if not isinstance(row, dict):
         raise MalformedRow(f"row is a {type(row).__name__}, not an object")
     if "messages" in row:
@@ -40,9 +78,13 @@ def normalize_conversation(row: Any) -> list[dict[str, str]]:
         text = turn.get(text_key, turn.get("content", turn.get("value")))
         if role not in ROLES:
             raise MalformedRow(f"unknown role {role!r}")
+        images: list[str] = []
+        if isinstance(text, list):
+            text, images = _content_parts(text, base_dir)
         if not isinstance(text, str):
             raise MalformedRow(f"turn content is {type(text).__name__}, not text")
-        messages.append({"role": ROLES[role], "content": text})
+        messages.append({"role": ROLES[role], "content": text, **({"images": images} if images else {})})
+    _attach_row_images(row, messages, base_dir)
     if any(m["role"] == "system" for m in messages[1:]):
         raise MalformedRow("a system message appears after the first turn")
     # A conversation that opens with the assistant has no prompt for it: drop those leading turns.
@@ -54,8 +96,35 @@ def normalize_conversation(row: Any) -> list[dict[str, str]]:
     return messages
 
 
-def iter_rows(path: str | Path) -> Iterator[tuple[str, Any]]:
-    """Yield ``(location, parsed_row_or_exception)`` for a JSONL/JSON file or a folder of them."""
+def _attach_row_images(row: dict, messages: list[dict[str, Any]], base_dir: Path | None) -> None:
+    """LLaVA-style rows: images listed at the row, placed at the <image> markers in turn order (or all
+    before the first user turn when the text has no markers, as LLaVA does)."""
+    refs = row.get("images", row.get("image"))
+    if refs is None:
+        return
+    paths = [_image_path(r, base_dir) for r in (refs if isinstance(refs, list) else [refs])]
+    markers = sum(m["content"].count(IMAGE_MARKER) for m in messages)
+    if markers == 0:
+        first = next((m for m in messages if m["role"] == "user"), None)
+        if first is None:
+            raise MalformedRow("the row has images but no user turn to put them in")
+        first["content"] = IMAGE_MARKER * len(paths) + "\n" + first["content"]
+        first["images"] = paths
+        return
+    if markers != len(paths):
+        raise MalformedRow(f"the row lists {len(paths)} images but its turns hold {markers} {IMAGE_MARKER} markers")
+    for m in messages:
+        n = m["content"].count(IMAGE_MARKER)
+        if n:
+            m["images"], paths = m.get("images", []) + paths[:n], paths[n:]
+
+
+def conversation_images(messages: list[dict[str, Any]]) -> list[str]:
+    return [p for m in messages for p in m.get("images") or []]
+
+
+def iter_rows(path: str | Path) -> Iterator[tuple[Path, str, Any]]:
+    """Yield ``(file, location, parsed_row_or_exception)`` for a JSONL/JSON file or a folder of them."""
     path = Path(path).expanduser()
     files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json")) if path.is_dir() else [path]
     if not files:
@@ -65,18 +134,18 @@ def iter_rows(path: str | Path) -> Iterator[tuple[str, Any]]:
             try:
                 rows = json.loads(f.read_text())
             except json.JSONDecodeError as e:
-                yield f"{f}", MalformedRow(f"invalid JSON: {e}")
+                yield f, f"{f}", MalformedRow(f"invalid JSON: {e}")
                 continue
             if not isinstance(rows, list):
                 rows = [rows]
             for i, row in enumerate(rows):
-                yield f"{f}[{i}]", row
+                yield f, f"{f}[{i}]", row
         else:
             with open(f, encoding="utf-8") as fh:
                 for n, line in enumerate(fh, 1):
                     if not line.strip():
                         continue
                     try:
-                        yield f"{f}:{n}", json.loads(line)
+                        yield f, f"{f}:{n}", json.loads(line)
                     except json.JSONDecodeError as e:
-                        yield f"{f}:{n}", MalformedRow(f"invalid JSON: {e.msg}")
+                        yield f, f"{f}:{n}", MalformedRow(f"invalid JSON: {e.msg}")

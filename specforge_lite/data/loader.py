@@ -3,7 +3,8 @@ in it is two integers saved with every checkpoint."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -13,16 +14,20 @@ class Batch:
     input_ids: torch.Tensor  # [B, T] right-padded
     attention_mask: torch.Tensor  # [B, T]
     loss_mask: torch.Tensor  # [B, T] 1 where the token is assistant-produced
+    # Modality inputs for the target's capture (vision targets: pixel_values, image_grid_thw); else empty.
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to(self, device) -> "Batch":
-        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device))
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device),
+                     {k: v.to(device) for k, v in self.inputs.items()})
 
     @property
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
 
-def collate(rows: list[dict], pad_id: int) -> Batch:
+def collate(rows: list[dict], pad_id: int, images: Any = None) -> Batch:
+    """Right-padded rows; ``images`` (data.images.ImageInputs) turns the rows' image files into pixels."""
     T = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
     att = torch.zeros((len(rows), T), dtype=torch.long)
@@ -32,14 +37,30 @@ def collate(rows: list[dict], pad_id: int) -> Batch:
         ids[i, :n] = torch.tensor(r["input_ids"])
         att[i, :n] = 1
         lm[i, :n] = torch.tensor(r["loss_mask"])
-    return Batch(ids, att, lm)
+    paths = [p for r in rows for p in r.get("images") or []]
+    if paths and images is None:
+        raise ValueError("these rows hold images but no image processor was given (a vision target's "
+                         "family.image_inputs)")
+    inputs = images.pixels(paths) if paths else {}
+    if "store_index" in rows[0]:  # rows of a hidden-state store: which stored samples to read
+        inputs["store_index"] = torch.tensor([r["store_index"] for r in rows])
+    return Batch(ids, att, lm, inputs)
 
 
 class BatchStream:
-    """Endless epochs over a dataset in micro-batches; ``state_dict`` pins the exact position."""
+    """Endless epochs over a dataset in micro-batches; ``state_dict`` pins the exact position.
 
-    def __init__(self, dataset, batch_size: int, pad_id: int, seed: int, shuffle: bool = True):
+    With several data-parallel ranks every ``next()`` takes ``batch_size * world_size`` rows from the
+    one shuffled order all ranks share, and this rank keeps its own contiguous slice: the ranks' rows
+    are disjoint, and together they are the rows one process with ``world_size`` times the batch (or
+    as many accumulation steps) would see. The position is world-independent, so it resumes anywhere."""
+
+    def __init__(self, dataset, batch_size: int, pad_id: int, seed: int, shuffle: bool = True, images: Any = None,
+                 rank: int = 0, world_size: int = 1):
         self.dataset, self.batch_size, self.pad_id, self.seed, self.shuffle = dataset, batch_size, pad_id, seed, shuffle
+        self.images, self.rank, self.world_size = images, rank, world_size
+        if len(dataset) < world_size:
+            raise ValueError(f"{len(dataset)} training samples cannot feed {world_size} data-parallel ranks")
         self.epoch, self.cursor = 0, 0
         self._order = self._make_order()
 
@@ -54,12 +75,14 @@ class BatchStream:
         return self
 
     def __next__(self) -> Batch:
-        if self.cursor >= len(self._order):
+        if len(self._order) - self.cursor < self.world_size:  # the epoch's tail cannot give every rank a row
             self.epoch, self.cursor = self.epoch + 1, 0
             self._order = self._make_order()
-        idx = self._order[self.cursor : self.cursor + self.batch_size]
+        idx = self._order[self.cursor : self.cursor + self.batch_size * self.world_size]
         self.cursor += len(idx)
-        return collate([self.dataset[i] for i in idx], self.pad_id)
+        n, r, w = len(idx), self.rank, self.world_size
+        mine = idx[r * n // w : (r + 1) * n // w]
+        return collate([self.dataset[i] for i in mine], self.pad_id, self.images)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "size": len(self.dataset)}

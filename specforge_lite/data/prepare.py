@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from ..config import DataConfig, cache_dir
-from .builtin import chitchat_path
+from .builtin import chitchat_path, shapes_path
 from .chat import prompt_ids, tokenize_samples
-from .formats import MalformedRow, iter_rows, normalize_conversation
+from .formats import MalformedRow, conversation_images, iter_rows, normalize_conversation
+from .images import ImageInputs
 from .regenerate import regenerate, regeneration_key
 
-_PREP_VERSION = "3"  # bump when tokenisation or masking changes, so stale caches are not reused
+_PREP_VERSION = "4"  # bump when tokenisation or masking changes, so stale caches are not reused
 _HELDOUT_SEED = 1234  # fixed: the held-out split does not move with trainer.seed
 
 
@@ -30,11 +31,17 @@ class PreparedData:
     heldout: Any  # datasets.Dataset with input_ids, loss_mask
     heldout_prompts: list[list[int]]  # token ids up to each held-out conversation's first answer
     stats: dict = field(default_factory=dict)
+    heldout_prompt_images: list[list[str]] = field(default_factory=list)  # image files of each prompt
+
+    def prompt_images(self, i: int) -> list[str]:
+        return self.heldout_prompt_images[i] if i < len(self.heldout_prompt_images) else []
 
 
 def data_file(cfg: DataConfig) -> Path:
     if cfg.source == "builtin_chitchat":
         return chitchat_path()
+    if cfg.source == "builtin_shapes":
+        return shapes_path()
     if cfg.source in ("path", "jsonl", "file"):
         if not cfg.path:
             raise DataError(f"data.source={cfg.source} needs data.path=/path/to/data.jsonl")
@@ -44,10 +51,14 @@ def data_file(cfg: DataConfig) -> Path:
                 f"data.path={str(path)!r} does not exist; give a JSONL/JSON file or folder of them "
                 "(ShareGPT 'conversations' or OpenAI 'messages' rows), or data.source=builtin_chitchat")
         return path
-    raise DataError(f"data.source={cfg.source!r}: use builtin_chitchat or path (with data.path=...)")
+    raise DataError(f"data.source={cfg.source!r}: use builtin_chitchat, builtin_shapes (image conversations, for "
+                    "vision targets) or path (with data.path=...)")
 
 
-def _fingerprint(path: Path, tokenizer: Any, cfg: DataConfig) -> str:
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
+
+
+def _fingerprint(path: Path, tokenizer: Any, cfg: DataConfig, images: ImageInputs | None = None) -> str:
     h = hashlib.sha256()
     files = sorted(path.rglob("*.json*")) if path.is_dir() else [path]
     for f in files:
@@ -55,6 +66,12 @@ def _fingerprint(path: Path, tokenizer: Any, cfg: DataConfig) -> str:
         with open(f, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
+    if images is not None:  # token counts follow image sizes and the processor; pixels are read per batch
+        folder = path if path.is_dir() else path.parent
+        for f in sorted(p for p in folder.rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES):
+            st = f.stat()
+            h.update(f"{f.relative_to(folder)}|{st.st_size}|{st.st_mtime_ns}".encode())
+        h.update(images.processor.to_json_string().encode())
     tok_state = json.dumps([tokenizer.name_or_path, len(tokenizer), tokenizer.chat_template,
                             tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), 4096))))])
     h.update(tok_state.encode())
@@ -65,19 +82,22 @@ def _fingerprint(path: Path, tokenizer: Any, cfg: DataConfig) -> str:
 
 def _opening(messages: list[dict[str, str]]) -> str:
     """A conversation's first user turn, normalised: what an evaluation prompt is made of."""
-    first = next((m["content"] for m in messages if m["role"] == "user"), "")
-    return " ".join(first.lower().split())
+    first = next((m for m in messages if m["role"] == "user"), {"content": ""})
+    # the same question about another image is another prompt
+    return " ".join(first["content"].lower().split()) + "|".join(first.get("images") or [])
 
 
-def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerprint: str = "", log=print) -> PreparedData:
+def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerprint: str = "", log=print,
+                 images: ImageInputs | None = None) -> PreparedData:
     """Read, split, check, optionally regenerate with the target, tokenise; cached by content.
 
-    ``generate`` (conversations -> answers) is required when ``cfg.regenerate`` is set.
+    ``generate`` (conversations -> answers) is required when ``cfg.regenerate`` is set. ``images``: how a
+    vision target takes images (None: conversations with images are skipped and counted).
     """
     import datasets
 
     path = data_file(cfg)
-    source_key = _fingerprint(path, tokenizer, cfg)
+    source_key = _fingerprint(path, tokenizer, cfg, images)
     regen_key = None
     if cfg.regenerate:
         regen_key = regeneration_key(source_key, model_fingerprint, cfg.generation)
@@ -86,15 +106,16 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
         stats = json.loads((cached / "stats.json").read_text())
         prompts = json.loads((cached / "heldout_prompts.json").read_text())
         return PreparedData(datasets.load_from_disk(str(cached / "train")),
-                            datasets.load_from_disk(str(cached / "heldout")), prompts, stats)
+                            datasets.load_from_disk(str(cached / "heldout")), prompts, stats,
+                            json.loads((cached / "heldout_prompt_images.json").read_text()))
 
     conversations, reasons, total = [], Counter(), 0
-    for where, row in iter_rows(path):
+    for file, where, row in iter_rows(path):
         total += 1
         try:
             if isinstance(row, Exception):
                 raise row
-            conversations.append(normalize_conversation(row))
+            conversations.append(normalize_conversation(row, base_dir=file.parent))
         except MalformedRow as e:
             reasons[str(e)] += 1
     _check_malformed(total, reasons, cfg, path)
@@ -110,30 +131,45 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     overlap = len(order) - n_held - len(train_convs)
     if cfg.max_samples is not None:
         train_convs = train_convs[: cfg.max_samples]
-    prompts = [prompt_ids(tokenizer, c) for c in heldout_convs]
+    prompts, prompt_images = [], []
+    for c in heldout_convs:
+        try:
+            ids, paths = prompt_ids(tokenizer, c, images)
+        except MalformedRow:
+            continue  # an image prompt for a text-only target: counted when its sample is skipped below
+        prompts.append(ids), prompt_images.append(paths)
 
     stats: dict = {"file": str(path), "rows": total, "conversations": len(conversations),
                    "heldout_overlap_removed": overlap}
     if cfg.regenerate:
         if generate is None:
             raise ValueError("data.regenerate=true needs the target to generate answers (pass generate=...)")
-        train_convs, regen_stats = regenerate(train_convs, generate, cfg.generation, regen_key + "-train", log=log)
-        heldout_convs, _ = regenerate(heldout_convs, generate, cfg.generation, regen_key + "-heldout", log=log)
-        stats["regeneration"] = regen_stats
+        # Answers to image turns keep the dataset's text: the generator takes text prompts only.
+        train_convs, kept = _text_first(train_convs)
+        heldout_convs, _ = _text_first(heldout_convs)
+        train_text, regen_stats = regenerate(train_convs[: len(train_convs) - kept], generate, cfg.generation,
+                                             regen_key + "-train", log=log)
+        train_convs = train_text + train_convs[len(train_convs) - kept :]
+        held_text = [c for c in heldout_convs if not conversation_images(c)]
+        held_text, _ = regenerate(held_text, generate, cfg.generation, regen_key + "-heldout", log=log)
+        heldout_convs = held_text + [c for c in heldout_convs if conversation_images(c)]
+        stats["regeneration"] = {**regen_stats, "image_conversations_kept_as_is": kept}
 
     def tokenize(batch):
-        out = {"input_ids": [], "loss_mask": [], "error": []}
+        out = {"input_ids": [], "loss_mask": [], "images": [], "error": []}
         for messages in batch["messages"]:
             try:
-                for ids, mask in tokenize_samples(tokenizer, messages, cfg.max_length):
-                    out["input_ids"].append(ids), out["loss_mask"].append(mask), out["error"].append("")
+                for ids, mask, paths in tokenize_samples(tokenizer, messages, cfg.max_length, images):
+                    out["input_ids"].append(ids), out["loss_mask"].append(mask), out["images"].append(paths)
+                    out["error"].append("")
             except MalformedRow as e:
-                out["input_ids"].append([]), out["loss_mask"].append([]), out["error"].append(str(e))
+                out["input_ids"].append([]), out["loss_mask"].append([]), out["images"].append([])
+                out["error"].append(str(e))
         return out
 
     def build(convs):
         if not convs:
-            return datasets.Dataset.from_dict({"input_ids": [], "loss_mask": []}), Counter()
+            return datasets.Dataset.from_dict({"input_ids": [], "loss_mask": [], "images": []}), Counter()
         ds = datasets.Dataset.from_dict({"messages": convs})
         ds = ds.map(tokenize, batched=True, remove_columns=["messages"], num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
                     desc="tokenising")
@@ -152,11 +188,13 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
         )
     n_tokens = sum(len(x) for x in train["input_ids"])
     stats.update({"train": len(train), "heldout": len(heldout), "train_tokens": n_tokens,
-                  "train_loss_tokens": sum(sum(m) for m in train["loss_mask"]), "skipped": dict(reasons)})
+                  "train_loss_tokens": sum(sum(m) for m in train["loss_mask"]),
+                  "train_images": sum(len(x) for x in train["images"]), "skipped": dict(reasons)})
     tmp = cached.with_name(cached.name + ".tmp")
     train.save_to_disk(str(tmp / "train"))
     heldout.save_to_disk(str(tmp / "heldout"))
     (tmp / "heldout_prompts.json").write_text(json.dumps(prompts))
+    (tmp / "heldout_prompt_images.json").write_text(json.dumps(prompt_images))
     (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
     try:
         tmp.rename(cached)
@@ -167,7 +205,13 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
         f"{overlap} training conversations dropped for sharing an opening with a held-out prompt"
         + (f"; skipped {skipped}: {dict(reasons)}" if skipped else ""))
     return PreparedData(datasets.load_from_disk(str(cached / "train")),
-                        datasets.load_from_disk(str(cached / "heldout")), prompts, stats)
+                        datasets.load_from_disk(str(cached / "heldout")), prompts, stats, prompt_images)
+
+
+def _text_first(convs: list) -> tuple[list, int]:
+    """Text-only conversations first (order kept), then those with images; and how many have images."""
+    with_images = [c for c in convs if conversation_images(c)]
+    return [c for c in convs if not conversation_images(c)] + with_images, len(with_images)
 
 
 def _check_malformed(total: int, reasons: Counter, cfg: DataConfig, path: Path) -> None:

@@ -59,4 +59,9 @@ def ttt_loss(draft, aux: list[torch.Tensor], input_ids: torch.Tensor, teacher_lo
         total = total + (decay ** k) * step_loss
         correct = (logits.argmax(-1) == teacher_top[t_rows]).sum()
         steps.append(StepStats(step_loss.detach(), correct.detach(), n.detach()))
+    if not total.requires_grad:
+        # No token to score in this micro-batch (e.g. the target's answers all fall outside the draft
+        # vocabulary): a zero loss that still reaches every trainable weight, so backward() runs and,
+        # under data parallelism, every rank takes part in the gradient reduction.
+        total = total + sum((p * 0).sum() for p in draft.parameters() if p.requires_grad)
     return TTTOutput(total, steps)

@@ -152,10 +152,12 @@ class Eagle3Draft(nn.Module):
     def __init__(self, spec: Eagle3Spec, embedding_weight: torch.Tensor | None = None):
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # The target's frozen embedding table, held by reference and not as a parameter: the draft never
+        # owns or trains it (servers hand the draft the target's table), and a ZeRO engine wrapping the
+        # draft must not partition a tensor the target's own forward still reads.
+        self._embedding: torch.Tensor | None = None
         if embedding_weight is not None:
             self.set_embedding(embedding_weight)
-        self.embed_tokens.weight.requires_grad_(False)
         n_aux = len(spec.aux_layer_ids)
         self.fc = nn.Linear(n_aux * spec.target_hidden_size, spec.hidden_size, bias=False)
         if spec.use_aux_norm:
@@ -181,7 +183,16 @@ class Eagle3Draft(nn.Module):
         if tuple(weight.shape) != (self.spec.vocab_size, self.spec.hidden_size):
             raise ValueError(f"target embedding {tuple(weight.shape)} does not match the draft's "
                              f"({self.spec.vocab_size}, {self.spec.hidden_size}); the draft was built for another target")
-        self.embed_tokens.weight = nn.Parameter(weight, requires_grad=False)
+        self._embedding = weight.detach()
+
+    @property
+    def embedding_weight(self) -> torch.Tensor:
+        if self._embedding is None:
+            raise RuntimeError("the draft has no embedding table: call set_embedding(target.embedding_weight())")
+        return self._embedding
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(input_ids, self.embedding_weight)
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.d2t.copy_(d2t)
@@ -193,8 +204,8 @@ class Eagle3Draft(nn.Module):
             self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Everything a checkpoint needs: all but the shared target embedding."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+        """Everything a checkpoint needs (the target's embedding is not part of the draft's state)."""
+        return dict(self.state_dict())
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -202,6 +213,15 @@ class Eagle3Draft(nn.Module):
     def draft_vocab_ids(self) -> torch.Tensor:
         """The target id of every draft token, in draft order."""
         return self.draft_to_target(torch.arange(self.spec.draft_vocab_size, device=self.d2t.device))
+
+    # ---- training forward ------------------------------------------------------------------------
+    def forward(self, aux: list[torch.Tensor], input_ids: torch.Tensor, teacher_logits: torch.Tensor,
+                in_vocab: torch.Tensor, loss_mask: torch.Tensor, ttt_length: int, decay: float = 0.8):
+        """The TTT unroll and its loss over a batch (draft/loss.py); the module's forward so that a
+        training engine (DeepSpeed) wraps exactly what is trained."""
+        from .loss import ttt_loss
+
+        return ttt_loss(self, aux, input_ids, teacher_logits, in_vocab, loss_mask, ttt_length, decay)
 
     # ---- forward pieces ------------------------------------------------------------------------
     def project_aux(self, aux: list[torch.Tensor]) -> torch.Tensor:
@@ -218,7 +238,7 @@ class Eagle3Draft(nn.Module):
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: TTTCache,
              q_offset: int = 0) -> torch.Tensor:
         """One draft step: returns the pre-norm output (fed back as the next step's hidden input)."""
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        embeds = self.embed(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
         return self.midlayer(embeds, hidden, cos, sin, cache, q_offset)
 

@@ -26,8 +26,11 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
     stops = stop_ids(tokenizer, target)
     accepted, new_tokens, outputs, per_prompt = [], 0, [], []
     t0 = time.perf_counter()
+    images = target.image_inputs
     for i, prompt in enumerate(prompts):
-        gen = speculative_generate(target, draft, prompt, ev.max_new_tokens, ev.num_draft_tokens, stops)
+        paths = data.prompt_images(i)
+        inputs = {k: v.to(target.device) for k, v in images.pixels(paths).items()} if paths else None
+        gen = speculative_generate(target, draft, prompt, ev.max_new_tokens, ev.num_draft_tokens, stops, inputs)
         accepted += gen.accepted
         new_tokens += len(gen.tokens)
         outputs.append(gen.tokens)
@@ -36,10 +39,11 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
     elapsed = time.perf_counter() - t0
     # What eval/vllm_acceptance.py needs to serve the same prompts and compare outputs token for token.
     (Path(export_dir).parent / "eval_inputs.json").write_text(json.dumps({
-        "target": str(target.location), "prompts": prompts, "generated": outputs, "stop_ids": sorted(stops),
+        "target": str(target.location), "prompts": prompts, "prompt_images": data.heldout_prompt_images[: len(prompts)],
+        "generated": outputs, "stop_ids": sorted(stops),
         "max_new_tokens": ev.max_new_tokens, "num_draft_tokens": ev.num_draft_tokens,
         "max_model_len": max(len(p) for p in prompts) + ev.max_new_tokens + ev.num_draft_tokens + 8}))
-    held = heldout_accuracy(target, draft, data.heldout, pad_id(tokenizer), config.draft, ev.heldout_batches)
+    held = heldout_accuracy(target, draft, data.heldout, pad_id(tokenizer), config.draft, ev.heldout_batches, images)
     result = {
         "num_draft_tokens": ev.num_draft_tokens,
         "prompts": len(prompts),
@@ -67,6 +71,14 @@ def evaluate_run(run_dir: Path, overrides: dict | None = None, log=print) -> dic
     if not (run_dir / "config.yaml").is_file() or not (run_dir / "final" / "config.json").is_file():
         raise FileNotFoundError(f"{run_dir} is not a finished run (needs config.yaml and final/config.json)")
     config = to_config(OmegaConf.load(run_dir / "config.yaml"))
+    if config.data.source == "offline":  # trained from a store: its held-out prompts come from the store's data
+        from ..offline import Manifest
+
+        saved = Manifest.load(Path(config.data.store)).source.get("data")
+        if not saved:
+            raise ValueError(f"the store {config.data.store} does not record its data settings; evaluate with "
+                             "data.* overrides naming the data it was made from")
+        config.data = to_config({"data": saved}).data
     for key, value in (overrides or {}).items():
         setattr(config.eval, key, value)
     spec, _ = load_export(run_dir / "final")

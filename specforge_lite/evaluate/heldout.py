@@ -9,12 +9,12 @@ from ..training.loop import batch_loss, sim_accept_len
 
 
 @torch.no_grad()
-def heldout_accuracy(target, draft, dataset, pad_id: int, draft_cfg, max_conversations: int) -> dict:
+def heldout_accuracy(target, draft, dataset, pad_id: int, draft_cfg, max_conversations: int, images=None) -> dict:
     was_training = draft.training
     draft.eval()
     correct = valid = None
     for i in range(min(max_conversations, len(dataset))):
-        batch = collate([dataset[i]], pad_id).to(target.device)
+        batch = collate([dataset[i]], pad_id, images).to(target.device)
         out = batch_loss(target, draft, batch, draft_cfg)
         c = torch.stack([s.correct for s in out.steps]).float()
         v = torch.stack([s.valid for s in out.steps]).float()

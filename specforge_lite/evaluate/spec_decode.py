@@ -44,10 +44,12 @@ def _cut(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int
 
 
 @torch.no_grad()
-def greedy_generate(target, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
-    """Plain greedy decoding with a KV cache (the baseline speculative decoding must reproduce)."""
+def greedy_generate(target, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
+                    inputs: dict | None = None) -> list[int]:
+    """Plain greedy decoding with a KV cache (the baseline speculative decoding must reproduce).
+    ``inputs``: the prompt's modality inputs (a vision target's pixel_values, image_grid_thw)."""
     cache = _new_cache(target)
-    _, logits = target.forward_cached(torch.tensor([prompt], device=target.device), cache)
+    _, logits = target.forward_cached(torch.tensor([prompt], device=target.device), cache, **(inputs or {}))
     out = [int(logits[0, -1].argmax())]
     while len(out) < max_new_tokens and out[-1] not in stop_ids:
         _, logits = target.forward_cached(torch.tensor([[out[-1]]], device=target.device), cache)
@@ -75,9 +77,11 @@ def draft_chain(draft, aux_ctx: list[torch.Tensor], context: list[int], next_tok
 
 
 @torch.no_grad()
-def speculative_generate(target, draft, prompt: list[int], max_new_tokens: int, k: int, stop_ids: set[int]) -> Generation:
+def speculative_generate(target, draft, prompt: list[int], max_new_tokens: int, k: int, stop_ids: set[int],
+                         inputs: dict | None = None) -> Generation:
+    """``inputs``: the prompt's modality inputs, taken by the prefill (images sit in the prompt only)."""
     cache = _new_cache(target)
-    aux_ctx, logits = target.forward_cached(torch.tensor([prompt], device=target.device), cache)
+    aux_ctx, logits = target.forward_cached(torch.tensor([prompt], device=target.device), cache, **(inputs or {}))
     context = list(prompt)
     next_token = int(logits[0, -1].argmax())
     out = [next_token]

@@ -11,14 +11,17 @@ import torch
 from ..device import resolve_dtype
 from ..draft.model import Eagle3Spec
 from ..training.checkpoint import latest_checkpoint, load_checkpoint
-from . import sglang, vllm
+from . import sglang, speculators, vllm
 from .layout import PROVENANCE_KEY, draft_weights, llama_draft_config, write_export
 
-FORMATS = {m.NAME: m for m in (vllm, sglang)}
+FORMATS = {m.NAME: m for m in (vllm, sglang, speculators)}
 
 
 def export_draft(weights: dict[str, torch.Tensor], spec: Eagle3Spec, fmt: str, out_dir: Path, dtype: str = "auto",
-                 embedding: torch.Tensor | None = None, warn=None) -> Path:
+                 embedding: torch.Tensor | None = None, warn=None, verifier: dict | None = None,
+                 num_speculative_tokens: int = 3) -> Path:
+    """Write ``fmt``'s config.json and model.safetensors. ``verifier`` (speculators): the target's
+    ``name_or_path`` and ``architectures``; ``num_speculative_tokens``: its proposal length."""
     if fmt not in FORMATS:
         raise ValueError(f"export format {fmt!r}: choose one of {sorted(FORMATS)}")
     warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
@@ -26,7 +29,11 @@ def export_draft(weights: dict[str, torch.Tensor], spec: Eagle3Spec, fmt: str, o
     torch_dtype = weights["fc.weight"].dtype if dtype == "auto" else resolve_dtype(dtype, torch.device("cpu"))
     config = llama_draft_config(spec, module.server_aux_ids(spec, warn), torch_dtype)
     config[PROVENANCE_KEY]["format"] = fmt
-    return write_export(out_dir, config, draft_weights(weights, torch_dtype, module.with_vocab_maps(spec), embedding))
+    if hasattr(module, "adapt_config"):
+        config = module.adapt_config(config, spec, verifier or {}, num_speculative_tokens)
+    tensors = draft_weights(weights, torch_dtype, module.with_vocab_maps(spec), embedding)
+    rename = getattr(module, "weight_name", lambda n: n)
+    return write_export(out_dir, config, {rename(k): v for k, v in tensors.items()})
 
 
 def export_run(run_dir: Path, fmt: str, out_dir: Path, checkpoint: Path | None = None, dtype: str = "auto") -> Path:
@@ -34,7 +41,14 @@ def export_run(run_dir: Path, fmt: str, out_dir: Path, checkpoint: Path | None =
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint under {Path(run_dir) / 'checkpoints'}; train first or pass --checkpoint")
     weights, _, spec = load_checkpoint(ckpt)
-    return export_draft(weights, Eagle3Spec(**spec), fmt, out_dir, dtype)
+    verifier, k = {}, 3
+    if (Path(run_dir) / "config.yaml").is_file():  # the target the run trained against, for speculators
+        from omegaconf import OmegaConf
+
+        saved = OmegaConf.load(Path(run_dir) / "config.yaml")
+        verifier = {"name_or_path": saved.model.get("path") or saved.model.get("name")}
+        k = int(saved.eval.get("num_draft_tokens", 3))
+    return export_draft(weights, Eagle3Spec(**spec), fmt, out_dir, dtype, verifier=verifier, num_speculative_tokens=k)
 
 
 def load_export(export_dir: Path) -> tuple[Eagle3Spec, dict[str, torch.Tensor]]:
@@ -46,7 +60,9 @@ def load_export(export_dir: Path) -> tuple[Eagle3Spec, dict[str, torch.Tensor]]:
     if PROVENANCE_KEY not in config:
         raise ValueError(f"{export_dir} was not written by specforge_lite (no {PROVENANCE_KEY!r} block)")
     spec = Eagle3Spec(**config[PROVENANCE_KEY]["spec"])
-    weights = load_file(str(export_dir / "model.safetensors"))
+    module = FORMATS.get(config[PROVENANCE_KEY].get("format", "vllm"), vllm)
+    back = getattr(module, "our_weight_name", lambda n: n)
+    weights = {back(k): v for k, v in load_file(str(export_dir / "model.safetensors")).items()}
     if "d2t" not in weights:  # full draft vocabulary: identity maps
         weights["d2t"] = torch.zeros(spec.draft_vocab_size, dtype=torch.long)
         weights["t2d"] = torch.ones(spec.vocab_size, dtype=torch.bool)

@@ -12,6 +12,7 @@ from ..config import ModelConfig
 from ..device import resolve_device, resolve_dtype
 from .capture import CONVENTION, AuxCapture
 from .families import TargetFamily, get_family
+from .sharding import gathered, is_partitioned
 from .sources import ModelUnavailableError, resolve_model_dir, unavailable_error
 
 # Positions per chunk when the full-vocabulary argmax is needed (never a [T, V] tensor for a whole batch).
@@ -76,17 +77,41 @@ class HFTarget:
 
     @property
     def hidden_size(self) -> int:
-        return self.family.embedding(self.model).weight.shape[1]
+        return _full_shape(self.family.embedding(self.model).weight)[1]
 
     @property
     def vocab_size(self) -> int:
-        return self.family.lm_head_weight(self.model).shape[0]
+        return _full_shape(self.family.lm_head_weight(self.model))[0]
 
     def embedding_weight(self) -> torch.Tensor:
-        return self.family.embedding(self.model).weight
+        """The raw embedding table; under a ZeRO-3 sharded target, gathered once into a full copy that is
+        identical on every rank (the draft reads it, so it must never be a rank's shard)."""
+        weight = self.family.embedding(self.model).weight
+        if not is_partitioned(weight):
+            return weight
+        if getattr(self, "_embedding_full", None) is None:
+            self._embedding_full = gathered(weight)
+        return self._embedding_full
 
     def lm_head_weight(self) -> torch.Tensor:
-        return self.family.lm_head_weight(self.model)
+        """The full lm_head (gathered from the ranks' shards under a sharded target: a collective call)."""
+        return gathered(self.family.lm_head_weight(self.model))
+
+    def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The lm_head rows of the given target ids (the draft vocabulary)."""
+        w = self.lm_head_weight()
+        return w.index_select(0, ids.to(w.device))
+
+    def _lm_head_bias(self) -> torch.Tensor | None:
+        bias = self.family.lm_head_bias(self.model)
+        return None if bias is None else gathered(bias)
+
+    @property
+    def image_inputs(self) -> Any:
+        """How this target takes images (data.images.ImageInputs), or None for text-only targets."""
+        if not hasattr(self, "_image_inputs"):
+            self._image_inputs = self.family.image_inputs(self.location, self.config)
+        return self._image_inputs
 
     # ---- training capture -------------------------------------------------------------------
     @torch.no_grad()
@@ -100,9 +125,9 @@ class HFTarget:
 
     def set_draft_vocab(self, draft_to_target: torch.Tensor, t2d: torch.Tensor) -> None:
         """Keep only the lm_head rows the draft vocabulary selects, for the teacher."""
-        w = self.lm_head_weight()
-        self._draft_rows = w.index_select(0, draft_to_target.to(w.device))
-        bias = self.family.lm_head_bias(self.model)
+        self._draft_rows = self.lm_head_rows(draft_to_target)
+        w = self._draft_rows
+        bias = self._lm_head_bias()
         self._draft_bias = None if bias is None else bias.index_select(0, draft_to_target.to(w.device))
         self._t2d = t2d.to(w.device)
 
@@ -139,8 +164,8 @@ class HFTarget:
         return logits, in_vocab
 
     def _full_argmax(self, rows: torch.Tensor) -> torch.Tensor:
-        w = self.lm_head_weight()
-        bias = self.family.lm_head_bias(self.model)
+        w = self.lm_head_weight()  # on every rank, rows or not: gathering a sharded head is collective
+        bias = self._lm_head_bias()
         out = torch.empty(rows.shape[0], dtype=torch.long, device=rows.device)
         for s in range(0, rows.shape[0], _ARGMAX_CHUNK):
             chunk = rows[s : s + _ARGMAX_CHUNK] @ w.T
@@ -151,11 +176,17 @@ class HFTarget:
 
     # ---- decoding (evaluation) --------------------------------------------------------------
     @torch.no_grad()
-    def forward_cached(self, input_ids: torch.Tensor, cache: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """One incremental forward with a KV cache: aux states of the new positions and their logits."""
+    def forward_cached(self, input_ids: torch.Tensor, cache: Any, **inputs: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One incremental forward with a KV cache: aux states of the new positions and their logits.
+        ``inputs``: a prompt's images (vision targets), with its first forward."""
         with self.capture_hooks.recording() as states:
-            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
-        return self.capture_hooks.collect(states), out.logits
+            logits = self.family.run_cached(self.model, input_ids, cache, **inputs)
+        return self.capture_hooks.collect(states), logits
+
+
+def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's shape, also when ZeRO-3 keeps only this rank's partition of it."""
+    return tuple(getattr(param, "ds_shape", param.shape))
 
 
 __all__ = ["HFTarget", "Captured", "ModelUnavailableError"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -130,12 +131,11 @@ def _fetch_gguf(cfg: ModelConfig, tmp: Path) -> Path:
 
 def tiny_model_dir(cfg: ModelConfig) -> Path:
     """Build the preset's small random model once (fixed seed) and cache it as an ordinary model folder."""
-    import json
-
     tiny = cfg.tiny
     assert tiny is not None
     key = hashlib.sha256(json.dumps([tiny.architecture, tiny.config_class, tiny.config, tiny.seed,
-                                     tiny.tokenizer_from, _TINY_VERSION], sort_keys=True).encode()).hexdigest()[:12]
+                                     tiny.tokenizer_from, tiny.added_tokens, tiny.image_processor, _TINY_VERSION],
+                                    sort_keys=True).encode()).hexdigest()[:12]
     target = cache_dir() / "models" / "tiny" / f"{cfg.name}-{key}"
     if (target / "config.json").is_file():
         return target
@@ -143,7 +143,8 @@ def tiny_model_dir(cfg: ModelConfig) -> Path:
     tokenizer_dir = _tokenizer_source_dir(tiny.tokenizer_from)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         staging = Path(tmp) / "model"
-        build_tiny_model(tiny.architecture, tiny.config, tiny.config_class, tiny.seed, tokenizer_dir, staging)
+        build_tiny_model(tiny.architecture, tiny.config, tiny.config_class, tiny.seed, tokenizer_dir, staging,
+                         added_tokens=list(tiny.added_tokens), image_processor=dict(tiny.image_processor))
         _publish(staging, target)
     return target
 
@@ -161,7 +162,7 @@ def _tokenizer_source_dir(preset: str) -> Path:
 
 
 def build_tiny_model(architecture: str, config: dict, config_class: str, seed: int, tokenizer_dir: Path,
-                     out_dir: Path) -> None:
+                     out_dir: Path, added_tokens: list[str] = (), image_processor: dict | None = None) -> None:
     """A random model of ``architecture`` with the given tokenizer, saved like a real checkpoint.
 
     Norm weights are perturbed away from their init so pre- and post-norm states really differ, as
@@ -176,6 +177,11 @@ def build_tiny_model(architecture: str, config: dict, config_class: str, seed: i
         raise ValueError(f"model.tiny.architecture={architecture!r} is not a transformers class")
     cfg_cls = getattr(transformers, config_class) if config_class else cls.config_class
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    first_added = len(tokenizer)
+    for n, token in enumerate(added_tokens):  # one at a time, so token n gets id first_added + n
+        tokenizer.add_special_tokens({"additional_special_tokens": [token]}, replace_extra_special_tokens=False)
+        if tokenizer.convert_tokens_to_ids(token) != first_added + n:
+            raise ValueError(f"model.tiny.added_tokens: {token!r} did not get id {first_added + n}")
     ids = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     ids["pad_token_id"] = ids["pad_token_id"] if ids["pad_token_id"] is not None else ids["eos_token_id"]
     model_config = cfg_cls(**{**ids, **config}, architectures=[architecture])
@@ -195,6 +201,8 @@ def build_tiny_model(architecture: str, config: dict, config_class: str, seed: i
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    if image_processor:
+        (out_dir / "preprocessor_config.json").write_text(json.dumps(image_processor, indent=1))
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:

@@ -1,9 +1,11 @@
 """Checkpoints written atomically, and exact resume.
 
-A checkpoint is a folder ``checkpoints/step_XXXXXXXX`` holding the draft's trainable weights
-(safetensors), the optimizer, scheduler, data position, RNG states and step. It is written under a
-temporary name and renamed into place, so a run killed at any moment leaves either the previous
-checkpoint or the new one, never half of one; ``latest`` names the newest complete folder.
+A checkpoint is a folder ``checkpoints/step_XXXXXXXX`` holding the draft's full trainable weights
+(safetensors, consolidated from ZeRO shards), the training engine's state (optimizer and schedule:
+``optimizer.pt`` in one process, DeepSpeed's sharded layout under ``deepspeed/`` otherwise), the data
+position, step and world size, and every rank's RNG state. It is written under a temporary name and
+renamed into place once every rank has written its part, so a run killed at any moment leaves either
+the previous checkpoint or the new one, never half of one; ``latest`` names the newest complete folder.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -49,23 +51,49 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.pt"
+
+
 def save_checkpoint(run_dir: Path, step: int, weights: dict[str, torch.Tensor], trainer_state: dict[str, Any],
-                    spec: dict, keep: int = 2) -> Path:
+                    spec: dict, keep: int = 2, ctx=None, save_engine: Callable[[Path], None] | None = None) -> Path:
+    """Every rank calls this (``ctx``: the DistributedContext); rank 0 writes the shared files and
+    publishes the folder after all ranks wrote their parts (``save_engine(folder)``, RNG)."""
+    rank, is_main = (ctx.rank, ctx.is_main) if ctx is not None else (0, True)
+    barrier = ctx.barrier if ctx is not None else (lambda: None)
     root = checkpoint_root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-step_{step:08d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
-    torch.save(trainer_state, tmp / STATE)
-    (tmp / SPEC).write_text(json.dumps(spec, indent=1))
-    if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _write_text_atomic(root / "latest", final.name)
-    _prune(root, keep)
+    if is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    barrier()
+    if save_engine is not None:
+        save_engine(tmp)
+    torch.save(rng_state(), tmp / rng_file(rank))
+    if is_main:
+        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
+        torch.save(trainer_state, tmp / STATE)
+        (tmp / SPEC).write_text(json.dumps(spec, indent=1))
+    barrier()
+    if is_main:
+        if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_text_atomic(root / "latest", final.name)
+        _prune(root, keep)
+    barrier()
     return final
+
+
+def load_rng(path: Path, rank: int) -> bool:
+    """Restore this rank's RNG from a checkpoint; False when it has none for this rank (other world size)."""
+    f = Path(path) / rng_file(rank)
+    if not f.is_file():
+        return False
+    set_rng_state(torch.load(f, weights_only=False))
+    return True
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -2,41 +2,33 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from ..config import DraftConfig, TrainerConfig
 from ..data.loader import Batch, BatchStream
-from ..draft.loss import TTTOutput, ttt_loss
+from ..draft.loss import TTTOutput
 from ..draft.ttt import shift_left
 from ..targets.hf import HFTarget
-from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .optim import build_optimizer, build_scheduler
+from .checkpoint import latest_checkpoint, load_checkpoint, load_rng, save_checkpoint, set_rng_state
+from .distributed import DistributedContext
+from .engine import build_engine
 from .tracking import Tracker
 
 
-def autocast_for(precision: str, device: torch.device):
-    """bf16 autocast where asked (``auto`` means bf16 on GPU, fp32 on CPU); master weights stay fp32."""
-    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    if precision not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"trainer.precision={precision!r}: use auto, fp32 or bf16")
-    return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-
-
-def batch_loss(target: HFTarget, draft, batch: Batch, draft_cfg: DraftConfig, precision: str = "fp32") -> TTTOutput:
+def batch_loss(target: HFTarget, draft_forward: Callable[..., TTTOutput], batch: Batch, draft_cfg: DraftConfig) -> TTTOutput:
     """One micro-batch: the frozen target's capture and teacher (in the target's own dtype), then the
-    draft's TTT unroll (under the trainer's precision)."""
-    captured = target.capture(batch.input_ids, batch.attention_mask)
+    draft's TTT unroll (``draft_forward``: the draft module, or a training engine's forward)."""
+    captured = target.capture(batch.input_ids, batch.attention_mask, **batch.inputs)
     # The teacher at position j is scored only where x[j+1] carries loss (see ttt_loss's alignment).
     needed = shift_left(batch.loss_mask, 1).bool()
     teacher, in_vocab = target.teacher(captured.final_hidden, needed)
-    with autocast_for(precision, batch.input_ids.device):
-        return ttt_loss(draft, captured.aux, batch.input_ids, teacher, in_vocab, batch.loss_mask,
-                        draft_cfg.ttt_length, draft_cfg.step_loss_decay)
+    return draft_forward(captured.aux, batch.input_ids, teacher, in_vocab, batch.loss_mask,
+                         draft_cfg.ttt_length, draft_cfg.step_loss_decay)
 
 
 @dataclass
@@ -44,6 +36,7 @@ class TrainResult:
     step: int
     last_metrics: dict = field(default_factory=dict)
     checkpoint: Path | None = None
+    weights: dict = field(default_factory=dict)  # the full trained weights (gathered from ZeRO shards)
 
 
 def sim_accept_len(accs: list[float]) -> float:
@@ -56,10 +49,11 @@ def sim_accept_len(accs: list[float]) -> float:
 
 
 def train(cfg: TrainerConfig, draft_cfg: DraftConfig, target: HFTarget, draft: torch.nn.Module, stream: BatchStream,
-          run_dir: Path, tracker_factory, spec: dict, log=print) -> TrainResult:
-    device = target.device
-    optimizer = build_optimizer(draft.parameters(), cfg)
-    scheduler = build_scheduler(optimizer, cfg)
+          run_dir: Path, tracker_factory, spec: dict, log=print, ctx: DistributedContext | None = None) -> TrainResult:
+    """The loop every rank runs. Each rank draws its own share of every global batch (``stream``),
+    metrics are summed over ranks before logging, and only rank 0 logs and writes shared files."""
+    ctx = ctx or DistributedContext()
+    engine = build_engine(draft, cfg, ctx)
     step, tokens_seen = 0, 0
 
     resume_from = None
@@ -73,64 +67,70 @@ def train(cfg: TrainerConfig, draft_cfg: DraftConfig, target: HFTarget, draft: t
         if changed:
             raise RuntimeError(f"checkpoint {resume_from} does not fit this draft (saved vs now: {changed}); "
                                "resume with the same model and draft settings, or use a new output_dir")
-        missing = draft.load_state_dict(weights, strict=False)
-        if missing.unexpected_keys or [k for k in missing.missing_keys if not k.startswith("embed_tokens.")]:
-            raise RuntimeError(f"checkpoint {resume_from} does not fit this draft: {missing}")
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        saved_world = state.get("world_size", 1)
+        if saved_world != ctx.world_size and cfg.deepspeed.enabled and cfg.deepspeed.zero_stage > 0:
+            # DeepSpeed 0.19 refuses ZeRO-1/2/3 optimizer partitions from another data-parallel size, and its
+            # universal-checkpoint converter does not take a plain torch optimizer's state.
+            raise RuntimeError(
+                f"checkpoint {resume_from} was written by {saved_world} ranks under ZeRO-{cfg.deepspeed.zero_stage} "
+                f"and this run has {ctx.world_size}: partitioned optimizer state cannot be re-split on load. Resume "
+                f"with {saved_world} ranks (the global batch is micro_batch_size x grad_accum_steps x ranks), or "
+                "train with trainer=zero0, whose replicated state resumes on any number of ranks")
+        engine.load(resume_from, weights, ctx)
         stream.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
+        if not load_rng(resume_from, ctx.rank) and "rng" in state:
+            set_rng_state(state["rng"])  # checkpoints written before per-rank RNG files
         step, tokens_seen = state["step"], state["tokens_seen"]
-        log(f"[train] resumed from {resume_from} at step {step}")
+        log(f"[train] resumed from {resume_from} at step {step}"
+            + (f" (written by {saved_world} ranks, now {ctx.world_size})" if saved_world != ctx.world_size else ""))
 
     def checkpoint() -> Path:
-        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "data": stream.state_dict(),
-                 "rng": rng_state(), "step": step, "tokens_seen": tokens_seen}
-        return save_checkpoint(run_dir, step, draft.trainable_state_dict(), state, spec, keep=cfg.keep_checkpoints)
+        state = {"data": stream.state_dict(), "step": step, "tokens_seen": tokens_seen, "world_size": ctx.world_size,
+                 "engine": engine.kind}
+        return save_checkpoint(run_dir, step, engine.full_state_dict(), state, spec, keep=cfg.keep_checkpoints,
+                               ctx=ctx, save_engine=lambda folder: engine.save(folder, ctx))
 
     stop_at = min(cfg.max_steps, cfg.stop_at_step) if cfg.stop_at_step is not None else cfg.max_steps
-    tracker = tracker_factory(step)
+    tracker = tracker_factory(step) if ctx.is_main else None
     bar = None
-    if cfg.progress_bar and step < stop_at:
+    if cfg.progress_bar and step < stop_at and ctx.is_main:
         from tqdm import tqdm
 
         bar = tqdm(total=stop_at, initial=step, desc="train", dynamic_ncols=True)
-    draft.train()
+    engine.module.train()
     metrics: dict = {}
     last_ckpt = None
     t_window, tok_window = time.perf_counter(), 0
     try:
         while step < stop_at:
-            step_losses, step_correct, step_valid = 0.0, None, None
+            # summed over micro-batches here and over ranks below: [loss, tokens, correct_k..., valid_k...]
+            sums = torch.zeros(2 + 2 * draft_cfg.ttt_length, dtype=torch.float64)
             for _ in range(cfg.grad_accum_steps):
-                batch = next(stream).to(device)
-                out = batch_loss(target, draft, batch, draft_cfg, cfg.precision)
-                (out.loss / cfg.grad_accum_steps).backward()
-                step_losses += float(out.loss.detach()) / cfg.grad_accum_steps
-                corr = torch.stack([s.correct for s in out.steps]).float()
-                val = torch.stack([s.valid for s in out.steps]).float()
-                step_correct = corr if step_correct is None else step_correct + corr
-                step_valid = val if step_valid is None else step_valid + val
-                tokens_seen += batch.num_tokens
-                tok_window += batch.num_tokens
-            grad_norm = torch.nn.utils.clip_grad_norm_([p for p in draft.parameters() if p.requires_grad],
-                                                       cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+                batch = next(stream).to(target.device)
+                out = batch_loss(target, engine.forward, batch, draft_cfg)
+                engine.backward(out.loss)
+                sums[0] += float(out.loss.detach()) / cfg.grad_accum_steps
+                sums[1] += batch.num_tokens
+                sums[2 : 2 + draft_cfg.ttt_length] += torch.stack([s.correct for s in out.steps]).double().cpu()
+                sums[2 + draft_cfg.ttt_length :] += torch.stack([s.valid for s in out.steps]).double().cpu()
+            grad_norm = engine.step()
+            ctx.all_reduce_sum(sums)
             step += 1
+            tokens_seen += int(sums[1])
+            tok_window += int(sums[1])
 
-            if step % cfg.log_every == 0 or step == stop_at:
-                accs = (step_correct / step_valid.clamp(min=1)).tolist()
+            if ctx.is_main and (step % cfg.log_every == 0 or step == stop_at):
+                k = draft_cfg.ttt_length
+                accs = (sums[2 : 2 + k] / sums[2 + k :].clamp(min=1)).tolist()
                 elapsed = time.perf_counter() - t_window
-                metrics = {"step": step, "loss": step_losses, "lr": scheduler.get_last_lr()[0],
-                           "grad_norm": float(grad_norm), "tokens_seen": tokens_seen,
-                           "tokens_per_s": tok_window / max(elapsed, 1e-9),
-                           **{f"acc_{k}": a for k, a in enumerate(accs)}, "sim_accept_len": sim_accept_len(accs)}
+                loss = float(sums[0]) / ctx.world_size
+                metrics = {"step": step, "loss": loss, "lr": engine.lr, "grad_norm": grad_norm,
+                           "tokens_seen": tokens_seen, "tokens_per_s": tok_window / max(elapsed, 1e-9),
+                           **{f"acc_{i}": a for i, a in enumerate(accs)}, "sim_accept_len": sim_accept_len(accs)}
                 tracker.log(metrics)
                 t_window, tok_window = time.perf_counter(), 0
                 if bar is not None:
-                    bar.set_postfix(loss=f"{step_losses:.3f}", acc0=f"{accs[0]:.2f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                    bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{accs[0]:.2f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
             if bar is not None:
                 bar.update(1)
             if cfg.save_every > 0 and step % cfg.save_every == 0:
@@ -140,5 +140,6 @@ def train(cfg: TrainerConfig, draft_cfg: DraftConfig, target: HFTarget, draft: t
     finally:
         if bar is not None:
             bar.close()
-        tracker.close()
-    return TrainResult(step=step, last_metrics=metrics, checkpoint=last_ckpt)
+        if tracker is not None:
+            tracker.close()
+    return TrainResult(step=step, last_metrics=metrics, checkpoint=last_ckpt, weights=engine.full_state_dict())

@@ -73,6 +73,10 @@ class TargetFamily:
         cap = self.logit_softcap(config)
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def image_inputs(self, location: str, config: Any) -> Any:
+        """How the model takes images (data.images.ImageInputs), or None for text-only families."""
+        return None
+
     # ---- capture -----------------------------------------------------------------------------
     def run_decoder(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                     **inputs: Any) -> torch.Tensor:
@@ -84,6 +88,12 @@ class TargetFamily:
             raise ValueError(f"the {self.name} family takes text only; got inputs {sorted(inputs)}")
         return self.decoder(model)(input_ids=input_ids, attention_mask=attention_mask,
                                    use_cache=False).last_hidden_state
+
+    def run_cached(self, model: nn.Module, input_ids: torch.Tensor, cache: Any, **inputs: Any) -> torch.Tensor:
+        """One incremental forward with a KV cache (decoding); returns the logits of the new positions."""
+        if inputs:
+            raise ValueError(f"the {self.name} family takes text only; got inputs {sorted(inputs)}")
+        return model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits
 
     def check_padding(self, attention_mask: torch.Tensor | None) -> None:
         if not self.needs_right_padding or attention_mask is None:

@@ -7,6 +7,9 @@ HF's ``output_hidden_states[1..3]`` are taken before the injection and would dif
 Image inputs (``pixel_values``, ``image_grid_thw``; ``mm_token_type_ids`` derived from the ids when
 absent) go through the multimodal model, which merges the
 image features and computes the interleaved mrope positions; text-only batches take the same path.
+
+Decoding keeps the prompt's mrope offset (``rope_deltas``) on the model between cached steps; a new
+prompt (empty cache) clears it, or a text prompt after an image prompt would decode at shifted positions.
 """
 
 from __future__ import annotations
@@ -19,20 +22,40 @@ from torch import nn
 from .base import TargetFamily
 
 IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+# What Qwen3-VL's chat template renders for one image; the processor repeats the pad per token.
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 class Qwen3VLFamily(TargetFamily):
     name = "qwen3_vl"
 
-    def run_decoder(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    **inputs: Any) -> torch.Tensor:
+    def image_inputs(self, location: str, config: Any) -> Any:
+        from transformers import AutoImageProcessor
+
+        from ...data.images import ImageInputs
+
+        return ImageInputs(AutoImageProcessor.from_pretrained(location), IMAGE_PLACEHOLDER, config.image_token_id,
+                           config.vision_config.spatial_merge_size)
+
+    def _image_inputs(self, model: nn.Module, input_ids: torch.Tensor, inputs: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(inputs) - set(IMAGE_INPUTS))
         if unknown:
             raise ValueError(f"qwen3_vl capture takes {IMAGE_INPUTS}; got unexpected inputs {unknown}")
         if "pixel_values" in inputs and "mm_token_type_ids" not in inputs:
             inputs["mm_token_type_ids"] = self.token_types(model.config, input_ids)
+        return inputs
+
+    def run_decoder(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    **inputs: Any) -> torch.Tensor:
+        inputs = self._image_inputs(model, input_ids, inputs)
         return model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                            **inputs).last_hidden_state
+
+    def run_cached(self, model: nn.Module, input_ids: torch.Tensor, cache: Any, **inputs: Any) -> torch.Tensor:
+        if cache.get_seq_length() == 0:
+            model.model.rope_deltas = None
+        inputs = self._image_inputs(model, input_ids, inputs)
+        return model(input_ids=input_ids, past_key_values=cache, use_cache=True, **inputs).logits
 
     @staticmethod
     def token_types(config: Any, input_ids: torch.Tensor) -> torch.Tensor:

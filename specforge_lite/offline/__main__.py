@@ -1,0 +1,48 @@
+"""python -m specforge_lite.offline dump [hydra overrides] store=DIR
+python -m specforge_lite.offline ingest --from vllm|speculators SRC [--layer-ids 2,14,27,30] [hydra overrides] store=DIR
+
+``store=DIR`` is short for ``store.path=DIR``; the other overrides are the ones train.py takes (model,
+data, draft.aux_layer_ids, draft.draft_vocab_size), so the store fits ``train.py <same overrides>
+data.source=offline data.store=DIR``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _overrides(items: list[str]) -> list[str]:
+    return [f"store.path={x.split('=', 1)[1]}" if x.startswith("store=") else x for x in items]
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m specforge_lite.offline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("dump", help="run the target over the prepared data and write a store")
+    d.add_argument("overrides", nargs="*")
+    i = sub.add_parser("ingest", help="convert a vLLM or speculators hidden-state extraction into a store")
+    i.add_argument("--from", dest="kind", required=True, choices=["vllm", "speculators"])
+    i.add_argument("--layer-ids", default=None, help="the layer ids the extraction was made with, comma-separated "
+                                                     "(default: speculators' [2, L//2, L-3, L])")
+    i.add_argument("src")
+    i.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+
+    from ..config import load_config
+
+    config = load_config(["tracker=none", *_overrides(a.overrides)])
+    if a.command == "dump":
+        from .dump import dump
+
+        dump(config)
+    else:
+        from .ingest import ingest
+
+        ids = [int(x) for x in a.layer_ids.split(",")] if a.layer_ids else None
+        ingest(config, a.kind, a.src, ids)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Run the target once over the prepared training data and write a hidden-state store.
+
+    python -m specforge_lite.offline dump [hydra overrides] store=DIR [store.dtype=bfloat16] [store.batch_size=8]
+
+The data stage, aux ids and draft vocabulary are the ones ``train.py`` with the same overrides would
+use, so ``train.py <same overrides> data.source=offline data.store=DIR`` trains on exactly these samples.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..config import Config
+from ..data.loader import collate
+from ..targets.capture import CONVENTION
+from ..targets.hf import HFTarget
+from .store import Manifest, ShardWriter, StoreError, save_parts, teacher_record
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def with_final_state(target: HFTarget) -> HFTarget:
+    """The same model capturing one more state: the last layer's pre-norm output (id num_layers)."""
+    L = target.num_layers
+    if L in target.aux_layer_ids:
+        raise StoreError(f"aux id {L} (the pre-norm final state) is stored separately; leave it out of draft.aux_layer_ids")
+    target.close()
+    cls = type(target)
+    return cls(target.model, target.family, [*target.aux_layer_ids, L], target.location)
+
+
+def data_settings(config: Config) -> dict:
+    """The data config the store was made from (evaluation re-creates its held-out prompts from it)."""
+    from dataclasses import asdict
+
+    return asdict(config.data)
+
+
+def store_bytes(tokens: int, n_aux: int, hidden: int, dtype: str, topk: int = 0) -> int:
+    """Disk of the shards: aux states and the final state (or top-k values + int32 ids) per token, plus
+    ids, mask and flags (6 bytes)."""
+    teacher = topk * (_DTYPE_BYTES[dtype] + 4) if topk else hidden * _DTYPE_BYTES[dtype]
+    return tokens * (n_aux * hidden * _DTYPE_BYTES[dtype] + teacher + 6)
+
+
+def open_or_create(folder: Path, target: HFTarget, vocab, aux_ids: list[int], store_cfg, source: dict,
+                   log=print) -> Manifest:
+    """A new store with the target's parts written once, or the existing one made with the same settings
+    (a killed dump or ingest resumes after its last complete shard)."""
+    manifest = Manifest(convention=CONVENTION, aux_layer_ids=list(aux_ids), num_layers=target.num_layers,
+                        hidden_size=target.hidden_size, vocab_size=target.vocab_size, family=target.family.name,
+                        target_config=target.config.to_dict(), dtype=store_cfg.dtype, draft_vocab_size=vocab.size,
+                        teacher=store_cfg.teacher, topk=store_cfg.topk if store_cfg.teacher == "topk" else 0,
+                        source=source)
+    if (folder / "manifest.json").is_file():
+        old = Manifest.load(folder)
+        keys = ("convention", "aux_layer_ids", "num_layers", "hidden_size", "vocab_size", "dtype", "draft_vocab_size",
+                "teacher", "topk", "source")
+        differ = [k for k in keys if getattr(old, k) != getattr(manifest, k)]
+        if differ:
+            raise StoreError(f"{folder} holds a store made with other settings ({differ} differ); choose another "
+                             "store=DIR or delete it")
+        log(f"[store] resuming {folder}: {old.num_samples} samples already stored")
+        manifest = old
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        lm_bias = target._lm_head_bias()
+        final_norm = target.family.final_norm(target.model).state_dict()
+        save_parts(folder, target.embedding_weight(), final_norm, target.lm_head_rows(vocab.draft_to_target),
+                   vocab.d2t, None if lm_bias is None else lm_bias.index_select(0, vocab.draft_to_target))
+        manifest.save(folder)
+    for stale in folder.glob("*.tmp"):  # a shard a killed run was writing
+        stale.unlink()
+    return manifest
+
+
+def check_store_config(sc) -> None:
+    if sc.dtype not in _DTYPE_BYTES:
+        raise StoreError(f"store.dtype={sc.dtype!r}: use bfloat16, float16 or float32")
+    if sc.teacher not in ("final", "topk") or (sc.teacher == "topk" and sc.topk < 1):
+        raise StoreError(f"store.teacher={sc.teacher!r} (store.topk={sc.topk}): use final, or topk with store.topk >= 1")
+
+
+def dump(config: Config, log=print) -> Path:
+    from ..pipeline import build_target, build_vocab, load_tokenizer, pad_id, prepare
+
+    sc = config.store
+    if not sc.path:
+        raise StoreError("give the store folder: python -m specforge_lite.offline dump ... store=DIR")
+    check_store_config(sc)
+    folder = Path(sc.path).expanduser()
+    live = build_target(config)
+    tokenizer = load_tokenizer(live, config.model.chat_template)
+    data = prepare(config, live, tokenizer, log=log)
+    vocab = build_vocab(config, live, data.train, tokenizer)
+    aux_ids = list(live.aux_layer_ids)
+    target = with_final_state(live)
+    target.set_draft_vocab(vocab.draft_to_target, vocab.t2d)
+
+    source = {"kind": "dump", "model": config.model.name, "location": str(target.location),
+              "train_samples": len(data.train), "data": data_settings(config)}
+    manifest = open_or_create(folder, target, vocab, aux_ids, sc, source, log)
+    tokens = sum(len(x) for x in data.train["input_ids"])
+    need = store_bytes(tokens, len(aux_ids), target.hidden_size, sc.dtype, sc.topk if sc.teacher == "topk" else 0)
+    free = shutil.disk_usage(folder).free
+    log(f"[store] {len(data.train)} samples, {tokens} tokens -> about {need / 2**30:.2f} GiB in {sc.dtype} "
+        f"({free / 2**30:.1f} GiB free at {folder})")
+    if need > free:
+        raise StoreError(f"the store needs about {need / 2**30:.1f} GiB and {folder} has {free / 2**30:.1f} GiB free; "
+                         "free space, choose another store=DIR, or store.dtype=bfloat16")
+
+    writer = ShardWriter(folder, manifest, sc.samples_per_shard)
+    n = len(data.train)
+    pad = pad_id(tokenizer)
+    with torch.no_grad():
+        for start in range(manifest.num_samples, n, sc.batch_size):
+            rows = [data.train[i] for i in range(start, min(start + sc.batch_size, n))]
+            batch = collate(rows, pad, target.image_inputs).to(target.device)
+            captured = target.capture(batch.input_ids, batch.attention_mask, **batch.inputs)
+            _, in_vocab = target.teacher(captured.final_hidden, batch.attention_mask.bool())
+            for r, row in enumerate(rows):
+                k = len(row["input_ids"])
+                aux = torch.stack([a[r, :k] for a in captured.aux[:-1]], dim=1)
+                teacher = teacher_record(sc.teacher, sc.topk, captured.aux[-1][r, :k],
+                                         lambda: target._draft_logits(captured.final_hidden[r, :k]))
+                writer.add(batch.input_ids[r, :k], batch.loss_mask[r, :k], aux, teacher, in_vocab[r, :k])
+            if (start // sc.batch_size) % 20 == 0:
+                log(f"[store] {min(start + sc.batch_size, n)}/{n} samples")
+        writer.flush()
+    log(f"[store] {folder}: {manifest.num_samples} samples, {manifest.tokens} tokens in {len(manifest.shards)} shards")
+    return folder

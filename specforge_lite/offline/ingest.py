@@ -1,0 +1,145 @@
+"""Hidden states extracted by a serving engine, converted into our store.
+
+    python -m specforge_lite.offline ingest --from vllm|speculators SRC [--layer-ids 2,14,27,30] \
+        [hydra overrides] store=DIR
+
+* vLLM ``extract_hidden_states``: one ``{req_id}.safetensors`` per request with ``hidden_states``
+  [T, n_ids, H] (older builds: [n_ids, T, H], told apart by ``token_ids``' length) in the order of the
+  ids vLLM was given. A file whose ``.lock`` is held by its writer is skipped (and counted).
+* speculators: ``hs_{i}.safetensors`` with ``hidden_states`` [T, n_ids, H] and ``token_ids``
+  (default ids [2, L//2, L-3, L]).
+
+Both capture "input of layer i", id num_layers = the pre-norm final state: our convention, so ids map
+one to one; ``--layer-ids`` names what the extraction was given, and every aux id of the run plus id
+num_layers must be among them. Neither format records loss masks: each extracted sequence is matched
+to the run's prepared training sample with the same tokens and takes its mask (unmatched ones are
+skipped and counted). The target's parts (embedding, final norm, draft rows) and the in-vocabulary flags
+come from the run's target, as in a dump.
+"""
+
+from __future__ import annotations
+
+import fcntl
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..config import Config
+from ..targets.capture import resolve_aux_layer_ids
+from .store import ShardWriter, StoreError, teacher_record
+
+
+def extraction_files(kind: str, src: Path) -> list[Path]:
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src} is not a folder of {kind} hidden-state files")
+    if kind == "vllm":
+        files = sorted(p for p in src.glob("*.safetensors"))
+    elif kind == "speculators":
+        files = sorted(src.glob("hs_*.safetensors"), key=lambda p: int(p.stem.split("_")[1]))
+    else:
+        raise ValueError(f"--from {kind!r}: use vllm or speculators")
+    if not files:
+        raise FileNotFoundError(f"no {kind} hidden-state files in {src}")
+    return files
+
+
+def read_extraction(path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(token_ids [T], hidden_states [T, n_ids, H]), or None while its writer holds the lock."""
+    lock = Path(str(path) + ".lock")
+    handle = None
+    if lock.exists():
+        handle = open(lock, "rb")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            ids_key = "token_ids" if "token_ids" in keys else "input_ids"
+            if "hidden_states" not in keys or ids_key not in keys:
+                raise StoreError(f"{path} lacks hidden_states/token_ids (keys: {sorted(keys)})")
+            ids, hs = f.get_tensor(ids_key).long().flatten(), f.get_tensor("hidden_states")
+    finally:
+        if handle is not None:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
+    if hs.dim() != 3:
+        raise StoreError(f"{path}: hidden_states has shape {tuple(hs.shape)}, expected [T, n_ids, H]")
+    if hs.shape[0] != ids.numel() and hs.shape[1] == ids.numel():
+        hs = hs.transpose(0, 1)  # the older layers-first layout
+    if hs.shape[0] != ids.numel():
+        raise StoreError(f"{path}: hidden_states {tuple(hs.shape)} does not match {ids.numel()} token ids")
+    return ids, hs
+
+
+def ingest(config: Config, kind: str, src: str | Path, layer_ids: list[int] | None = None, log=print) -> Path:
+    from ..pipeline import build_target, build_vocab, load_tokenizer, prepare
+    from .dump import check_store_config, data_settings, open_or_create, with_final_state
+
+    sc = config.store
+    if not sc.path:
+        raise StoreError("give the store folder: python -m specforge_lite.offline ingest ... store=DIR")
+    check_store_config(sc)
+    folder, src = Path(sc.path).expanduser(), Path(src).expanduser()
+    files = extraction_files(kind, src)
+    live = build_target(config)
+    tokenizer = load_tokenizer(live, config.model.chat_template)
+    data = prepare(config, live, tokenizer, log=log)
+    vocab = build_vocab(config, live, data.train, tokenizer)
+    L = live.num_layers
+    aux_ids = resolve_aux_layer_ids(config.draft.aux_layer_ids, L)
+    given = layer_ids or [2, L // 2, L - 3, L]
+    missing = [i for i in [*aux_ids, L] if i not in given]
+    if missing:
+        raise StoreError(f"the extraction holds ids {given}; this run needs {aux_ids} and {L} (the pre-norm final "
+                         f"state), missing {missing}. Extract with those ids, or set draft.aux_layer_ids / --layer-ids")
+    pick = [given.index(i) for i in aux_ids]
+    final_at = given.index(L)
+    target = with_final_state(live)
+    target.set_draft_vocab(vocab.draft_to_target, vocab.t2d)
+    final_norm = target.family.final_norm(target.model)
+
+    by_tokens = {tuple(ids): i for i, ids in enumerate(data.train["input_ids"])}
+    found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    skipped = Counter()
+    for path in files:
+        got = read_extraction(path)
+        if got is None:
+            skipped["being written (lock held)"] += 1
+            continue
+        ids, hs = got
+        if hs.shape[1] != len(given) or hs.shape[2] != target.hidden_size:
+            raise StoreError(f"{path}: hidden_states {tuple(hs.shape)}; expected [T, {len(given)} ids, "
+                             f"{target.hidden_size}] for --layer-ids {given} and this target's hidden size")
+        index = by_tokens.get(tuple(ids.tolist()))
+        if index is None:
+            skipped["no prepared training sample with these tokens"] += 1
+            continue
+        found[index] = (ids, hs)
+    if not found:
+        raise StoreError(f"none of the {len(files)} files in {src} matched a prepared training sample ({dict(skipped)}); "
+                         "ingest with the model and data settings the extraction was made from")
+
+    source = {"kind": f"ingest-{kind}", "model": config.model.name, "path": str(src), "layer_ids": given,
+              "data": data_settings(config)}
+    manifest = open_or_create(folder, target, vocab, aux_ids, sc, source, log)
+    order = sorted(found)  # the prepared order, as a dump writes it
+    writer = ShardWriter(folder, manifest, sc.samples_per_shard)
+    with torch.no_grad():
+        for index in order[manifest.num_samples:]:
+            ids, hs = found[index]
+            hs = hs.to(target.device, target.dtype)
+            final = hs[:, final_at]
+            normed = final_norm(final)
+            _, in_vocab = target.teacher_rows(normed)
+            mask = torch.tensor(data.train[index]["loss_mask"])
+            teacher = teacher_record(sc.teacher, sc.topk, final, lambda: target._draft_logits(normed))
+            writer.add(ids, mask, hs[:, pick], teacher, in_vocab)
+        writer.flush()
+    log(f"[store] ingested {len(found)} {kind} sequences into {folder}" +
+        (f"; skipped {sum(skipped.values())}: {dict(skipped)}" if skipped else ""))
+    return folder

@@ -1,0 +1,150 @@
+"""``StoreTarget``: the target as offline training sees it, read back from a hidden-state store.
+
+It answers what the training loop asks of a live target (``capture``, ``teacher``, the embedding, the
+draft rows of the head, the config) from stored tensors: aux states and the pre-norm final state per
+sample, the final norm and the draft-vocabulary rows of the lm_head kept once. The teacher is the same
+computation as online (final norm, draft rows, the family's logit transform), so training from a store
+equals training online.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from ..config import Config
+from ..data.vocab import DraftVocab
+from ..targets.capture import CONVENTION, resolve_aux_layer_ids
+from ..targets.families import get_family
+from ..targets.hf import Captured
+from .store import StoreError, StoreReader, teacher_fields
+
+
+def _final_norm_module(family, target_config: dict, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The target's own final-norm class (Gemma's (1+w) norms included), built on the meta device from
+    the stored config and filled with the stored weights: no target checkpoint needed."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**target_config)
+    arch = next((getattr(transformers, a, None) for a in (cfg.architectures or []) if hasattr(transformers, a)), None)
+    with torch.device("meta"):
+        model = arch(cfg) if arch is not None else AutoModelForCausalLM.from_config(cfg)
+    norm = copy.deepcopy(family.final_norm(model)).to_empty(device="cpu")
+    norm.load_state_dict(state)
+    return norm.float().eval()
+
+
+class StoreTarget:
+    def __init__(self, reader: StoreReader, device: torch.device | str = "cpu"):
+        from transformers import AutoConfig
+
+        self.reader, self.manifest = reader, reader.manifest
+        m = self.manifest
+        self.family = get_family(m.family)
+        self.config = AutoConfig.for_model(**m.target_config)
+        self.aux_layer_ids = list(m.aux_layer_ids)
+        self.convention = m.convention
+        self.location = str(reader.folder)
+        self.num_layers, self.hidden_size, self.vocab_size = m.num_layers, m.hidden_size, m.vocab_size
+        self.device = torch.device(device)
+        self.dtype = torch.float32
+        self.image_inputs = None
+        parts = reader.parts()
+        self._embedding = parts["embedding"].to(self.device)
+        self._draft_rows = parts["draft_rows"].float().to(self.device)
+        self._draft_bias = parts["draft_bias"].float().to(self.device) if "draft_bias" in parts else None
+        norm_state = {k.removeprefix("final_norm."): v for k, v in parts.items() if k.startswith("final_norm.")}
+        self.final_norm = _final_norm_module(self.family, m.target_config, norm_state).to(self.device)
+        self.vocab = DraftVocab.from_d2t(parts["d2t"], m.vocab_size)
+        self._in_vocab: torch.Tensor | None = None
+        self._topk: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def open(cls, config: Config, device: str = "cpu") -> "StoreTarget":
+        """The store named by ``data.store``, checked against the run's config."""
+        if not config.data.store:
+            raise StoreError("data.source=offline needs data.store=DIR (made by python -m specforge_lite.offline dump)")
+        target = cls(StoreReader(config.data.store), device)
+        target.check_against(config)
+        return target
+
+    def check_against(self, config: Config) -> None:
+        m, problems = self.manifest, []
+        if m.convention != CONVENTION:
+            problems.append(f"convention {m.convention!r} (this build reads {CONVENTION!r})")
+        wanted = resolve_aux_layer_ids(config.draft.aux_layer_ids, m.num_layers)
+        if wanted != list(m.aux_layer_ids):
+            problems.append(f"aux ids {m.aux_layer_ids} stored, draft.aux_layer_ids resolves to {wanted} "
+                            f"(set draft.aux_layer_ids={list(m.aux_layer_ids)})")
+        if m.source.get("model") not in (None, config.model.name):
+            problems.append(f"made for model={m.source['model']}, this run has model={config.model.name}")
+        want_vocab = min(config.draft.draft_vocab_size, m.vocab_size)
+        if want_vocab != m.draft_vocab_size:
+            problems.append(f"draft vocabulary of {m.draft_vocab_size} tokens stored, draft.draft_vocab_size gives "
+                            f"{want_vocab} (set draft.draft_vocab_size={m.draft_vocab_size} or dump again)")
+        if problems:
+            raise StoreError(f"the store {self.location} does not fit this run: " + "; ".join(problems))
+
+    # ---- what the training loop and the draft builder read ------------------------------------
+    def embedding_weight(self) -> torch.Tensor:
+        return self._embedding
+
+    def lm_head_rows(self, draft_to_target: torch.Tensor) -> torch.Tensor:
+        if not torch.equal(draft_to_target.cpu(), self.vocab.draft_to_target):
+            raise StoreError("the store keeps the lm_head rows of its own draft vocabulary only")
+        return self._draft_rows
+
+    def set_draft_vocab(self, draft_to_target: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.lm_head_rows(draft_to_target)
+
+    def close(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                store_index: torch.Tensor | None = None, **inputs: Any) -> Captured:
+        """The stored states of the batch's samples (``store_index``), right-padded with zeros like the batch."""
+        if store_index is None:
+            raise StoreError("an offline batch carries store_index (the loader adds it for store rows)")
+        B, T = input_ids.shape
+        n_aux, H, k = len(self.aux_layer_ids), self.hidden_size, self.manifest.topk
+        topk = self.manifest.teacher == "topk"
+        aux = torch.zeros(B, T, n_aux, H)
+        final = torch.zeros(B, T, 1 if topk else H)
+        values, ids = torch.zeros(B, T, k), torch.zeros(B, T, k, dtype=torch.long)
+        in_vocab = torch.zeros(B, T, dtype=torch.bool)
+        for row, i in enumerate(store_index.tolist()):
+            s = self.reader.sample(i, ("input_ids", "aux", "in_vocab", *teacher_fields(self.manifest)))
+            n = s["input_ids"].numel()
+            if not torch.equal(s["input_ids"].long(), input_ids[row, :n].cpu()):
+                raise StoreError(f"stored sample {i} holds other tokens than the batch row: the store and the "
+                                 "batch order disagree")
+            aux[row, :n], in_vocab[row, :n] = s["aux"].float(), s["in_vocab"].bool()
+            if topk:
+                values[row, :n], ids[row, :n] = s["topk_values"].float(), s["topk_ids"].long()
+            else:
+                final[row, :n] = s["final"].float()
+        self._in_vocab = in_vocab.to(self.device)
+        self._topk = (values.to(self.device), ids.to(self.device)) if topk else None
+        final = final.to(self.device)
+        return Captured(aux=[aux[:, :, j].to(self.device) for j in range(n_aux)],
+                        final_hidden=final if topk else self.final_norm(final))
+
+    @torch.no_grad()
+    def teacher(self, final_hidden: torch.Tensor, needed: torch.Tensor | None = None):
+        """Draft-vocabulary logits as the live target computes them; the in-vocabulary flags were stored
+        at dump time (the full-vocabulary argmax needs the whole head)."""
+        if self._topk is not None:  # store.teacher=topk: every other draft token gets probability 0
+            values, ids = self._topk
+            logits = torch.full((*values.shape[:2], self._draft_rows.shape[0]), float("-inf"), device=values.device)
+            logits.scatter_(-1, ids, values)
+        else:
+            logits = final_hidden @ self._draft_rows.T
+            if self._draft_bias is not None:
+                logits = logits + self._draft_bias
+            logits = self.family.postprocess_logits(logits.float(), self.config)
+        in_vocab = self._in_vocab if needed is None else self._in_vocab & needed
+        return logits, in_vocab

@@ -1,0 +1,158 @@
+"""Processes, ranks and DeepSpeed: one place that knows about more than one process.
+
+Launch with ``torchrun --nproc_per_node N train.py trainer=zero2 ...`` or ``deepspeed --num_gpus N
+train.py trainer=zero2 ...`` (the launchers set RANK/WORLD_SIZE/LOCAL_RANK). A single process needs
+no launcher and never initialises a process group. DeepSpeed's JSON config is built here from the
+trainer config, so batch sizes, accumulation, clipping and precision are written once, in Hydra.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import TrainerConfig
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        if self.enabled:
+            torch.distributed.barrier()
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks (in place; returned). The tensor moves to the backend's device and back."""
+        if not self.enabled:
+            return t
+        work = t.to(self.comm_device)
+        torch.distributed.all_reduce(work)
+        t.copy_(work.to(t.device))
+        return t
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if not self.enabled:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    @property
+    def comm_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def launcher_env() -> DistributedContext:
+    """Ranks as the launcher set them (1 process when no launcher ran)."""
+    return DistributedContext(rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
+                              local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_distributed(cfg: TrainerConfig) -> DistributedContext:
+    """Join the process group when launched with several processes (gloo on CPU, nccl on GPU)."""
+    ctx = launcher_env()
+    if not ctx.enabled and not cfg.deepspeed.enabled:
+        return ctx
+    if not cfg.deepspeed.enabled:
+        raise RuntimeError(f"launched with {ctx.world_size} processes but DeepSpeed is off: data-parallel training "
+                           "runs through DeepSpeed, choose trainer=zero0|zero1|zero2|zero3|zero3_offload")
+    if "MASTER_ADDR" not in os.environ:  # DeepSpeed in one process without a launcher: a group of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(ctx.local_rank)
+    if not torch.distributed.is_initialized():
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    return ctx
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def strip_launcher_args(argv: list[str]) -> list[str]:
+    """The ``deepspeed`` launcher appends ``--local_rank=N``; Hydra would read it as an override."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg.startswith("--local_rank=") or arg.startswith("--local-rank="):
+            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+        elif arg in ("--local_rank", "--local-rank") and i + 1 < len(argv):
+            os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def use_bf16(precision: str) -> bool:
+    if precision not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"trainer.precision={precision!r}: use auto, fp32 or bf16")
+    return precision == "bf16" or (precision == "auto" and torch.cuda.is_available())
+
+
+def deepspeed_config(cfg: TrainerConfig, world_size: int) -> dict:
+    """DeepSpeed's JSON config, every value taken from the trainer config.
+
+    The optimizer and schedule are ours (AdamW, warmup + cosine: training/optim.py) and handed to
+    ``deepspeed.initialize`` as objects, so they are the same with and without DeepSpeed. Under bf16 the
+    draft's weights are bf16 in the forward and DeepSpeed keeps the fp32 master copy in the optimizer
+    (without DeepSpeed, bf16 is autocast over fp32 weights)."""
+    ds = cfg.deepspeed
+    if ds.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"trainer.deepspeed.zero_stage={ds.zero_stage}: use 0, 1, 2 or 3")
+    for name, value in (("offload_optimizer", ds.offload_optimizer), ("offload_param", ds.offload_param)):
+        if value not in ("none", "cpu"):
+            raise ValueError(f"trainer.deepspeed.{name}={value!r}: use none or cpu")
+    if ds.offload_param != "none" and ds.zero_stage != 3:
+        raise ValueError("trainer.deepspeed.offload_param needs zero_stage=3 (only ZeRO-3 partitions parameters)")
+    if ds.offload_optimizer != "none" and ds.zero_stage == 0:
+        raise ValueError("trainer.deepspeed.offload_optimizer needs zero_stage >= 1")
+    zero: dict[str, Any] = {"stage": ds.zero_stage, "reduce_bucket_size": ds.reduce_bucket_size,
+                            "overlap_comm": ds.overlap_comm, "contiguous_gradients": True}
+    if ds.zero_stage in (1, 2):
+        zero["allgather_bucket_size"] = ds.allgather_bucket_size
+        # optimizer partitions saved so that a run can resume with another number of ranks
+        zero["elastic_checkpoint"] = True
+    if ds.zero_stage == 3:
+        zero["stage3_prefetch_bucket_size"] = ds.allgather_bucket_size
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    if ds.offload_optimizer == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if ds.offload_param == "cpu":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum_steps,
+        "train_batch_size": cfg.micro_batch_size * cfg.grad_accum_steps * world_size,
+        "gradient_clipping": cfg.grad_clip if cfg.grad_clip > 0 else 0.0,
+        "bf16": {"enabled": use_bf16(cfg.precision)},
+        "zero_optimization": zero,
+        # our AdamW (a torch optimizer) under ZeRO and under CPU offload
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,  # our loop logs
+        "wall_clock_breakdown": False,
+    }

