@@ -31,6 +31,8 @@ def main(argv=None) -> None:
     p.add_argument("--k", type=int, default=None, help="draft tokens per step (default: the one our eval used)")
     p.add_argument("--dtype", default="float32", help="vLLM dtype for the target and draft")
     p.add_argument("--memory-fraction", type=float, default=0.25, help="on CPU: share of RAM vLLM reserves")
+    p.add_argument("--eager", action="store_true", help="no torch.compile/graphs: starts in seconds instead of "
+                                                           "minutes (each new draft shape compiles anew)")
     a = p.parse_args(argv)
     inputs = json.loads((a.run_dir / "eval_inputs.json").read_text())
     k = a.k or inputs["num_draft_tokens"]
@@ -40,7 +42,8 @@ def main(argv=None) -> None:
 
     llm = LLM(model=inputs["target"], tokenizer=inputs["target"], dtype=a.dtype, max_model_len=inputs["max_model_len"],
               gpu_memory_utilization=a.memory_fraction, disable_log_stats=False, seed=0,
-              speculative_config={"method": "eagle3", "model": str(a.run_dir / "final"), "num_speculative_tokens": k})
+              speculative_config={"method": "eagle3", "model": str(a.run_dir / "final"), "num_speculative_tokens": k},
+              enforce_eager=a.eager)
     params = SamplingParams(temperature=0.0, max_tokens=inputs["max_new_tokens"], stop_token_ids=inputs["stop_ids"])
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in inputs["prompts"]], params)
     c = counters(llm)

@@ -97,6 +97,9 @@ class DraftConfig:
     use_aux_norm: bool = False  # one RMSNorm per aux state before fc (exported as fc_norm)
     attn_implementation: str = "eager"  # eager: the TTT attention pattern in plain PyTorch
     step_loss_decay: float = 0.8  # step k's loss weight is decay**k
+    # soft_ce: cross-entropy to the teacher's draft-vocabulary distribution (EAGLE3). acceptance: -log of
+    # the expected acceptance sum_v min(p_target(v), p_draft(v)), what speculative sampling accepts.
+    loss: str = "soft_ce"
     init_lm_head_from_target: bool = True
 
 

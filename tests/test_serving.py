@@ -75,17 +75,18 @@ def test_vllm_serves_our_draft_with_the_targets_greedy_output(serving_python, tm
     from specforge_lite.config import load_config
 
     # a short run (CI time): acceptance stays near 1, but every output must still equal greedy decoding
-    config = load_config(["recipe=none", "tracker=none", "data.max_samples=48", "data.max_length=192",
-                          "data.heldout_samples=8", "draft.draft_vocab_size=8192", "draft.ttt_length=4",
-                          "trainer.max_steps=20", "trainer.lr=6e-4", "trainer.micro_batch_size=2",
-                          "trainer.progress_bar=false", "eval.num_prompts=4", "eval.max_new_tokens=24",
-                          "eval.heldout_batches=2", f"draft.use_aux_norm={str(use_aux_norm).lower()}",
+    config = load_config(["recipe=none", "tracker=none", "data.max_samples=24", "data.max_length=160",
+                          "data.heldout_samples=6", "draft.draft_vocab_size=4096", "draft.ttt_length=3",
+                          "trainer.max_steps=12", "trainer.lr=6e-4", "trainer.micro_batch_size=2",
+                          "trainer.progress_bar=false", "eval.num_prompts=3", "eval.max_new_tokens=16",
+                          "eval.heldout_batches=1", f"draft.use_aux_norm={str(use_aux_norm).lower()}",
                           f"output_dir={tmp_path}"])
     run(config, tmp_path, log=lambda m: None)
     ours = json.loads((tmp_path / "eval.json").read_text())
-    proc = subprocess.run([str(serving_python), str(ROOT / "eval" / "vllm_acceptance.py"), "--run-dir", str(tmp_path)],
+    proc = subprocess.run([str(serving_python), str(ROOT / "eval" / "vllm_acceptance.py"), "--run-dir", str(tmp_path),
+                           "--eager"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
     vllm = json.loads((tmp_path / "vllm_eval.json").read_text())
-    assert vllm["outputs_equal_our_greedy"] == vllm["outputs_compared"] == 4, vllm["first_mismatch"]
+    assert vllm["outputs_equal_our_greedy"] == vllm["outputs_compared"] == 3, vllm["first_mismatch"]
     assert abs(vllm["mean_acceptance_length"] - ours["mean_acceptance_length"]) <= 0.15, (vllm, ours)

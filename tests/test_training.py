@@ -103,3 +103,31 @@ def test_resume_refuses_a_checkpoint_from_another_draft(tmp_path):
         train(cfg, DraftConfig(ttt_length=2), target, other, stream, tmp_path,
               lambda s: Tracker(TrackerConfig(kind="none"), tmp_path, {}, resume_step=s), other.spec.to_dict(),
               log=lambda m: None)
+
+
+def test_acceptance_loss_is_zero_on_agreement_and_trains():
+    from specforge_lite.draft.loss import token_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 40, generator=g)
+    p = torch.softmax(logits, -1)
+    assert torch.allclose(token_loss("acceptance", p, logits), torch.zeros(5), atol=1e-6)
+    other = torch.randn(5, 40, generator=g)
+    expected = -torch.log(torch.minimum(p, torch.softmax(other, -1)).sum(-1))  # 1 - total variation, by hand
+    assert torch.allclose(token_loss("acceptance", p, other), expected)
+    assert not torch.allclose(token_loss("acceptance", p, other), token_loss("soft_ce", p, other))
+    with pytest.raises(ValueError, match="draft.loss"):
+        token_loss("hinge", p, other)
+
+
+def test_training_with_the_acceptance_loss_learns(tmp_path):
+    target = tiny_target()
+    draft = tiny_draft(target, draft_vocab_size=target.vocab_size)
+    cfg = TrainerConfig(max_steps=40, micro_batch_size=2, lr=3e-3, save_every=0, progress_bar=False,
+                        precision="fp32", warmup_ratio=0.1)
+    stream = BatchStream(synthetic_dataset(), 2, pad_id=0, seed=0)
+    train(cfg, DraftConfig(ttt_length=3, loss="acceptance"), target, draft, stream, tmp_path,
+          lambda step: Tracker(TrackerConfig(kind="none"), tmp_path, {}, resume_step=step), draft.spec.to_dict(),
+          log=lambda m: None)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["loss"] < 0.5 * lines[0]["loss"] and lines[-1]["acc_0"] > lines[0]["acc_0"]

@@ -1,4 +1,5 @@
-"""The EAGLE3 objective: soft cross-entropy to the target's draft-vocabulary distribution, per TTT step."""
+"""The EAGLE3 objective per TTT step: soft cross-entropy to the target's draft-vocabulary distribution, or
+the acceptance loss (draft.loss=acceptance, -log of the expected speculative-sampling acceptance)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,26 @@ class TTTOutput:
         return [float(s.correct) / max(float(s.valid), 1.0) for s in self.steps]
 
 
+LOSSES = ("soft_ce", "acceptance")
+
+
+def token_loss(kind: str, teacher_p: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    """Per-token loss [N] between the teacher's distribution and the draft's logits.
+
+    soft_ce: -sum_v p_t(v) log p_d(v). acceptance: -log sum_v min(p_t(v), p_d(v)), the log of the
+    probability that speculative sampling accepts the draft's token (1 - total variation): zero exactly
+    when the two distributions agree, and it spends no effort on the teacher's tail beyond the overlap."""
+    if kind == "soft_ce":
+        return -(teacher_p * torch.log_softmax(draft_logits, dim=-1)).sum(-1)
+    if kind == "acceptance":
+        accept = torch.minimum(teacher_p, torch.softmax(draft_logits, dim=-1)).sum(-1)
+        return -torch.log(accept.clamp_min(1e-6))
+    raise ValueError(f"draft.loss={kind!r}: use one of {LOSSES}")
+
+
 def ttt_loss(draft, aux: list[torch.Tensor], input_ids: torch.Tensor, teacher_logits: torch.Tensor,
-             in_vocab: torch.Tensor, loss_mask: torch.Tensor, ttt_length: int, decay: float = 0.8) -> TTTOutput:
+             in_vocab: torch.Tensor, loss_mask: torch.Tensor, ttt_length: int, decay: float = 0.8,
+             loss: str = "soft_ce") -> TTTOutput:
     """Unroll the draft ``ttt_length`` steps over a batch and score every step.
 
     Alignment (step k, row t): input token x[t+1+k] at position t+k, hidden = fused aux state h[t] at
@@ -54,8 +73,7 @@ def ttt_loss(draft, aux: list[torch.Tensor], input_ids: torch.Tensor, teacher_lo
             continue
         logits = draft.compute_logits(hidden[rows]).float()
         target_p = torch.softmax(teacher_logits[t_rows].float(), dim=-1)
-        ce = -(target_p * torch.log_softmax(logits, dim=-1)).sum(-1)
-        step_loss = ce.sum() / n
+        step_loss = token_loss(loss, target_p, logits).sum() / n
         total = total + (decay ** k) * step_loss
         correct = (logits.argmax(-1) == teacher_top[t_rows]).sum()
         steps.append(StepStats(step_loss.detach(), correct.detach(), n.detach()))

@@ -28,7 +28,7 @@ def batch_loss(target: HFTarget, draft_forward: Callable[..., TTTOutput], batch:
     needed = shift_left(batch.loss_mask, 1).bool()
     teacher, in_vocab = target.teacher(captured.final_hidden, needed)
     return draft_forward(captured.aux, batch.input_ids, teacher, in_vocab, batch.loss_mask,
-                         draft_cfg.ttt_length, draft_cfg.step_loss_decay)
+                         draft_cfg.ttt_length, draft_cfg.step_loss_decay, draft_cfg.loss)
 
 
 @dataclass
