@@ -103,6 +103,11 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
     if config.eval.enabled:
         evaluation = evaluate_export(config, target, tokenizer, data, final, log=log)
         summary["eval"] = str(write_eval(run_dir, evaluation))
+        # the cheap training-time estimate next to the measured number, where the sweep's runs are compared
+        Tracker(config.tracker, run_dir, tracker_config, resume_step=result.step).close(summary={
+            "eval/mean_acceptance_length": evaluation["mean_acceptance_length"],
+            "eval/heldout_sim_accept_len": evaluation["heldout_sim_accept_len"],
+            "train/sim_accept_len": result.last_metrics.get("sim_accept_len")})
         log(f"[eval] mean acceptance length {evaluation['mean_acceptance_length']:.3f} at k={evaluation['num_draft_tokens']}, "
             f"held-out acc {[round(a, 3) for a in evaluation['heldout_acc']]}")
     log("[done] " + ", ".join(f"{k}: {v}" for k, v in summary.items()))
@@ -134,8 +139,13 @@ def _check_preset_argument(argv: list[str]) -> None:
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    run(to_config(cfg), Path(HydraConfig.get().runtime.output_dir))
+    config, hc = to_config(cfg), HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:  # one wandb group per sweep, each run named by its overrides
+        config.tracker.group = config.tracker.group or Path(hc.sweep.dir).name
+        config.tracker.name = config.tracker.name or (hc.job.override_dirname or f"job{hc.job.num}")
+    run(config, Path(hc.runtime.output_dir))
 
 
 if __name__ == "__main__":

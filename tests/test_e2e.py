@@ -111,3 +111,25 @@ def test_bad_aux_ids_and_unknown_key(tmp_path):
     assert proc.returncode != 0 and "out of range" in proc.stdout + proc.stderr
     proc = run(["train.py", "draft.ttt_lenght=3"])
     assert proc.returncode != 0 and "ttt_lenght" in proc.stderr
+
+
+def test_a_sweep_runs_and_reports(tmp_path):
+    """python train.py --multirun over two draft options, then python -m specforge_lite.report: one row per
+    run with its overrides and the numbers of its own files, and a plot."""
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "train.py", "--multirun", "model=llama3_tiny", "recipe=none", "tracker=none",
+           "draft.use_aux_norm=true,false", "data.max_length=96", "data.max_samples=16", "data.heldout_samples=4",
+           "draft.draft_vocab_size=1024", "trainer.max_steps=2", "trainer.progress_bar=false", "eval.num_prompts=2",
+           "eval.max_new_tokens=6", "eval.heldout_batches=2", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = subprocess.run([sys.executable, "-m", "specforge_lite.report", str(sweep)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    rows = json.loads((sweep / "report.json").read_text())
+    assert sorted(r["overrides"].lower() for r in rows) == ["draft.use_aux_norm=false", "draft.use_aux_norm=true"]
+    for r in rows:
+        ev = json.loads((sweep / r["run"] / "eval.json").read_text())
+        assert r["mean_acceptance_length"] == ev["mean_acceptance_length"] and r["step"] == 2
+        assert r["heldout_sim_accept_len"] == 1 + ev["heldout_sim_accept_len"]
+    assert "| measured accept |" in (sweep / "report.md").read_text() and (sweep / "report.png").stat().st_size > 0

@@ -49,7 +49,9 @@ class Tracker:
             for k, v in values.items():
                 self._wandb.summary[k] = v
 
-    def close(self) -> None:
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        if summary:
+            self.summary(summary)
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
