@@ -252,6 +252,17 @@ def to_config(cfg: Any) -> Config:
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 
+def model_preset(name: str) -> ModelConfig:
+    """One ``conf/model/<name>.yaml`` as a ModelConfig, without composing a whole config (usable inside a
+    running Hydra app, where a second compose is refused)."""
+    from omegaconf import OmegaConf
+
+    path = CONF_DIR / "model" / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"no model preset {name!r}; presets: {', '.join(available_presets('model'))}")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path)))
+
+
 def load_config(overrides: list[str] | None = None, config_name: str = "config") -> Config:
     """Compose the Hydra config from Python (tests, eval, export) exactly as train.py would."""
     from hydra import compose, initialize_config_dir

@@ -153,9 +153,9 @@ _TINY_VERSION = "1"  # bump when build_tiny_model changes what it writes
 
 
 def _tokenizer_source_dir(preset: str) -> Path:
-    from ..config import load_config
+    from ..config import model_preset
 
-    source = load_config([f"model={preset}", "tracker=none"]).model
+    source = model_preset(preset)
     if source.tiny is not None and source.tiny.architecture:
         raise ValueError(f"model.tiny.tokenizer_from={preset!r} is itself a tiny preset; name a real model's preset")
     return Path(resolve_model_dir(source))
