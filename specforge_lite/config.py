@@ -209,6 +209,10 @@ class EvalConfig:
     num_prompts: int = 16  # held-out prompts for speculative decoding
     max_new_tokens: int = 64
     num_draft_tokens: int = 3  # k: draft tokens proposed per target verification
+    # 0: greedy verification (output = the target's greedy output). > 0: speculative sampling, whose output
+    # is distributed as sampling from the target at this temperature (acceptance is then stochastic).
+    temperature: float = 0.0
+    seed: int = 0  # of the sampling generator
     heldout_batches: int = 16  # held-out conversations for teacher-forced accuracy
 
 

@@ -70,7 +70,7 @@ def test_zero2_on_two_ranks_follows_the_one_process_trajectory(tmp_path):
 
 
 def test_zero3_killed_and_resumed_equals_an_uninterrupted_run_and_exports_the_engine_weights(tmp_path):
-    steps = ["trainer.max_steps=40", "trainer.save_every=4", "trainer=zero3"]
+    steps = ["trainer.max_steps=24", "trainer.save_every=4", "trainer=zero3"]
     launch([*COMMON, *steps, f"output_dir={tmp_path / 'straight'}"], 2)
 
     killed = tmp_path / "killed"
@@ -94,7 +94,7 @@ def test_zero3_killed_and_resumed_equals_an_uninterrupted_run_and_exports_the_en
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     engine = get_fp32_state_dict_from_zero_checkpoint(
-        str(tmp_path / "straight" / "checkpoints" / "step_00000040" / "deepspeed"), tag="state")
+        str(tmp_path / "straight" / "checkpoints" / "step_00000024" / "deepspeed"), tag="state")
     for name, tensor in straight.items():
         assert torch.equal(tensor, engine[name].to(tensor.dtype)), name
 
@@ -142,3 +142,19 @@ def test_the_deepspeed_launcher_runs_train_py(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
     assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+def test_a_model_folder_built_on_a_rank_other_than_0_has_its_weights(tmp_path, monkeypatch):
+    """Inside a distributed launch transformers' save_pretrained writes weights on rank 0 only; the rank
+    that builds a cached model folder (whichever takes the lock) must still write them."""
+    import transformers.distributed.mixin as mixin
+
+    from specforge_lite.config import model_preset
+    from specforge_lite.targets.sources import _tokenizer_source_dir, build_tiny_model
+
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    tiny = model_preset("llama3_tiny").tiny
+    build_tiny_model(tiny.architecture, tiny.config, tiny.config_class, tiny.seed,
+                     _tokenizer_source_dir(tiny.tokenizer_from), tmp_path / "model")
+    assert (tmp_path / "model" / "config.json").is_file() and (tmp_path / "model" / "model.safetensors").is_file()

@@ -81,6 +81,11 @@ def test_eval_cli_reevaluates_a_run(default_run):
     assert proc.returncode == 0, proc.stderr[-2000:]
     ev = json.loads((out / "eval.json").read_text())
     assert ev["num_draft_tokens"] == 2 and ev["prompts"] == 1
+    proc = run(["eval/acceptance.py", "--run-dir", str(out), "--k", "2", "--num-prompts", "2", "--max-new-tokens", "12",
+                "--temperature", "0.8"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["temperature"] == 0.8 and ev["generated_tokens"] > 0 and ev["mean_acceptance_length"] >= 1.0
 
 
 def test_help_lists_groups():

@@ -110,6 +110,77 @@ def speculative_generate(target, draft, prompt: list[int], max_new_tokens: int, 
     return Generation(_cut(out, max_new_tokens, stop_ids), accepted)
 
 
+@torch.no_grad()
+def _draft_probs(draft, h: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+    """The draft's distribution over the TARGET vocabulary [V] at the last row of ``h`` (zero outside the
+    draft vocabulary), at the sampling temperature."""
+    logits = draft.compute_logits(h)[0, -1].float() / temperature
+    probs = torch.zeros(vocab_size, device=logits.device)
+    probs[draft.draft_vocab_ids()] = torch.softmax(logits, -1)
+    return probs
+
+
+@torch.no_grad()
+def speculative_sample(target, draft, prompt: list[int], max_new_tokens: int, k: int, stop_ids: set[int],
+                       temperature: float, generator: torch.Generator, inputs: dict | None = None) -> Generation:
+    """Chain speculative sampling (Leviathan et al. 2023; Chen et al. 2023): the draft samples k tokens from
+    q, the target scores them in one forward; token i is kept with probability min(1, p/q), the first
+    rejected one is replaced by a sample from norm(max(0, p - q)), and when all k are kept one more comes
+    from p. The output is distributed exactly as sampling from the target at ``temperature``."""
+    device = target.device
+
+    def sample(probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+    cache = _new_cache(target)
+    aux_ctx, logits = target.forward_cached(torch.tensor([prompt], device=device), cache, **(inputs or {}))
+    V = logits.shape[-1]
+    context = list(prompt)
+    next_token = sample(torch.softmax(logits[0, -1].float() / temperature, -1))
+    out, accepted = [next_token], []
+    while len(out) < max_new_tokens and next_token not in stop_ids:
+        n = len(context)
+        hidden = draft.project_aux(aux_ctx)
+        dcache = TTTCache()
+        h = draft.step(torch.tensor([context[1:] + [next_token]], device=device), hidden,
+                       torch.arange(n, device=device)[None], dcache)[:, -1:]
+        proposals, qs = [], []
+        for j in range(k):
+            q = _draft_probs(draft, h, V, temperature)
+            d = sample(q)
+            proposals.append(d)
+            qs.append(q)
+            if j + 1 < k:
+                h = draft.step(torch.tensor([[d]], device=device), h, torch.tensor([[n + j]], device=device), dcache,
+                               q_offset=n - 1)
+        verify = torch.tensor([[next_token] + proposals], device=device)
+        snapshot = None if _croppable(cache) else copy.deepcopy(cache)
+        aux_new, vlogits = target.forward_cached(verify, cache)
+        ps = torch.softmax(vlogits[0].float() / temperature, -1)  # ps[i]: the target after verify[:i+1]
+        a, replacement = 0, None
+        while a < k:
+            p_x, q_x = float(ps[a, proposals[a]]), float(qs[a][proposals[a]])
+            if float(torch.rand((), generator=generator)) < min(1.0, p_x / max(q_x, 1e-30)):
+                a += 1
+                continue
+            residual = (ps[a] - qs[a]).clamp(min=0)
+            replacement = sample(residual / residual.sum() if float(residual.sum()) > 0 else ps[a])
+            break
+        accepted.append(a)
+        context += [next_token] + proposals[:a]
+        aux_ctx = [torch.cat([c, new[:, : a + 1]], dim=1) for c, new in zip(aux_ctx, aux_new)]
+        if snapshot is None:
+            cache.crop(len(context) - cache.get_seq_length())
+        elif a < k:
+            cache = snapshot
+            target.forward_cached(verify[:, : a + 1], cache)
+        next_token = replacement if replacement is not None else sample(ps[k])
+        out += proposals[:a] + [next_token]
+        if any(t in stop_ids for t in proposals[:a]):
+            break
+    return Generation(_cut(out, max_new_tokens, stop_ids), accepted)
+
+
 def acceptance_summary(accepted_per_round: list[int], k: int) -> dict:
     """Mean acceptance length (1 + accepted drafts per round) and how often each position was accepted."""
     rounds = len(accepted_per_round)

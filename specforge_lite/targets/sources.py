@@ -141,11 +141,19 @@ def tiny_model_dir(cfg: ModelConfig) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = _tokenizer_source_dir(tiny.tokenizer_from)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        staging = Path(tmp) / "model"
-        build_tiny_model(tiny.architecture, tiny.config, tiny.config_class, tiny.seed, tokenizer_dir, staging,
-                         added_tokens=list(tiny.added_tokens), image_processor=dict(tiny.image_processor))
-        _publish(staging, target)
+    # One builder at a time (the ranks of a distributed launch all ask for the model): the others wait
+    # and then find it built.
+    import fcntl
+
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            staging = Path(tmp) / "model"
+            build_tiny_model(tiny.architecture, tiny.config, tiny.config_class, tiny.seed, tokenizer_dir, staging,
+                             added_tokens=list(tiny.added_tokens), image_processor=dict(tiny.image_processor))
+            _publish(staging, target)
     return target
 
 
@@ -199,10 +207,19 @@ def build_tiny_model(architecture: str, config: dict, config_class: str, seed: i
     model.generation_config.eos_token_id = ids["eos_token_id"]
     model.generation_config.pad_token_id = ids["pad_token_id"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
+    _save_model(model, out_dir)
     tokenizer.save_pretrained(out_dir)
     if image_processor:
         (out_dir / "preprocessor_config.json").write_text(json.dumps(image_processor, indent=1))
+
+
+def _save_model(model, out_dir: Path) -> None:
+    """save_pretrained on whichever rank builds the folder. Inside a distributed launch transformers writes
+    weights only on rank 0, which would publish a folder without weights when another rank built it."""
+    model.should_save_on_this_rank = lambda is_main_process: True
+    model.save_pretrained(out_dir)
+    if not (out_dir / "config.json").is_file():
+        raise RuntimeError(f"saving the model to {out_dir} wrote no config.json")
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -225,6 +242,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     fresh.load_state_dict(loaded.state_dict())
     fresh.generation_config = loaded.generation_config
     out_dir.mkdir(parents=True, exist_ok=True)
-    fresh.save_pretrained(out_dir)
+    _save_model(fresh, out_dir)
     tokenizer.save_pretrained(out_dir)
     shutil.rmtree(gguf_path.parent / "__pycache__", ignore_errors=True)
