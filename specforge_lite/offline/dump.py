@@ -67,7 +67,7 @@ def open_or_create(folder: Path, target: HFTarget, vocab, aux_ids: list[int], st
         manifest = old
     else:
         folder.mkdir(parents=True, exist_ok=True)
-        lm_bias = target._lm_head_bias()
+        lm_bias = target.lm_head_bias()
         final_norm = target.family.final_norm(target.model).state_dict()
         save_parts(folder, target.embedding_weight(), final_norm, target.lm_head_rows(vocab.draft_to_target),
                    vocab.d2t, None if lm_bias is None else lm_bias.index_select(0, vocab.draft_to_target))
@@ -125,7 +125,7 @@ def dump(config: Config, log=print) -> Path:
                 k = len(row["input_ids"])
                 aux = torch.stack([a[r, :k] for a in captured.aux[:-1]], dim=1)
                 teacher = teacher_record(sc.teacher, sc.topk, captured.aux[-1][r, :k],
-                                         lambda: target._draft_logits(captured.final_hidden[r, :k]))
+                                         lambda: target.draft_logits(captured.final_hidden[r, :k]))
                 writer.add(batch.input_ids[r, :k], batch.loss_mask[r, :k], aux, teacher, in_vocab[r, :k])
             if (start // sc.batch_size) % 20 == 0:
                 log(f"[store] {min(start + sc.batch_size, n)}/{n} samples")

@@ -137,7 +137,7 @@ def ingest(config: Config, kind: str, src: str | Path, layer_ids: list[int] | No
             normed = final_norm(final)
             _, in_vocab = target.teacher_rows(normed)
             mask = torch.tensor(data.train[index]["loss_mask"])
-            teacher = teacher_record(sc.teacher, sc.topk, final, lambda: target._draft_logits(normed))
+            teacher = teacher_record(sc.teacher, sc.topk, final, lambda: target.draft_logits(normed))
             writer.add(ids, mask, hs[:, pick], teacher, in_vocab)
         writer.flush()
     log(f"[store] ingested {len(found)} {kind} sequences into {folder}" +

@@ -102,7 +102,8 @@ class HFTarget:
         w = self.lm_head_weight()
         return w.index_select(0, ids.to(w.device))
 
-    def _lm_head_bias(self) -> torch.Tensor | None:
+    def lm_head_bias(self) -> torch.Tensor | None:
+        """The lm_head's bias (gathered under a sharded target), or None."""
         bias = self.family.lm_head_bias(self.model)
         return None if bias is None else gathered(bias)
 
@@ -127,11 +128,13 @@ class HFTarget:
         """Keep only the lm_head rows the draft vocabulary selects, for the teacher."""
         self._draft_rows = self.lm_head_rows(draft_to_target)
         w = self._draft_rows
-        bias = self._lm_head_bias()
+        bias = self.lm_head_bias()
         self._draft_bias = None if bias is None else bias.index_select(0, draft_to_target.to(w.device))
         self._t2d = t2d.to(w.device)
 
-    def _draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Teacher logits over the draft vocabulary (fp32, the family's logit transform applied) for
+        post-final-norm states ``h``."""
         if self._draft_rows is None:
             raise RuntimeError("call set_draft_vocab() before teacher()")
         logits = h.to(self._draft_rows.dtype) @ self._draft_rows.T
@@ -143,7 +146,7 @@ class HFTarget:
     def teacher_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher logits over the draft vocabulary [N, Vd] (fp32) for final states [N, H], and whether the
         target's argmax over its full vocabulary lies in the draft vocabulary [N]."""
-        logits = self._draft_logits(rows)
+        logits = self.draft_logits(rows)
         if bool(self._t2d.all()):
             return logits, torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
         return logits, self._t2d[self._full_argmax(rows.to(self._draft_rows.dtype))]
@@ -152,7 +155,7 @@ class HFTarget:
     def teacher(self, final_hidden: torch.Tensor, needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher logits over the draft vocabulary [B, T, Vd] (fp32) at every position, and whether the
         target's full-vocabulary argmax lies in the draft vocabulary [B, T] (False where not ``needed``)."""
-        logits = self._draft_logits(final_hidden)
+        logits = self.draft_logits(final_hidden)
         if needed is None:
             needed = torch.ones(final_hidden.shape[:2], dtype=torch.bool, device=final_hidden.device)
         where = needed.nonzero(as_tuple=True)
@@ -165,7 +168,7 @@ class HFTarget:
 
     def _full_argmax(self, rows: torch.Tensor) -> torch.Tensor:
         w = self.lm_head_weight()  # on every rank, rows or not: gathering a sharded head is collective
-        bias = self._lm_head_bias()
+        bias = self.lm_head_bias()
         out = torch.empty(rows.shape[0], dtype=torch.long, device=rows.device)
         for s in range(0, rows.shape[0], _ARGMAX_CHUNK):
             chunk = rows[s : s + _ARGMAX_CHUNK] @ w.T
