@@ -35,6 +35,26 @@ def _croppable(cache) -> bool:
     return all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", []))
 
 
+def _verify(target, cache, verify: torch.Tensor):
+    """The target's cached forward over ``[next_token] + proposals``: aux states, logits, and the snapshot
+    that undoing rejected drafts needs when the cache cannot crop (None when it can)."""
+    snapshot = None if _croppable(cache) else copy.deepcopy(cache)
+    aux_new, logits = target.forward_cached(verify, cache)
+    return aux_new, logits, snapshot
+
+
+def _keep(target, cache, snapshot, verify: torch.Tensor, kept: int, context_len: int):
+    """The cache holding only the first ``kept`` verified tokens: crop the rejected drafts' entries, or go
+    back to the snapshot and replay what was kept."""
+    if snapshot is None:
+        cache.crop(context_len - cache.get_seq_length())
+        return cache
+    if kept < verify.shape[1]:
+        target.forward_cached(verify[:, :kept], snapshot)
+        return snapshot
+    return cache
+
+
 def _cut(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
     tokens = tokens[:max_new_tokens]
     for i, t in enumerate(tokens):
@@ -89,8 +109,7 @@ def speculative_generate(target, draft, prompt: list[int], max_new_tokens: int, 
     while len(out) < max_new_tokens and next_token not in stop_ids:
         proposals = draft_chain(draft, aux_ctx, context, next_token, k)
         verify = torch.tensor([[next_token] + proposals], device=target.device)
-        snapshot = None if _croppable(cache) else copy.deepcopy(cache)
-        aux_new, vlogits = target.forward_cached(verify, cache)
+        aux_new, vlogits, snapshot = _verify(target, cache, verify)
         greedy = vlogits[0].argmax(-1).tolist()  # greedy[i]: the target's token after verify[:i+1]
         a = 0
         while a < k and proposals[a] == greedy[a]:
@@ -98,11 +117,7 @@ def speculative_generate(target, draft, prompt: list[int], max_new_tokens: int, 
         accepted.append(a)
         context += [next_token] + proposals[:a]
         aux_ctx = [torch.cat([c, new[:, : a + 1]], dim=1) for c, new in zip(aux_ctx, aux_new)]
-        if snapshot is None:
-            cache.crop(len(context) - cache.get_seq_length())  # drop the rejected drafts' entries
-        elif a < k:  # back to before the verification, then run only what was accepted
-            cache = snapshot
-            target.forward_cached(verify[:, : a + 1], cache)
+        cache = _keep(target, cache, snapshot, verify, a + 1, len(context))
         next_token = greedy[a]
         out += proposals[:a] + [next_token]
         if any(t in stop_ids for t in proposals[:a]):
@@ -154,8 +169,7 @@ def speculative_sample(target, draft, prompt: list[int], max_new_tokens: int, k:
                 h = draft.step(torch.tensor([[d]], device=device), h, torch.tensor([[n + j]], device=device), dcache,
                                q_offset=n - 1)
         verify = torch.tensor([[next_token] + proposals], device=device)
-        snapshot = None if _croppable(cache) else copy.deepcopy(cache)
-        aux_new, vlogits = target.forward_cached(verify, cache)
+        aux_new, vlogits, snapshot = _verify(target, cache, verify)
         ps = torch.softmax(vlogits[0].float() / temperature, -1)  # ps[i]: the target after verify[:i+1]
         a, replacement = 0, None
         while a < k:
@@ -169,11 +183,7 @@ def speculative_sample(target, draft, prompt: list[int], max_new_tokens: int, k:
         accepted.append(a)
         context += [next_token] + proposals[:a]
         aux_ctx = [torch.cat([c, new[:, : a + 1]], dim=1) for c, new in zip(aux_ctx, aux_new)]
-        if snapshot is None:
-            cache.crop(len(context) - cache.get_seq_length())
-        elif a < k:
-            cache = snapshot
-            target.forward_cached(verify[:, : a + 1], cache)
+        cache = _keep(target, cache, snapshot, verify, a + 1, len(context))
         next_token = replacement if replacement is not None else sample(ps[k])
         out += proposals[:a] + [next_token]
         if any(t in stop_ids for t in proposals[:a]):
