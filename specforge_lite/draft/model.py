@@ -20,7 +20,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from .ttt import TTTCache, ttt_attention
+from .ttt import DraftCache
 
 
 # Rope variants the Llama draft layer (and the servers' Llama drafts) implement.
@@ -120,14 +120,16 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=spec.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, spec.hidden_size, bias=spec.attention_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TTTCache, q_offset: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, q_offset: int) -> torch.Tensor:
+        """``cache`` decides which keys each query sees: a TTTCache (training, chain drafting) or a
+        TreeCache (tree drafting)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         cache.append(k, v)
-        out = ttt_attention(q, cache, q_offset, self.head_dim ** -0.5)
+        out = cache.attend(q, q_offset, self.head_dim ** -0.5)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -141,7 +143,7 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, embeds, hidden, cos, sin, cache: TTTCache, q_offset: int) -> torch.Tensor:
+    def forward(self, embeds, hidden, cos, sin, cache: DraftCache, q_offset: int) -> torch.Tensor:
         residual = hidden  # taken before hidden_norm (norm_before_residual=false, as SGLang does)
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         h = self.self_attn(x, cos, sin, cache, q_offset) + residual
@@ -236,7 +238,7 @@ class Eagle3Draft(nn.Module):
             aux = [norm(a) for norm, a in zip(self.fc_norm, aux)]
         return self.fc(torch.cat(aux, dim=-1).to(self.fc.weight.dtype))
 
-    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: TTTCache,
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: DraftCache,
              q_offset: int = 0) -> torch.Tensor:
         """One draft step: returns the pre-norm output (fed back as the next step's hidden input)."""
         embeds = self.embed(input_ids).to(hidden.dtype)

@@ -4,6 +4,10 @@ At unroll step k a query at row t (which stands for sequence position t + k) att
 * the step-0 keys of rows 0..t (causal): the context the target's own states describe, and
 * the keys of steps 1..k at row t itself: the draft's own earlier guesses on this chain.
 This is exactly what a server's draft KV cache holds when it drafts k tokens after position t.
+
+Packed rows (several conversations in one row) add one rule: a query never sees step-0 keys of another
+conversation (``segments``). Tree drafting at evaluation (EAGLE-2) generalises the same-row rule: a tree
+node sees the context and the keys of its own ancestors (``TreeCache``).
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ from transformers.models.llama.modeling_llama import repeat_kv
 
 
 class TTTCache:
-    """Keys/values per unroll step: step 0 over all rows, later steps only at the query rows."""
+    """Keys/values per unroll step: step 0 over all rows, later steps only at the query rows.
 
-    def __init__(self):
+    ``segments`` [B, T]: which conversation each row belongs to in packed rows (None: one per row)."""
+
+    def __init__(self, segments: torch.Tensor | None = None):
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.segments = segments
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.keys.append(k)
@@ -25,6 +32,9 @@ class TTTCache:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def attend(self, q: torch.Tensor, q_offset: int, scale: float) -> torch.Tensor:
+        return ttt_attention(q, self, q_offset, scale)
 
 
 def ttt_attention(q: torch.Tensor, cache: TTTCache, q_offset: int, scale: float) -> torch.Tensor:
@@ -38,7 +48,12 @@ def ttt_attention(q: torch.Tensor, cache: TTTCache, q_offset: int, scale: float)
     scores = torch.matmul(q, k0.transpose(-1, -2)) * scale
     rows = torch.arange(Tq, device=q.device) + q_offset
     cols = torch.arange(T0, device=q.device)
-    scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+    masked = cols[None, :] > rows[:, None]  # [Tq, T0]
+    if cache.segments is not None:  # packed rows: another conversation's keys are never visible
+        seg_q = cache.segments[:, q_offset : q_offset + Tq]
+        masked = masked | (seg_q[:, :, None] != cache.segments[:, None, :])  # [B, Tq, T0]
+        masked = masked[:, None]
+    scores = scores.masked_fill(masked, float("-inf"))
     extra_k = [repeat_kv(k, groups) for k in cache.keys[1:]]
     extra_v = [repeat_kv(v, groups) for v in cache.values[1:]]
     if extra_k:
@@ -49,6 +64,59 @@ def ttt_attention(q: torch.Tensor, cache: TTTCache, q_offset: int, scale: float)
     for j, v in enumerate(extra_v):
         out = out + probs[..., T0 + j, None] * v
     return out
+
+
+class TreeCache:
+    """Draft keys while drafting a tree (EAGLE-2): the context's keys, visible to every node, then one key
+    per expanded node, visible only to that node and its descendants. A chain is the one-branch tree,
+    so a query at depth d sees exactly what the TTT pattern's step d gives it.
+
+    Call ``add_nodes(parents)`` before each ``step`` that feeds new nodes; ``parents[i]`` is the index of
+    node i's parent among the nodes added so far, or -1 for a child of the root."""
+
+    def __init__(self):
+        self.context_keys = self.context_values = None
+        self.node_keys = self.node_values = None
+        self.visible: torch.Tensor | None = None  # [M, M]: visible[i, j] = node j is node i or an ancestor
+
+    def add_nodes(self, parents: list[int]) -> None:
+        m, n = (0 if self.visible is None else self.visible.shape[0]), len(parents)
+        visible = torch.zeros(m + n, m + n, dtype=torch.bool)
+        if m:
+            visible[:m, :m] = self.visible
+        for i, p in enumerate(parents):
+            if p >= 0:
+                visible[m + i, :m] = visible[p, :m]
+            visible[m + i, m + i] = True
+        self.visible = visible
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.context_keys is None:
+            self.context_keys, self.context_values = k, v
+        elif self.node_keys is None:
+            self.node_keys, self.node_values = k, v
+        else:
+            self.node_keys = torch.cat([self.node_keys, k], dim=-2)
+            self.node_values = torch.cat([self.node_values, v], dim=-2)
+        if self.node_keys is not None and (self.visible is None or self.visible.shape[0] != self.node_keys.shape[-2]):
+            raise RuntimeError("TreeCache: call add_nodes(parents) for the nodes of each step before the step")
+
+    def attend(self, q: torch.Tensor, q_offset: int, scale: float) -> torch.Tensor:
+        if self.node_keys is None:  # the context pass: plain causal attention
+            context = TTTCache()
+            context.append(self.context_keys, self.context_values)
+            return ttt_attention(q, context, q_offset, scale)
+        groups = q.shape[1] // self.context_keys.shape[1]
+        k = repeat_kv(torch.cat([self.context_keys, self.node_keys], dim=-2), groups)
+        v = repeat_kv(torch.cat([self.context_values, self.node_values], dim=-2), groups)
+        Tq, T0 = q.shape[-2], self.context_keys.shape[-2]
+        seen = torch.ones(Tq, k.shape[-2], dtype=torch.bool, device=q.device)
+        seen[:, T0:] = self.visible[-Tq:].to(q.device)  # the queries are the newest nodes
+        scores = (torch.matmul(q, k.transpose(-1, -2)) * scale).masked_fill(~seen, float("-inf"))
+        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+
+
+DraftCache = TTTCache | TreeCache
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:

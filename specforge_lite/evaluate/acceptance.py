@@ -1,16 +1,136 @@
-"""Acceptance of an exported draft: speculative decoding on held-out prompts + held-out accuracy."""
+"""Acceptance of an exported draft: speculative decoding on each prompt set, held-out accuracy, and the
+speed-up, measured against the target alone and estimated from measured step costs."""
 
 from __future__ import annotations
 
+import copy
 import json
+import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from ..config import Config, to_config
+from ..config import Config, EvalConfig, to_config
+from ..data.chat import render
+from ..draft.ttt import TreeCache
 from .heldout import heldout_accuracy
-from .spec_decode import acceptance_summary, greedy_generate, speculative_generate, speculative_sample
+from .prompts import PromptSet, load_prompt_sets
+from .spec_decode import (Generation, _new_cache, acceptance_summary, greedy_generate, speculative_generate,
+                          speculative_sample)
+from .tree import check_tree_support, tree_generate
+
+DRAFTING = ("chain", "tree")
+
+
+def _decoder(target, draft, ev: EvalConfig, stops: set[int]) -> Callable[[list[int], dict | None], Generation]:
+    """prompt ids, prompt inputs -> Generation, as eval.drafting and eval.temperature say."""
+    if ev.drafting not in DRAFTING:
+        raise ValueError(f"eval.drafting={ev.drafting!r}: use one of {DRAFTING}")
+    generator = torch.Generator().manual_seed(ev.seed)
+    k, n = ev.num_draft_tokens, ev.max_new_tokens
+    if ev.drafting == "tree":
+        check_tree_support(target)
+        return lambda p, x: tree_generate(target, draft, p, n, k, ev.tree_topk, ev.tree_budget, stops,
+                                          ev.temperature, generator, x)
+    if ev.temperature > 0:
+        return lambda p, x: speculative_sample(target, draft, p, n, k, stops, ev.temperature, generator, x)
+    return lambda p, x: speculative_generate(target, draft, p, n, k, stops, x)
+
+
+def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, stops: set[int], log) -> dict:
+    """Decode every item of a set (multi-turn items turn by turn, each turn after the target's own answer),
+    then the same prompts with the target alone, timed in the same process."""
+    images = target.image_inputs
+    prompts, prompt_images, outputs, accepted, per_prompt = [], [], [], [], []
+
+    def inputs_of(paths):
+        return {k: v.to(target.device) for k, v in images.pixels(paths).items()} if paths else None
+
+    t0 = time.perf_counter()
+    for item in prompt_set.items:
+        messages = []
+        for turn in (item.turns or [None]):
+            if turn is None:
+                ids = item.ids
+            else:
+                messages.append({"role": "user", "content": turn})
+                ids = tokenizer(render(tokenizer, messages, add_generation_prompt=True),
+                                add_special_tokens=False)["input_ids"]
+            gen = decode(ids, inputs_of(item.images))
+            prompts.append(ids), prompt_images.append(item.images), outputs.append(gen.tokens)
+            accepted += gen.accepted
+            per_prompt.append(1 + sum(gen.accepted) / max(len(gen.accepted), 1))
+            if turn is not None:
+                messages.append({"role": "assistant", "content": tokenizer.decode(gen.tokens, skip_special_tokens=True)})
+    elapsed = time.perf_counter() - t0
+    t0, alone_tokens = time.perf_counter(), 0
+    for ids, paths in zip(prompts, prompt_images):
+        alone_tokens += len(greedy_generate(target, ids, ev.max_new_tokens, stops, inputs_of(paths)))
+    alone_tps = alone_tokens / max(time.perf_counter() - t0, 1e-9)
+    new_tokens = sum(len(o) for o in outputs)
+    summary = acceptance_summary(accepted, ev.num_draft_tokens)
+    log(f"[eval] {prompt_set.name}: {len(prompts)} prompts, mean acceptance length "
+        f"{summary['mean_acceptance_length']:.3f}")
+    return {"source": prompt_set.source, "skipped_rows": prompt_set.skipped, "conversations": len(prompt_set.items),
+            "prompts": len(prompts), "generated_tokens": new_tokens, "tokens_per_s": new_tokens / max(elapsed, 1e-9),
+            "target_alone_tokens_per_s": alone_tps,
+            "speedup_vs_target_alone": new_tokens / max(elapsed, 1e-9) / alone_tps,
+            **summary, "per_prompt_mean_acceptance_length": per_prompt,
+            "_accepted": accepted, "_prompts": prompts, "_images": prompt_images, "_outputs": outputs}
+
+
+@torch.no_grad()
+def measure_step_costs(target, draft, prompt: list[int], ev: EvalConfig, repeats: int = 5) -> dict:
+    """Median seconds of one target decode step (1 token), one verification forward (the chain's k+1 or
+    the tree's budget+1 tokens) and one round of drafting (depth steps of the draft, width 1 for a chain,
+    tree_topk for a tree), each with the prompt as context. A server drafts with an incremental KV cache,
+    which is what these steps time; the evaluation's own decoding re-runs the draft over the context each
+    round, so its measured speed-up is the pessimistic one."""
+    tree = ev.drafting == "tree"
+    width, verify_len = (ev.tree_topk, ev.tree_budget + 1) if tree else (1, ev.num_draft_tokens + 1)
+    device = target.device
+    cache = _new_cache(target)
+    aux, _ = target.forward_cached(torch.tensor([prompt], device=device), cache)
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            state = fn()  # untimed setup, then the timed call
+            t0 = time.perf_counter()
+            state()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def target_step(q: int):
+        def setup():
+            c = copy.deepcopy(cache)
+            return lambda: target.forward_cached(torch.tensor([prompt[-1:] * q], device=device), c)
+        return setup
+
+    def draft_round():
+        n = len(prompt)
+        dcache = TreeCache()
+        h = draft.step(torch.tensor([prompt[1:] + prompt[-1:]], device=device), draft.project_aux(aux),
+                       torch.arange(n, device=device)[None], dcache)[:, -1:].expand(1, width, -1)
+
+        def run():
+            x = h
+            for d in range(ev.num_draft_tokens):
+                dcache.add_nodes(list(range(d * width - width, d * width)) if d else [-1] * width)
+                x = draft.step(torch.tensor([prompt[-1:] * width], device=device), x,
+                               torch.full((1, width), n + d, device=device), dcache)
+                draft.compute_logits(x).topk(width, dim=-1)
+        return run
+
+    return {"target_decode_s": timed(target_step(1)), "target_verify_s": timed(target_step(verify_len)),
+            "draft_round_s": timed(draft_round), "verify_tokens": verify_len, "draft_width": width}
+
+
+def estimated_speedup(mean_acceptance_length: float, costs: dict) -> float:
+    """Tokens per round over the time of a round, against one token per target decode step."""
+    return mean_acceptance_length * costs["target_decode_s"] / (costs["draft_round_s"] + costs["target_verify_s"])
 
 
 def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, log=print) -> dict:
@@ -24,58 +144,55 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
     draft = draft_from_weights(spec, weights, target)
     target.set_draft_vocab(draft.draft_vocab_ids(), draft.t2d)
     ev = config.eval
-    prompts = data.heldout_prompts[: ev.num_prompts]
     stops = stop_ids(tokenizer, target)
-    accepted, new_tokens, outputs, per_prompt = [], 0, [], []
-    t0 = time.perf_counter()
-    images = target.image_inputs
-    generator = torch.Generator().manual_seed(ev.seed)
-    for i, prompt in enumerate(prompts):
-        paths = data.prompt_images(i)
-        inputs = {k: v.to(target.device) for k, v in images.pixels(paths).items()} if paths else None
-        if ev.temperature > 0:
-            gen = speculative_sample(target, draft, prompt, ev.max_new_tokens, ev.num_draft_tokens, stops,
-                                     ev.temperature, generator, inputs)
-        else:
-            gen = speculative_generate(target, draft, prompt, ev.max_new_tokens, ev.num_draft_tokens, stops, inputs)
-        accepted += gen.accepted
-        new_tokens += len(gen.tokens)
-        outputs.append(gen.tokens)
-        per_prompt.append(1 + sum(gen.accepted) / max(len(gen.accepted), 1))
-        log(f"[eval] prompt {i + 1}/{len(prompts)}: {len(gen.tokens)} tokens in {len(gen.accepted)} rounds")
-    elapsed = time.perf_counter() - t0
-    # The same prompts decoded by the target alone, timed in the same process: the measured speed-up.
-    t0, greedy_tokens = time.perf_counter(), 0
-    for i, prompt in enumerate(prompts):
-        paths = data.prompt_images(i)
-        inputs = {k: v.to(target.device) for k, v in images.pixels(paths).items()} if paths else None
-        greedy_tokens += len(greedy_generate(target, prompt, ev.max_new_tokens, stops, inputs))
-    greedy_tps = greedy_tokens / max(time.perf_counter() - t0, 1e-9)
+    decode = _decoder(target, draft, ev, stops)
+    sets = {}
+    for prompt_set in load_prompt_sets(list(ev.prompt_sets), dict(ev.prompt_files or {}), data, ev.num_prompts):
+        sets[prompt_set.name] = _run_set(prompt_set, decode, target, tokenizer, ev, stops, log)
+    every = lambda key: [x for s in sets.values() for x in s[key]]  # noqa: E731
+    costs = measure_step_costs(target, draft, every("_prompts")[0], ev)
+    for s in sets.values():
+        s["estimated_speedup"] = estimated_speedup(s["mean_acceptance_length"], costs)
     # What eval/vllm_acceptance.py needs to serve the same prompts and compare outputs token for token.
+    prompts = every("_prompts")
     (Path(export_dir).parent / "eval_inputs.json").write_text(json.dumps({
-        "target": str(target.location), "prompts": prompts, "prompt_images": data.heldout_prompt_images[: len(prompts)],
-        "generated": outputs, "stop_ids": sorted(stops),
+        "target": str(target.location), "prompts": prompts, "prompt_images": every("_images"),
+        "prompt_sets": [name for name, s in sets.items() for _ in s["_prompts"]],
+        "generated": every("_outputs"), "stop_ids": sorted(stops),
         "max_new_tokens": ev.max_new_tokens, "num_draft_tokens": ev.num_draft_tokens,
         "max_model_len": max(len(p) for p in prompts) + ev.max_new_tokens + ev.num_draft_tokens + 8}))
-    held = heldout_accuracy(target, draft, data.heldout, pad_id(tokenizer), config.draft, ev.heldout_batches, images)
-    result = {
+    held = heldout_accuracy(target, draft, data.heldout, pad_id(tokenizer), config.draft, ev.heldout_batches,
+                            target.image_inputs)
+    pooled = acceptance_summary(every("_accepted"), ev.num_draft_tokens)
+    tokens = sum(s["generated_tokens"] for s in sets.values())
+    spec_time = sum(s["generated_tokens"] / s["tokens_per_s"] for s in sets.values())
+    alone_time = sum(s["generated_tokens"] / s["target_alone_tokens_per_s"] for s in sets.values())
+    for s in sets.values():
+        for key in [k for k in s if k.startswith("_")]:
+            del s[key]
+    return {
         "num_draft_tokens": ev.num_draft_tokens,
+        "drafting": ev.drafting,
+        **({"tree_topk": ev.tree_topk, "tree_budget": ev.tree_budget} if ev.drafting == "tree" else {}),
         "temperature": ev.temperature,
-        "prompts": len(prompts),
-        "generated_tokens": new_tokens,
-        "tokens_per_s": new_tokens / max(elapsed, 1e-9),
-        "target_alone_tokens_per_s": greedy_tps,
-        "speedup_vs_target_alone": new_tokens / max(elapsed, 1e-9) / greedy_tps,
-        **acceptance_summary(accepted, ev.num_draft_tokens),
-        "per_prompt_mean_acceptance_length": per_prompt,
+        "prompts": sum(s["prompts"] for s in sets.values()),
+        "generated_tokens": tokens,
+        "tokens_per_s": tokens / max(spec_time, 1e-9),
+        "target_alone_tokens_per_s": tokens / max(alone_time, 1e-9),
+        "speedup_vs_target_alone": alone_time / max(spec_time, 1e-9),
+        **pooled,
+        "estimated_speedup": estimated_speedup(pooled["mean_acceptance_length"], costs),
+        "step_costs": costs,
+        "sets": sets,
         "heldout_acc": held["acc"],
         "heldout_sim_accept_len": held["sim_accept_len"],
         "heldout_tokens": held["tokens"],
-        "note": "mean_acceptance_length = 1 + accepted draft tokens per verification (chain; greedy at temperature "
-                "0, speculative sampling above); "
-                "heldout_acc is teacher-forced accuracy per TTT step on held-out conversations",
+        "note": "mean_acceptance_length = 1 + accepted draft tokens per verification round, pooled over the prompt "
+                "sets (per set under 'sets'); greedy at temperature 0, speculative sampling above. "
+                "speedup_vs_target_alone: measured here, the target decoding the same prompts alone; "
+                "estimated_speedup: acceptance length x target decode step / (draft round + verification), from "
+                "step_costs. heldout_acc is teacher-forced accuracy per TTT step on held-out conversations",
     }
-    return result
 
 
 def evaluate_run(run_dir: Path, overrides: dict | None = None, log=print) -> dict:
@@ -109,6 +226,10 @@ def evaluate_run(run_dir: Path, overrides: dict | None = None, log=print) -> dic
 
 
 def write_eval(run_dir: Path, result: dict) -> Path:
+    """eval.json, eval.md (a table per prompt set) and eval.png (acceptance per position per set)."""
+    from .report import write_eval_report
+
     path = Path(run_dir) / "eval.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
+    write_eval_report(run_dir, result)
     return path

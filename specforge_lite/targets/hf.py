@@ -181,7 +181,8 @@ class HFTarget:
     @torch.no_grad()
     def forward_cached(self, input_ids: torch.Tensor, cache: Any, **inputs: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One incremental forward with a KV cache: aux states of the new positions and their logits.
-        ``inputs``: a prompt's images (vision targets), with its first forward."""
+        ``inputs``: a prompt's images (vision targets), with its first forward; or a draft tree's 4D
+        ``attention_mask`` and ``position_ids``."""
         with self.capture_hooks.recording() as states:
             logits = self.family.run_cached(self.model, input_ids, cache, **inputs)
         return self.capture_hooks.collect(states), logits

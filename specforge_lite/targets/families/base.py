@@ -21,6 +21,11 @@ class TargetFamily:
     fallback_chat_template: str | None = None
     # True when left padding or packed rows would leak state between samples (recurrent layers).
     needs_right_padding = False
+    # Whether the target can verify a draft tree in one forward (a 4D tree mask with explicit positions), and
+    # take packed rows (several conversations per row, told apart by position ids restarting at 0).
+    # Recurrent layers can do neither; families with computed positions (mrope) say so in their module.
+    supports_tree_mask = True
+    supports_packing = True
 
     # ---- loading -----------------------------------------------------------------------------
     def load(self, location: str, **kwargs: Any) -> nn.Module:
@@ -79,21 +84,26 @@ class TargetFamily:
 
     # ---- capture -----------------------------------------------------------------------------
     def run_decoder(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    **inputs: Any) -> torch.Tensor:
+                    position_ids: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor:
         """One forward without KV cache or lm_head; returns the post-final-norm state [B, T, H].
 
-        ``inputs`` carries modality inputs (pixel values) for the families that take them.
+        ``position_ids`` marks packed rows (positions restart at 0 where a conversation starts; transformers
+        then keeps attention inside each conversation). ``inputs`` carries modality inputs (pixel values)
+        for the families that take them.
         """
         if inputs:
             raise ValueError(f"the {self.name} family takes text only; got inputs {sorted(inputs)}")
-        return self.decoder(model)(input_ids=input_ids, attention_mask=attention_mask,
+        return self.decoder(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    use_cache=False).last_hidden_state
 
-    def run_cached(self, model: nn.Module, input_ids: torch.Tensor, cache: Any, **inputs: Any) -> torch.Tensor:
-        """One incremental forward with a KV cache (decoding); returns the logits of the new positions."""
+    def run_cached(self, model: nn.Module, input_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor:
+        """One incremental forward with a KV cache (decoding); returns the logits of the new positions.
+        A 4D ``attention_mask`` with ``position_ids`` verifies a draft tree."""
         if inputs:
             raise ValueError(f"the {self.name} family takes text only; got inputs {sorted(inputs)}")
-        return model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits
+        return model(input_ids=input_ids, past_key_values=cache, attention_mask=attention_mask,
+                     position_ids=position_ids, use_cache=True).logits
 
     def check_padding(self, attention_mask: torch.Tensor | None) -> None:
         if not self.needs_right_padding or attention_mask is None:

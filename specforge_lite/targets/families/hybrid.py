@@ -22,8 +22,13 @@ from .base import TargetFamily
 class HybridLinearAttentionFamily(TargetFamily):
     name = "qwen3_next"
     needs_right_padding = True
+    # A recurrent state follows one sequence: it cannot hold a tree's branches or restart inside a row.
+    supports_tree_mask = False
+    supports_packing = False
 
     def run_decoder(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    **inputs: Any) -> torch.Tensor:
+                    position_ids: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor:
         self.check_padding(attention_mask)
+        if position_ids is not None:
+            raise ValueError("qwen3_next/qwen3_5 targets cannot take packed rows (recurrent layers); use data.packing=false")
         return super().run_decoder(model, input_ids, attention_mask, **inputs)

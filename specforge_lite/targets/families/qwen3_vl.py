@@ -28,6 +28,9 @@ IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 class Qwen3VLFamily(TargetFamily):
     name = "qwen3_vl"
+    # mrope positions are 3D and derived from the images by the model: no explicit tree or packed positions.
+    supports_tree_mask = False
+    supports_packing = False
 
     def image_inputs(self, location: str, config: Any) -> Any:
         from transformers import AutoImageProcessor
@@ -46,12 +49,19 @@ class Qwen3VLFamily(TargetFamily):
         return inputs
 
     def run_decoder(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    **inputs: Any) -> torch.Tensor:
+                    position_ids: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor:
+        if position_ids is not None:
+            raise ValueError("qwen3_vl targets cannot take packed rows (their 3D mrope positions are computed from "
+                             "each conversation's images); use data.packing=false")
         inputs = self._image_inputs(model, input_ids, inputs)
         return model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                            **inputs).last_hidden_state
 
-    def run_cached(self, model: nn.Module, input_ids: torch.Tensor, cache: Any, **inputs: Any) -> torch.Tensor:
+    def run_cached(self, model: nn.Module, input_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor:
+        if attention_mask is not None or position_ids is not None:
+            raise ValueError("qwen3_vl targets cannot verify a draft tree (mrope positions are computed by the "
+                             "model); use eval.drafting=chain")
         if cache.get_seq_length() == 0:
             model.model.rope_deltas = None
         inputs = self._image_inputs(model, input_ids, inputs)

@@ -1,0 +1,191 @@
+"""Tree drafting and tree verification (EAGLE-2's dynamic tree), at temperature 0 and above.
+
+Each round the draft grows a tree from the committed token: the ``topk`` best children of the root, then
+``depth - 1`` times the ``topk`` best frontier nodes (by cumulative draft log-probability) each get
+their ``topk`` best children; the ``budget`` best nodes of the whole tree are kept (an ancestor always
+outranks its descendants, so the kept set is a tree). The target scores every kept node in one forward,
+each node attending to the context and its own ancestors (a 4D mask), and the round commits the longest
+path the target accepts plus one token of the target's own.
+
+Acceptance walks down from the root. At a node the target's distribution p is known; the node's children
+are tried best-first, child x being accepted with probability p(x) / sum(p) and, when rejected, removed
+from p. If no child is accepted the next token is drawn from what is left of p. Each emitted token is
+therefore distributed exactly as p (a child's chance is p(x), and the leftover draw covers the rest), so
+the output is the target's own sampling distribution; at temperature 0 p is the target's argmax and the
+walk keeps the child equal to it. (The children are the draft's top-k, deterministic given the context,
+which is why their draft probabilities do not enter the test.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..draft.ttt import TreeCache
+from .spec_decode import Generation, _croppable, _cut, _new_cache
+
+
+@dataclass
+class DraftTree:
+    """Nodes in an order where every parent comes before its children."""
+
+    tokens: list[int]  # target ids
+    parents: list[int]  # index of the parent node, -1 for children of the root (the committed token)
+    depths: list[int]  # 1 for children of the root
+    scores: list[float]  # cumulative draft log-probability from the root
+
+    def children(self) -> dict[int, list[int]]:
+        """Child indices of each node (-1: the root), best score first."""
+        kids: dict[int, list[int]] = {-1: []}
+        for i, p in enumerate(self.parents):
+            kids.setdefault(p, []).append(i)
+            kids.setdefault(i, [])
+        for key in kids:
+            kids[key].sort(key=lambda i: -self.scores[i])
+        return kids
+
+    def visible(self) -> torch.Tensor:
+        """[N+1, N+1] bool over [root] + nodes: which verify positions each position attends to."""
+        n = len(self.tokens)
+        seen = torch.eye(n + 1, dtype=torch.bool)
+        seen[:, 0] = True
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                seen[i + 1] |= seen[p + 1]
+        return seen
+
+
+@torch.no_grad()
+def draft_tree(draft, aux_ctx: list[torch.Tensor], context: list[int], next_token: int, depth: int, topk: int,
+               budget: int) -> DraftTree:
+    """The draft's tree after ``context + [next_token]`` (target ids)."""
+    device = aux_ctx[0].device
+    n = len(context)
+    cache = TreeCache()
+    h = draft.step(torch.tensor([context[1:] + [next_token]], device=device), draft.project_aux(aux_ctx),
+                   torch.arange(n, device=device)[None], cache)[:, -1:]
+    logp = torch.log_softmax(draft.compute_logits(h)[0, -1].float(), -1)
+    best = logp.topk(min(topk, logp.numel()))
+    # Every candidate node: token, parent candidate, depth, score, and the draft state it was predicted from.
+    tokens = draft.draft_to_target(best.indices).tolist()
+    parents, depths, scores = [-1] * len(tokens), [1] * len(tokens), best.values.tolist()
+    source = [h[0, 0]] * len(tokens)
+    frontier = list(range(len(tokens)))
+    in_cache: dict[int, int] = {}  # candidate -> its key's index in the tree cache (expanded nodes only)
+    for d in range(1, depth):
+        expand = sorted(frontier, key=lambda c: -scores[c])[:topk]
+        cache.add_nodes([in_cache[parents[c]] if parents[c] >= 0 else -1 for c in expand])
+        for c in expand:
+            in_cache[c] = len(in_cache)
+        out = draft.step(torch.tensor([[tokens[c] for c in expand]], device=device),
+                         torch.stack([source[c] for c in expand])[None],
+                         torch.full((1, len(expand)), n - 1 + d, device=device), cache)
+        logp = torch.log_softmax(draft.compute_logits(out)[0].float(), -1)  # [len(expand), Vd]
+        kids = logp.topk(min(topk, logp.shape[-1]), dim=-1)
+        frontier = []
+        for row, c in enumerate(expand):
+            for lp, idx in zip(kids.values[row].tolist(), draft.draft_to_target(kids.indices[row]).tolist()):
+                frontier.append(len(tokens))
+                tokens.append(idx)
+                parents.append(c)
+                depths.append(d + 1)
+                scores.append(scores[c] + lp)
+                source.append(out[0, row])
+    # Rerank (EAGLE-2): the best nodes overall; ties go to the shallower node so parents precede children.
+    keep = sorted(range(len(tokens)), key=lambda c: (-scores[c], depths[c]))[:budget]
+    keep.sort(key=lambda c: (depths[c], -scores[c]))
+    where = {c: i for i, c in enumerate(keep)}
+    return DraftTree(tokens=[tokens[c] for c in keep],
+                     parents=[where[parents[c]] if parents[c] >= 0 else -1 for c in keep],
+                     depths=[depths[c] for c in keep], scores=[scores[c] for c in keep])
+
+
+def _verify_tree(target, cache, next_token: int, tree: DraftTree, context_len: int):
+    """The target's cached forward over ``[next_token] + tree``, each position seeing the context and its
+    ancestors: aux states and logits per position."""
+    device = target.device
+    seen = tree.visible().to(device)
+    q = seen.shape[0]
+    mask = torch.zeros(1, 1, q, context_len + q, dtype=target.dtype, device=device)
+    mask[..., context_len:] = torch.where(seen, 0.0, torch.finfo(target.dtype).min)
+    positions = torch.tensor([[context_len] + [context_len + d for d in tree.depths]], device=device)
+    return target.forward_cached(torch.tensor([[next_token] + tree.tokens], device=device), cache,
+                                 attention_mask=mask, position_ids=positions)
+
+
+def _keep_rows(cache, context_len: int, rows: torch.Tensor) -> None:
+    """Keep, after the context, only the verified positions ``rows`` (the accepted path) in every layer."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue  # layers that share another layer's cache
+        idx = rows.to(layer.keys.device) + context_len
+        layer.keys = torch.cat([layer.keys[..., :context_len, :], layer.keys.index_select(-2, idx)], dim=-2)
+        layer.values = torch.cat([layer.values[..., :context_len, :], layer.values.index_select(-2, idx)], dim=-2)
+
+
+def _walk(logits: torch.Tensor, tree: DraftTree, children: dict[int, list[int]], temperature: float,
+          generator: torch.Generator | None) -> tuple[list[int], int]:
+    """The accepted path (node indices) and the token that follows it (see the module docstring)."""
+    path, node = [], -1
+    while True:
+        row = logits[node + 1].float()
+        if temperature <= 0:
+            top = int(row.argmax())
+            hit = next((c for c in children[node] if tree.tokens[c] == top), None)
+            if hit is None:
+                return path, top
+        else:
+            p = torch.softmax(row / temperature, -1).cpu()
+            hit = None
+            for c in children[node]:
+                x = tree.tokens[c]
+                if float(torch.rand((), generator=generator)) * float(p.sum()) < float(p[x]):
+                    hit = c
+                    break
+                p[x] = 0.0
+            if hit is None:
+                return path, int(torch.multinomial(p / p.sum(), 1, generator=generator))
+        path.append(hit)
+        node = hit
+
+
+def check_tree_support(target) -> None:
+    if not target.family.supports_tree_mask:
+        raise ValueError(f"the {target.family.name} family cannot verify a draft tree in one forward (recurrent or "
+                         "model-computed positions); use eval.drafting=chain")
+
+
+@torch.no_grad()
+def tree_generate(target, draft, prompt: list[int], max_new_tokens: int, depth: int, topk: int, budget: int,
+                  stop_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None,
+                  inputs: dict | None = None) -> Generation:
+    """Speculative decoding with a draft tree per round; ``Generation.accepted`` holds the accepted depth."""
+    check_tree_support(target)
+    device = target.device
+    cache = _new_cache(target)
+    aux_ctx, logits = target.forward_cached(torch.tensor([prompt], device=device), cache, **(inputs or {}))
+    if not _croppable(cache):
+        raise ValueError(f"the {target.family.name} target keeps sliding-window or recurrent cache layers, which "
+                         "cannot drop a tree's rejected branches; use eval.drafting=chain")
+    if temperature > 0:
+        next_token = int(torch.multinomial(torch.softmax(logits[0, -1].float() / temperature, -1).cpu(), 1,
+                                           generator=generator))
+    else:
+        next_token = int(logits[0, -1].argmax())
+    context, out, accepted = list(prompt), [next_token], []
+    while len(out) < max_new_tokens and next_token not in stop_ids:
+        tree = draft_tree(draft, aux_ctx, context, next_token, depth, topk, budget)
+        aux_new, vlogits = _verify_tree(target, cache, next_token, tree, len(context))
+        path, following = _walk(vlogits[0], tree, tree.children(), temperature, generator)
+        rows = torch.tensor([0] + [c + 1 for c in path])
+        _keep_rows(cache, len(context), rows)
+        aux_ctx = [torch.cat([c, new[:, rows.to(new.device)]], dim=1) for c, new in zip(aux_ctx, aux_new)]
+        accepted_tokens = [tree.tokens[c] for c in path]
+        accepted.append(len(path))
+        context += [next_token] + accepted_tokens
+        next_token = following
+        out += accepted_tokens + [next_token]
+        if any(t in stop_ids for t in accepted_tokens):
+            break
+    return Generation(_cut(out, max_new_tokens, stop_ids), accepted)
