@@ -24,7 +24,8 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
 
     from specforge_lite.data import BatchStream
     from specforge_lite.evaluate.acceptance import evaluate_export, write_eval
-    from specforge_lite.pipeline import build_draft, build_target, build_vocab, load_tokenizer, pad_id, prepare
+    from specforge_lite.pipeline import (build_draft, build_target, build_vocab, load_tokenizer, packing_length, pad_id,
+                                         prepare)
     from specforge_lite.training.distributed import init_distributed
     from specforge_lite.training.loop import train
     from specforge_lite.training.tracking import Tracker
@@ -70,7 +71,8 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
 
     pad = pad_id(tokenizer) if tokenizer is not None else 0  # pads are masked; the value is never read
     stream = BatchStream(train_data, config.trainer.micro_batch_size, pad, config.trainer.seed,
-                         images=target.image_inputs, rank=ctx.rank, world_size=ctx.world_size)
+                         images=target.image_inputs, rank=ctx.rank, world_size=ctx.world_size,
+                         pack_length=packing_length(config, target))
     tracker_config = OmegaConf.to_container(OmegaConf.structured(config))
     result = train(config.trainer, config.draft, target, draft, stream, run_dir,
                    lambda step: Tracker(config.tracker, run_dir, tracker_config, resume_step=step), spec, log=log,

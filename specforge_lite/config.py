@@ -129,6 +129,10 @@ class DataConfig:
     # data.source=offline: train from a hidden-state store (python -m specforge_lite.offline dump|ingest)
     store: Optional[str] = None
     max_length: int = 2048
+    # Pack each micro-batch's conversations into as few rows of max_length tokens as they fit: no compute on
+    # padding, same loss (attention and the TTT targets stay inside each conversation). Text targets only
+    # (not Qwen3-VL, not the recurrent Qwen3-Next/3.5), read online. Raise trainer.micro_batch_size to fill rows.
+    packing: bool = False
     max_samples: Optional[int] = None  # cap on training conversations after the held-out split
     heldout_samples: int = 64  # conversations held out from training for evaluation
     # A run stops with an error when more than this share of rows is malformed.

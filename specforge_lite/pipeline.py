@@ -122,6 +122,19 @@ def prepare(config: Config, target: HFTarget, tokenizer, log=print):
                         images=target.image_inputs)
 
 
+def packing_length(config: Config, target: HFTarget) -> int | None:
+    """The packed row length when data.packing is on (None: unpacked), after checking the target takes it."""
+    if not config.data.packing:
+        return None
+    if config.data.source == "offline":
+        raise ValueError("data.packing=true with data.source=offline: a store is read one sample per row; use "
+                         "data.packing=false")
+    if not target.family.supports_packing:
+        raise ValueError(f"data.packing=true: the {target.family.name} family cannot keep packed conversations apart "
+                         "(recurrent layers or model-computed positions); use data.packing=false")
+    return config.data.max_length
+
+
 def build_vocab(config: Config, target: HFTarget, train_dataset, tokenizer) -> DraftVocab:
     vocab = build_draft_vocab(train_dataset, target.vocab_size, config.draft.draft_vocab_size,
                               f"{tokenizer.name_or_path}|{len(tokenizer)}")

@@ -1,4 +1,4 @@
-"""python -m specforge_lite.bench <benchmark> [options]; benchmarks: train_step, regenerate, capture, memory, store"""
+"""python -m specforge_lite.bench <benchmark> [options]; benchmarks: train_step, regenerate, capture, memory, store, packing"""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 BENCHMARKS = {"train_step": "specforge_lite.bench.train_step", "regenerate": "specforge_lite.bench.regenerate",
               "capture": "specforge_lite.bench.capture", "memory": "specforge_lite.bench.zero_memory",
-              "store": "specforge_lite.bench.store"}
+              "store": "specforge_lite.bench.store", "packing": "specforge_lite.bench.packing"}
 
 
 def main() -> None:

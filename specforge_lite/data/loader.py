@@ -16,14 +16,54 @@ class Batch:
     loss_mask: torch.Tensor  # [B, T] 1 where the token is assistant-produced
     # Modality inputs for the target's capture (vision targets: pixel_values, image_grid_thw); else empty.
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Packed rows (data.packing): each conversation's positions, restarting at 0 where it starts; else None.
+    position_ids: torch.Tensor | None = None
 
     def to(self, device) -> "Batch":
         return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device),
-                     {k: v.to(device) for k, v in self.inputs.items()})
+                     {k: v.to(device) for k, v in self.inputs.items()},
+                     None if self.position_ids is None else self.position_ids.to(device))
 
     @property
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
+
+
+def pack(rows: list[dict], max_length: int) -> list[list[dict]]:
+    """The rows grouped into as few packed rows of at most ``max_length`` tokens as first-fit finds, in
+    order (a conversation longer than max_length keeps a row of its own)."""
+    bins: list[list[dict]] = []
+    used: list[int] = []
+    for r in rows:
+        n = len(r["input_ids"])
+        for i, u in enumerate(used):
+            if u + n <= max_length:
+                bins[i].append(r)
+                used[i] += n
+                break
+        else:
+            bins.append([r])
+            used.append(n)
+    return bins
+
+
+def collate_packed(rows: list[dict], pad_id: int, max_length: int) -> Batch:
+    """Several conversations per row (``pack``), right-padded; ``position_ids`` restart at 0 at each
+    conversation, which is how the target and the draft keep attention inside it."""
+    if any(r.get("images") for r in rows) or "store_index" in rows[0]:
+        raise ValueError("data.packing=true takes text conversations read online; image rows and hidden-state "
+                         "store rows are batched unpacked (data.packing=false)")
+    merged = []
+    for group in pack(rows, max_length):
+        merged.append({"input_ids": [t for r in group for t in r["input_ids"]],
+                       "loss_mask": [m for r in group for m in r["loss_mask"]],
+                       "position_ids": [p for r in group for p in range(len(r["input_ids"]))]})
+    batch = collate(merged, pad_id)
+    positions = torch.zeros_like(batch.input_ids)
+    for i, r in enumerate(merged):
+        positions[i, : len(r["position_ids"])] = torch.tensor(r["position_ids"])
+    batch.position_ids = positions
+    return batch
 
 
 def collate(rows: list[dict], pad_id: int, images: Any = None) -> Batch:
@@ -56,9 +96,11 @@ class BatchStream:
     as many accumulation steps) would see. The position is world-independent, so it resumes anywhere."""
 
     def __init__(self, dataset, batch_size: int, pad_id: int, seed: int, shuffle: bool = True, images: Any = None,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, pack_length: int | None = None):
+        """``pack_length``: pack each micro-batch's conversations into rows of at most this many tokens
+        (data.packing); the conversations, their order and the checkpointed position stay the same."""
         self.dataset, self.batch_size, self.pad_id, self.seed, self.shuffle = dataset, batch_size, pad_id, seed, shuffle
-        self.images, self.rank, self.world_size = images, rank, world_size
+        self.images, self.rank, self.world_size, self.pack_length = images, rank, world_size, pack_length
         if len(dataset) < world_size:
             raise ValueError(f"{len(dataset)} training samples cannot feed {world_size} data-parallel ranks")
         self.epoch, self.cursor = 0, 0
@@ -82,7 +124,10 @@ class BatchStream:
         self.cursor += len(idx)
         n, r, w = len(idx), self.rank, self.world_size
         mine = idx[r * n // w : (r + 1) * n // w]
-        return collate([self.dataset[i] for i in mine], self.pad_id, self.images)
+        rows = [self.dataset[i] for i in mine]
+        if self.pack_length:
+            return collate_packed(rows, self.pad_id, self.pack_length)
+        return collate(rows, self.pad_id, self.images)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "size": len(self.dataset)}

@@ -45,7 +45,7 @@ def token_loss(kind: str, teacher_p: torch.Tensor, draft_logits: torch.Tensor) -
 
 def ttt_loss(draft, aux: list[torch.Tensor], input_ids: torch.Tensor, teacher_logits: torch.Tensor,
              in_vocab: torch.Tensor, loss_mask: torch.Tensor, ttt_length: int, decay: float = 0.8,
-             loss: str = "soft_ce") -> TTTOutput:
+             loss: str = "soft_ce", position_ids: torch.Tensor | None = None) -> TTTOutput:
     """Unroll the draft ``ttt_length`` steps over a batch and score every step.
 
     Alignment (step k, row t): input token x[t+1+k] at position t+k, hidden = fused aux state h[t] at
@@ -53,17 +53,28 @@ def ttt_loss(draft, aux: list[torch.Tensor], input_ids: torch.Tensor, teacher_lo
     position t+1+k (which predicts x[t+2+k]); the row counts only if x[t+2+k] is an assistant token
     (mask aligned with the predicted token) and the target's full-vocab argmax lies in the draft vocab.
     Each step's loss is normalised over its valid tokens; step k is weighted decay**k.
+
+    ``position_ids`` (packed rows): positions restart at 0 where a conversation starts. The draft then
+    attends only within a conversation and a row counts only if the token it predicts is in its own
+    conversation, so the loss equals that of the same conversations unpacked.
     """
     B, T = input_ids.shape
     hidden = draft.project_aux(aux)
-    positions = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
+    segments = None
+    if position_ids is None:
+        positions = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
+    else:
+        positions = position_ids
+        segments = (position_ids == 0).long().cumsum(-1)  # 1, 2, ... per conversation; 0 never occurs
     teacher_top = teacher_logits.argmax(-1)
-    cache = TTTCache()
+    cache = TTTCache(segments)
     total = hidden.new_zeros((), dtype=torch.float32)
     steps = []
     for k in range(ttt_length):
         hidden = draft.step(shift_left(input_ids, 1 + k), hidden, positions + k, cache)
         valid = shift_left(loss_mask, 2 + k).bool() & shift_left(in_vocab, 1 + k)
+        if segments is not None:
+            valid &= shift_left(segments, 2 + k) == segments
         rows = valid.nonzero(as_tuple=True)
         t_rows = (rows[0], rows[1] + 1 + k)  # teacher rows for the valid positions
         n = valid.sum()

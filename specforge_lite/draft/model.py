@@ -219,12 +219,13 @@ class Eagle3Draft(nn.Module):
     # ---- training forward ------------------------------------------------------------------------
     def forward(self, aux: list[torch.Tensor], input_ids: torch.Tensor, teacher_logits: torch.Tensor,
                 in_vocab: torch.Tensor, loss_mask: torch.Tensor, ttt_length: int, decay: float = 0.8,
-                loss: str = "soft_ce"):
+                loss: str = "soft_ce", position_ids: torch.Tensor | None = None):
         """The TTT unroll and its loss over a batch (draft/loss.py); the module's forward so that a
-        training engine (DeepSpeed) wraps exactly what is trained."""
+        training engine (DeepSpeed) wraps exactly what is trained. ``position_ids``: packed rows."""
         from .loss import ttt_loss
 
-        return ttt_loss(self, aux, input_ids, teacher_logits, in_vocab, loss_mask, ttt_length, decay, loss)
+        return ttt_loss(self, aux, input_ids, teacher_logits, in_vocab, loss_mask, ttt_length, decay, loss,
+                        position_ids)
 
     # ---- forward pieces ------------------------------------------------------------------------
     def project_aux(self, aux: list[torch.Tensor]) -> torch.Tensor:

@@ -107,6 +107,8 @@ class StoreTarget:
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 store_index: torch.Tensor | None = None, **inputs: Any) -> Captured:
         """The stored states of the batch's samples (``store_index``), right-padded with zeros like the batch."""
+        if "position_ids" in inputs:
+            raise StoreError("a hidden-state store is read one sample per row: use data.packing=false")
         if store_index is None:
             raise StoreError("an offline batch carries store_index (the loader adds it for store rows)")
         B, T = input_ids.shape

@@ -116,12 +116,18 @@ class HFTarget:
 
     # ---- training capture -------------------------------------------------------------------
     @torch.no_grad()
-    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **inputs: Any) -> Captured:
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, **inputs: Any) -> Captured:
         """Run the decoder (no lm_head, no KV cache) and keep only the aux states and the final state.
 
-        ``inputs`` are modality inputs for the families that take them (Qwen3-VL ``pixel_values``)."""
+        ``position_ids``: packed rows (data.packing). ``inputs`` are modality inputs for the families that
+        take them (Qwen3-VL ``pixel_values``)."""
+        if position_ids is not None:
+            # transformers keeps attention inside each conversation when it is given positions and no 2D
+            # mask; the pads at a row's end come after every real token, so dropping their mask is safe.
+            attention_mask = None
         with self.capture_hooks.recording() as states:
-            final = self.family.run_decoder(self.model, input_ids, attention_mask, **inputs)
+            final = self.family.run_decoder(self.model, input_ids, attention_mask, position_ids=position_ids, **inputs)
         return Captured(aux=self.capture_hooks.collect(states), final_hidden=final)
 
     def set_draft_vocab(self, draft_to_target: torch.Tensor, t2d: torch.Tensor) -> None:

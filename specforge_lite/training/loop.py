@@ -23,12 +23,13 @@ from .tracking import Tracker
 def batch_loss(target: HFTarget, draft_forward: Callable[..., TTTOutput], batch: Batch, draft_cfg: DraftConfig) -> TTTOutput:
     """One micro-batch: the frozen target's capture and teacher (in the target's own dtype), then the
     draft's TTT unroll (``draft_forward``: the draft module, or a training engine's forward)."""
-    captured = target.capture(batch.input_ids, batch.attention_mask, **batch.inputs)
+    packed = {} if batch.position_ids is None else {"position_ids": batch.position_ids}
+    captured = target.capture(batch.input_ids, batch.attention_mask, **packed, **batch.inputs)
     # The teacher at position j is scored only where x[j+1] carries loss (see ttt_loss's alignment).
     needed = shift_left(batch.loss_mask, 1).bool()
     teacher, in_vocab = target.teacher(captured.final_hidden, needed)
     return draft_forward(captured.aux, batch.input_ids, teacher, in_vocab, batch.loss_mask,
-                         draft_cfg.ttt_length, draft_cfg.step_loss_decay, draft_cfg.loss)
+                         draft_cfg.ttt_length, draft_cfg.step_loss_decay, draft_cfg.loss, **packed)
 
 
 @dataclass

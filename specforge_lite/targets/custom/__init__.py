@@ -36,10 +36,12 @@ class CustomTarget(HFTarget):
         return self.lean is None
 
     @torch.no_grad()
-    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **inputs: Any) -> Captured:
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, **inputs: Any) -> Captured:
         if self.lean is None or inputs:
-            return super().capture(input_ids, attention_mask, **inputs)
-        states, final = self.lean(input_ids, attention_mask, layers_to_output_hidden_states=self.aux_layer_ids)
+            return super().capture(input_ids, attention_mask, position_ids, **inputs)
+        states, final = self.lean(input_ids, attention_mask, layers_to_output_hidden_states=self.aux_layer_ids,
+                                  position_ids=position_ids)
         return Captured(aux=[states[i] for i in self.aux_layer_ids], final_hidden=final)
 
     @torch.no_grad()

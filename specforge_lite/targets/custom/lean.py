@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
-    """(flat token ids [N], positions [N], per-row lengths, flat index of each kept token) for a right-padded batch."""
+def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None):
+    """(flat token ids [N], positions [N], per-sequence lengths, flat index of each kept token) for a
+    right-padded batch. With ``position_ids`` (packed rows) each conversation is a sequence of its own."""
     B, T = input_ids.shape
     if attention_mask is None:
         lengths = [T] * B
@@ -30,6 +31,11 @@ def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
         lengths = m.sum(1).tolist()
         keep = m.reshape(-1).nonzero(as_tuple=True)[0]
         flat = input_ids.reshape(-1)[keep]
+    if position_ids is not None:
+        positions = position_ids.reshape(-1) if keep is None else position_ids.reshape(-1)[keep]
+        starts = (positions == 0).nonzero(as_tuple=True)[0].tolist() + [positions.numel()]
+        lengths = [b - a for a, b in zip(starts[:-1], starts[1:])]
+        return flat, positions, lengths, keep
     positions = torch.cat([torch.arange(n, device=input_ids.device) for n in lengths])
     return flat, positions, lengths, keep
 
@@ -103,10 +109,12 @@ class LeanForward:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 layers_to_output_hidden_states: Sequence[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """({layer id: state entering that layer (id L: pre-final-norm)}, post-final-norm state), each [B, T, H]."""
+                 layers_to_output_hidden_states: Sequence[int], position_ids: torch.Tensor | None = None
+                 ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """({layer id: state entering that layer (id L: pre-final-norm)}, post-final-norm state), each [B, T, H].
+        ``position_ids``: packed rows, one sequence per conversation."""
         B, T = input_ids.shape
-        ids, positions, lengths, keep = unpad(input_ids, attention_mask)
+        ids, positions, lengths, keep = unpad(input_ids, attention_mask, position_ids)
         h = self.embed(ids)[None]
         rope = self.rope(h, positions)
         wanted, out = set(layers_to_output_hidden_states), {}
