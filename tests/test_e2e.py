@@ -50,6 +50,15 @@ def test_run_directory_contract(default_run):
     assert (out / "final" / "model.safetensors").stat().st_size > 1_000_000
     ev = json.loads((out / "eval.json").read_text())
     assert ev["mean_acceptance_length"] >= 1.0 and len(ev["per_position_acceptance"]) == 3
+    sets = ev["sets"]
+    assert list(sets) == ["heldout", "mtbench", "gsm8k", "summarization", "humaneval"]
+    assert sets["mtbench"]["prompts"] == 2 * sets["mtbench"]["conversations"] == 6  # two turns each
+    assert all(s["generated_tokens"] > 0 and len(s["per_position_acceptance"]) == 3 for s in sets.values())
+    assert ev["prompts"] == sum(s["prompts"] for s in sets.values())
+    assert ev["estimated_speedup"] > 0 and ev["step_costs"]["target_verify_s"] > 0
+    table = (out / "eval.md").read_text()
+    assert all(f"| {name} |" in table for name in [*sets, "all"])
+    assert (out / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "wandb").is_dir()  # offline wandb files live inside the run
     assert str(out / "final") in stdout and str(out / "eval.json") in stdout
 
@@ -76,13 +85,21 @@ def test_trained_draft_beats_an_untrained_one_on_heldout_acc0(default_run):
 
 def test_eval_cli_reevaluates_a_run(default_run):
     out, _ = default_run
-    proc = run(["eval/acceptance.py", "--run-dir", str(out), "--k", "2", "--num-prompts", "1", "--max-new-tokens", "12"],
-               timeout=600)
+    common = ["eval/acceptance.py", "--run-dir", str(out), "--k", "2", "--max-new-tokens", "12"]
+    proc = run([*common, "--num-prompts", "3", "--prompt-sets", "heldout", "gsm8k"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ev = json.loads((out / "eval.json").read_text())
-    assert ev["num_draft_tokens"] == 2 and ev["prompts"] == 1
-    proc = run(["eval/acceptance.py", "--run-dir", str(out), "--k", "2", "--num-prompts", "2", "--max-new-tokens", "12",
-                "--temperature", "0.8"], timeout=600)
+    assert ev["num_draft_tokens"] == 2 and ev["prompts"] == 6 and list(ev["sets"]) == ["heldout", "gsm8k"]
+    chain_outputs = json.loads((out / "eval_inputs.json").read_text())["generated"]
+    # tree drafting on the real target with the trained draft: the same greedy outputs, more tokens per round
+    proc = run([*common, "--num-prompts", "3", "--prompt-sets", "heldout", "gsm8k", "--drafting", "tree",
+                "--tree-topk", "3", "--tree-budget", "8"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tree = json.loads((out / "eval.json").read_text())
+    assert tree["drafting"] == "tree" and tree["tree_budget"] == 8
+    assert json.loads((out / "eval_inputs.json").read_text())["generated"] == chain_outputs
+    assert "tree (depth 2, top-3, budget 8)" in (out / "eval.md").read_text()
+    proc = run([*common, "--num-prompts", "2", "--prompt-sets", "heldout", "--temperature", "0.8"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ev = json.loads((out / "eval.json").read_text())
     assert ev["temperature"] == 0.8 and ev["generated_tokens"] > 0 and ev["mean_acceptance_length"] >= 1.0

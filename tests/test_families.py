@@ -253,7 +253,7 @@ def test_qwen3_vl_speculative_decoding_on_image_prompts_equals_hf_generate(tmp_p
 FAST = ["trainer.max_steps=2", "trainer.save_every=2", "trainer.progress_bar=false", "tracker=none",
         "data.max_length=96", "data.heldout_samples=4", "data.max_samples=24", "data.generation.max_conversations=8",
         "data.generation.max_new_tokens=8", "data.generation.batch_size=8", "draft.draft_vocab_size=1024",
-        "eval.num_prompts=2", "eval.max_new_tokens=6", "eval.heldout_batches=2"]
+        "eval.num_prompts=2", "eval.max_new_tokens=6", "eval.heldout_batches=2", "eval.prompt_sets=[heldout]"]
 
 
 @pytest.mark.slow

@@ -79,7 +79,7 @@ def test_vllm_serves_our_draft_with_the_targets_greedy_output(serving_python, tm
                           "data.heldout_samples=6", "draft.draft_vocab_size=4096", "draft.ttt_length=3",
                           "trainer.max_steps=12", "trainer.lr=6e-4", "trainer.micro_batch_size=2",
                           "trainer.progress_bar=false", "eval.num_prompts=3", "eval.max_new_tokens=16",
-                          "eval.heldout_batches=1", f"draft.use_aux_norm={str(use_aux_norm).lower()}",
+                          "eval.heldout_batches=1", "eval.prompt_sets=[heldout]", f"draft.use_aux_norm={str(use_aux_norm).lower()}",
                           f"output_dir={tmp_path}"])
     run(config, tmp_path, log=lambda m: None)
     ours = json.loads((tmp_path / "eval.json").read_text())
