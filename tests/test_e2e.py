@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 # The embedded default (recipe=cpu_20min, regeneration included) on a budget that fits CI.
 OVERRIDES = ["trainer.max_steps=40", "trainer.save_every=20", "trainer.progress_bar=false", "data.max_length=256",
              "data.generation.max_conversations=64", "data.generation.max_new_tokens=48",
-             "eval.num_prompts=3", "eval.max_new_tokens=24", "eval.heldout_batches=12"]
+             "eval.num_prompts=2", "eval.max_new_tokens=24", "eval.heldout_batches=12"]
 
 
 def run(args, **kw):
@@ -52,7 +52,7 @@ def test_run_directory_contract(default_run):
     assert ev["mean_acceptance_length"] >= 1.0 and len(ev["per_position_acceptance"]) == 3
     sets = ev["sets"]
     assert list(sets) == ["heldout", "mtbench", "gsm8k", "summarization", "humaneval"]
-    assert sets["mtbench"]["prompts"] == 2 * sets["mtbench"]["conversations"] == 6  # two turns each
+    assert sets["mtbench"]["prompts"] == 2 * sets["mtbench"]["conversations"] == 4  # two turns each
     assert all(s["generated_tokens"] > 0 and len(s["per_position_acceptance"]) == 3 for s in sets.values())
     assert ev["prompts"] == sum(s["prompts"] for s in sets.values())
     assert ev["estimated_speedup"] > 0 and ev["step_costs"]["target_verify_s"] > 0
@@ -86,13 +86,13 @@ def test_trained_draft_beats_an_untrained_one_on_heldout_acc0(default_run):
 def test_eval_cli_reevaluates_a_run(default_run):
     out, _ = default_run
     common = ["eval/acceptance.py", "--run-dir", str(out), "--k", "2", "--max-new-tokens", "12"]
-    proc = run([*common, "--num-prompts", "3", "--prompt-sets", "heldout", "gsm8k"], timeout=600)
+    proc = run([*common, "--num-prompts", "2", "--prompt-sets", "heldout", "gsm8k"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ev = json.loads((out / "eval.json").read_text())
-    assert ev["num_draft_tokens"] == 2 and ev["prompts"] == 6 and list(ev["sets"]) == ["heldout", "gsm8k"]
+    assert ev["num_draft_tokens"] == 2 and ev["prompts"] == 4 and list(ev["sets"]) == ["heldout", "gsm8k"]
     chain_outputs = json.loads((out / "eval_inputs.json").read_text())["generated"]
     # tree drafting on the real target with the trained draft: the same greedy outputs, more tokens per round
-    proc = run([*common, "--num-prompts", "3", "--prompt-sets", "heldout", "gsm8k", "--drafting", "tree",
+    proc = run([*common, "--num-prompts", "2", "--prompt-sets", "heldout", "gsm8k", "--drafting", "tree",
                 "--tree-topk", "3", "--tree-budget", "8"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     tree = json.loads((out / "eval.json").read_text())

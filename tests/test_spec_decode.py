@@ -23,13 +23,18 @@ def test_greedy_helper_matches_hf_generate():
     assert greedy_generate(target, prompt, 20, stop_ids=set()) == hf_greedy(target, prompt, 20)
 
 
-def test_speculative_equals_greedy_with_a_trained_like_oracle(monkeypatch):
-    """A draft that is right at some positions and wrong at others exercises every acceptance count
-    and the KV-cache rollback; the output must still be the target's greedy continuation."""
+def greedy_case(new_tokens: int = 40):
+    """A tiny target, a draft for it, a random prompt and the target's greedy continuation of it."""
     target = tiny_target()
     draft = tiny_draft(target)
     prompt = torch.randint(0, target.vocab_size, (7,)).tolist()
-    truth = hf_greedy(target, prompt, 40)
+    return target, draft, prompt, hf_greedy(target, prompt, new_tokens)
+
+
+def test_speculative_equals_greedy_with_a_trained_like_oracle(monkeypatch):
+    """A draft that is right at some positions and wrong at others exercises every acceptance count
+    and the KV-cache rollback; the output must still be the target's greedy continuation."""
+    target, draft, prompt, truth = greedy_case()
     full = prompt + truth
     calls = {"n": 0}
 
@@ -89,6 +94,28 @@ def test_smollm2_speculative_equals_greedy(smollm2):
     assert got.tokens == truth
 
 
+def second_token_distribution(target, prompt, temperature):
+    """p(x2 | prompt) = sum_x1 p(x1 | prompt) p(x2 | prompt, x1) at ``temperature``, exactly, from the
+    target in one batched forward."""
+    V = target.vocab_size
+    with torch.no_grad():
+        p1 = torch.softmax(target.model(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        both = torch.tensor([prompt + [x] for x in range(V)])
+        p2 = torch.softmax(target.model(both).logits[:, -1] / temperature, -1)  # [x1, x2]
+    return (p1[:, None] * p2).sum(0)
+
+
+def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson's test of observed counts against expected probabilities (bins under 5 expected pooled)."""
+    exp = expected_probs * counts.sum()
+    big = exp >= 5
+    obs_bins = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp_bins = torch.cat([exp[big], exp[~big].sum()[None]])
+    chi2 = float(((obs_bins - exp_bins) ** 2 / exp_bins).sum())
+    dof = len(obs_bins) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2)))
+
+
 def test_speculative_sampling_draws_from_the_target_distribution():
     """At temperature > 0 the second generated token (the first one speculated) must follow the target's
     own distribution p(x2 | prompt) = sum_x1 p(x1) p(x2 | x1), computed here exactly from the target in
@@ -100,11 +127,7 @@ def test_speculative_sampling_draws_from_the_target_distribution():
     draft = tiny_draft(target, draft_vocab_size=128, seed=1)
     T, V = 8.0, target.vocab_size
     prompt = [5, 17, 42, 99, 3]
-    with torch.no_grad():
-        p1 = torch.softmax(target.model(torch.tensor([prompt])).logits[0, -1] / T, -1)
-        both = torch.tensor([prompt + [x] for x in range(V)])
-        p2 = torch.softmax(target.model(both).logits[:, -1] / T, -1)  # [x1, x2]
-    expected_x2 = (p1[:, None] * p2).sum(0)
+    expected_x2 = second_token_distribution(target, prompt, T)
 
     g = torch.Generator().manual_seed(0)
     counts, rounds, accepted = torch.zeros(V), 0, 0
@@ -114,14 +137,8 @@ def test_speculative_sampling_draws_from_the_target_distribution():
         counts[gen.tokens[1]] += 1
         rounds, accepted = rounds + len(gen.accepted), accepted + sum(min(a, 1) for a in gen.accepted)
     assert 0.05 < accepted / rounds < 0.9  # the draft is right sometimes and wrong often: both paths run
-    exp = expected_x2 * n
-    big = exp >= 5
-    obs_bins = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp_bins = torch.cat([exp[big], exp[~big].sum()[None]])
-    chi2 = float(((obs_bins - exp_bins) ** 2 / exp_bins).sum())
-    dof = len(obs_bins) - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2)))
-    assert p_value > 1e-3, (chi2, dof, p_value)
+    p_value = chi_square_p_value(counts, expected_x2)
+    assert p_value > 1e-3, p_value
 
 
 # ---- tree drafting -------------------------------------------------------------------------------------
@@ -154,10 +171,7 @@ def test_tree_decoding_equals_greedy_whatever_branch_is_right(monkeypatch):
     output must be the target's greedy continuation for every accepted depth and sibling rank."""
     from specforge_lite.evaluate import tree as tree_mod
 
-    target = tiny_target()
-    draft = tiny_draft(target)
-    prompt = torch.randint(0, target.vocab_size, (7,)).tolist()
-    truth = hf_greedy(target, prompt, 40)
+    target, draft, prompt, truth = greedy_case()
     full = prompt + truth
     calls = {"n": 0}
 
@@ -213,11 +227,7 @@ def test_tree_sampling_draws_from_the_target_distribution(monkeypatch):
     draft = tiny_draft(target, draft_vocab_size=128, seed=1)
     T, V = 2.0, target.vocab_size
     prompt = [5, 17, 42, 99, 3]
-    with torch.no_grad():
-        p1 = torch.softmax(target.model(torch.tensor([prompt])).logits[0, -1] / T, -1)
-        both = torch.tensor([prompt + [x] for x in range(V)])
-        p2 = torch.softmax(target.model(both).logits[:, -1] / T, -1)  # [x1, x2]
-    expected_x2 = (p1[:, None] * p2).sum(0)
+    expected_x2 = second_token_distribution(target, prompt, T)
 
     def likely_tree(draft_, aux_ctx, context, next_token, depth, topk, budget):
         with torch.no_grad():
@@ -234,14 +244,8 @@ def test_tree_sampling_draws_from_the_target_distribution(monkeypatch):
         counts[gen.tokens[1]] += 1
         rounds, accepted = rounds + len(gen.accepted), accepted + sum(gen.accepted)
     assert 0.3 < accepted / rounds < 0.9
-    exp = expected_x2 * n
-    big = exp >= 5
-    obs_bins = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp_bins = torch.cat([exp[big], exp[~big].sum()[None]])
-    chi2 = float(((obs_bins - exp_bins) ** 2 / exp_bins).sum())
-    dof = len(obs_bins) - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2)))
-    assert p_value > 1e-3, (chi2, dof, p_value)
+    p_value = chi_square_p_value(counts, expected_x2)
+    assert p_value > 1e-3, p_value
 
 
 def test_tree_decoding_refuses_targets_that_cannot_verify_a_tree():
