@@ -150,7 +150,9 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
     for prompt_set in load_prompt_sets(list(ev.prompt_sets), dict(ev.prompt_files or {}), data, ev.num_prompts):
         sets[prompt_set.name] = _run_set(prompt_set, decode, target, tokenizer, ev, stops, log)
     every = lambda key: [x for s in sets.values() for x in s[key]]  # noqa: E731
-    costs = measure_step_costs(target, draft, every("_prompts")[0], ev)
+    # step costs are timed on a text prompt when there is one (an image prompt needs its pixels in the prefill)
+    text_prompts = [p for p, images in zip(every("_prompts"), every("_images")) if not images]
+    costs = measure_step_costs(target, draft, (text_prompts or every("_prompts"))[0], ev)
     for s in sets.values():
         s["estimated_speedup"] = estimated_speedup(s["mean_acceptance_length"], costs)
     # What eval/vllm_acceptance.py needs to serve the same prompts and compare outputs token for token.
