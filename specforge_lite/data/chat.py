@@ -137,14 +137,19 @@ def _encode(tokenizer: Any, text: str, spans: list[tuple[int, int]], max_length:
     return ids, mask, paths
 
 
+def generation_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], images: ImageInputs | None = None) -> list[int]:
+    """Token ids of ``messages`` rendered for the assistant to answer next (before image expansion)."""
+    text = render(tokenizer, messages, add_generation_prompt=True, images=images)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def prompt_ids(tokenizer: Any, messages: list[dict[str, str]], images: ImageInputs | None = None
                ) -> tuple[list[int], list[str]]:
     """The conversation up to its first assistant turn, ready for the assistant to answer, and the
     image files its ids hold placeholders for."""
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     _check_images(messages[:first], images)
-    text = render(tokenizer, messages[:first], add_generation_prompt=True, images=images)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = generation_prompt_ids(tokenizer, messages[:first], images)
     paths = conversation_images(messages[:first])
     if images is not None:
         ids, _ = images.expand(ids, [0] * len(ids), paths)

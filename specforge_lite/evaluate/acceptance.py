@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from ..config import Config, EvalConfig, to_config
-from ..data.chat import render
+from ..data.chat import generation_prompt_ids
 from ..draft.ttt import TreeCache
 from .heldout import heldout_accuracy
 from .prompts import PromptSet, load_prompt_sets
@@ -56,8 +56,7 @@ def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, s
                 ids = item.ids
             else:
                 messages.append({"role": "user", "content": turn})
-                ids = tokenizer(render(tokenizer, messages, add_generation_prompt=True),
-                                add_special_tokens=False)["input_ids"]
+                ids = generation_prompt_ids(tokenizer, messages)
             gen = decode(ids, inputs_of(item.images))
             prompts.append(ids), prompt_images.append(item.images), outputs.append(gen.tokens)
             accepted += gen.accepted
