@@ -24,8 +24,8 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
 
     from specforge_lite.data import BatchStream
     from specforge_lite.evaluate.acceptance import evaluate_export, write_eval
-    from specforge_lite.pipeline import (build_draft, build_target, build_vocab, load_tokenizer, packing_length, pad_id,
-                                         prepare)
+    from specforge_lite.pipeline import (build_draft, build_target, build_vocab, describe_precision, load_tokenizer,
+                                         packing_length, pad_id, prepare)
     from specforge_lite.training.distributed import init_distributed
     from specforge_lite.training.loop import train
     from specforge_lite.training.tracking import Tracker
@@ -54,6 +54,7 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
             f"{target.hidden_size}, vocab {target.vocab_size}, aux ids {target.aux_layer_ids} ({target.convention}) on "
             f"{target.device}/{target.dtype}" + (f"; {ctx.world_size} ranks, target "
             f"{'sharded (ZeRO-3)' if config.target.shard == 'zero3' else 'replicated'}" if ctx.enabled else ""))
+        log(f"[precision] {describe_precision(config, target)}")
         # rank 0 prepares (and caches) the data first; the other ranks then read the same cache
         if not ctx.is_main:
             ctx.barrier()

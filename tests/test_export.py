@@ -220,6 +220,34 @@ def test_check_names_what_a_server_would_misread(tmp_path):
     assert any("differ" in e for e in broken(lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3])).errors)
     assert any("norm_before_residual" in w for w in broken(lambda c: c.pop("norm_before_residual")).warnings)
     assert any("no d2t" in e for e in broken(edit_weights=lambda w: w.pop("d2t")).errors)
+    unsorted = broken(lambda c: (c.update(eagle_aux_hidden_state_layer_ids=[6, 2, 4]),
+                                 c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[6, 2, 4])))
+    assert any("not ascending" in e for e in unsorted.errors)
+    assert any("runs silu only" in e for e in broken(lambda c: c.update(hidden_act="gelu_pytorch_tanh")).errors)
     cli = subprocess.run([sys.executable, "-m", "specforge_lite.export", "--check", str(tmp_path / "b1")], cwd=ROOT,
                          capture_output=True, text=True)
     assert cli.returncode == 1 and "NOT SERVABLE" in cli.stdout
+
+
+def test_every_familys_draft_is_a_silu_llama_layer_and_other_activations_are_refused(tmp_path):
+    """A Gemma target (gelu_pytorch_tanh) still gets a silu draft: the servers' Llama draft runs nothing else.
+    A checkpoint trained with another activation is refused at export, never relabelled."""
+    from dataclasses import replace
+
+    from specforge_lite.config import DraftConfig, load_config
+    from specforge_lite.draft import Eagle3Spec
+    from specforge_lite.pipeline import build_target
+
+    gemma = build_target(load_config(["model=gemma3_tiny", "tracker=none"]))
+    assert gemma.config.get_text_config().hidden_activation == "gelu_pytorch_tanh"
+    spec = Eagle3Spec.from_target(gemma.config, DraftConfig(), gemma.aux_layer_ids, gemma.convention,
+                                  gemma.vocab_size, 64, gemma.hidden_size)
+    assert spec.hidden_act == "silu"
+    target = tiny_target(aux_ids=[2, 4, 6])
+    draft = tiny_draft(target, draft_vocab_size=100)
+    out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "silu")
+    assert json.loads((out / "config.json").read_text())["hidden_act"] == "silu"
+    old = replace(draft.spec, hidden_act="gelu_pytorch_tanh")
+    with pytest.raises(ValueError, match="trained with hidden_act='gelu_pytorch_tanh'.*silu only.*Retrain"):
+        export_draft(draft.trainable_state_dict(), old, "vllm", tmp_path / "gelu")
+    assert not (tmp_path / "gelu").exists()

@@ -15,7 +15,7 @@ from specforge_lite.pipeline import build_target
 from specforge_lite.targets.custom import CustomTarget
 
 TINY = [p for p in available_presets("model") if p.endswith("_tiny")]
-LEAN = {"llama3_tiny", "phi3_tiny", "qwen2_5_tiny", "qwen3_tiny", "gemma3_tiny"}  # families with our own forward
+LEAN = {"llama3_tiny", "mistral_tiny", "phi3_tiny", "qwen2_5_tiny", "qwen3_tiny", "gemma3_tiny"}  # families with our own forward
 AUX = [0, 2, 5, 8]  # the embedding output, two middle layers and the pre-norm final state (8 layers)
 
 _targets: dict = {}

@@ -109,8 +109,10 @@ def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> fl
     """Pearson's test of observed counts against expected probabilities (bins under 5 expected pooled)."""
     exp = expected_probs * counts.sum()
     big = exp >= 5
-    obs_bins = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp_bins = torch.cat([exp[big], exp[~big].sum()[None]])
+    obs_bins, exp_bins = counts[big], exp[big]
+    if bool((~big).any()):  # (an empty pooled bin would be 0/0)
+        obs_bins = torch.cat([obs_bins, counts[~big].sum()[None]])
+        exp_bins = torch.cat([exp_bins, exp[~big].sum()[None]])
     chi2 = float(((obs_bins - exp_bins) ** 2 / exp_bins).sum())
     dof = len(obs_bins) - 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2)))

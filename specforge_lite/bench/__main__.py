@@ -14,6 +14,13 @@ def main() -> None:
         sys.exit(f"usage: python -m specforge_lite.bench {{{','.join(BENCHMARKS)}}} [options]  (--help on each)")
     import importlib
 
+    import torch
+
+    from ..device import cpu_flags
+
+    print(f"[machine] CPU capability {torch.backends.cpu.get_cpu_capability()} "
+          f"({', '.join(cpu_flags()) or 'no avx512/bf16 flags'}), {torch.get_num_threads()} threads"
+          + (f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
     importlib.import_module(BENCHMARKS[sys.argv[1]]).main(sys.argv[2:])
 
 

@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import DataConfig, cache_dir
+from ..config import DataConfig, MixSource, cache_dir
 from .builtin import chitchat_path, shapes_path
 from .chat import prompt_ids, tokenize_samples
 from .formats import MalformedRow, conversation_images, iter_rows, normalize_conversation
 from .images import ImageInputs
 from .regenerate import regenerate, regeneration_key
+from .self_generated import write_requests
 
 _PREP_VERSION = "4"  # bump when tokenisation or masking changes, so stale caches are not reused
 _HELDOUT_SEED = 1234  # fixed: the held-out split does not move with trainer.seed
@@ -37,7 +38,31 @@ class PreparedData:
         return self.heldout_prompt_images[i] if i < len(self.heldout_prompt_images) else []
 
 
-def data_file(cfg: DataConfig) -> Path:
+SELF_GENERATED = "self_generated"
+
+
+def mix_sources(cfg: DataConfig) -> list[MixSource]:
+    """The data's sources: data.mix for data.source=mix, else data.source alone."""
+    if cfg.source != "mix":
+        return [MixSource(cfg.source, cfg.path, 1.0)]
+    if not cfg.mix:
+        raise DataError("data.source=mix needs data.mix, e.g. data.mix='[{source: builtin_chitchat, weight: 1}, "
+                        "{source: self_generated, weight: 1}]'")
+    for m in cfg.mix:
+        if m.weight <= 0:
+            raise DataError(f"data.mix: the weight of {m.source} is {m.weight}; weights must be positive")
+        if m.source == "mix":
+            raise DataError("data.mix cannot hold another mix")
+    if all(m.source == SELF_GENERATED for m in cfg.mix):
+        raise DataError("data.mix holds only self_generated: add a file source (its held-out conversations are the "
+                        "evaluation's held-out prompts), e.g. {source: builtin_chitchat, weight: 1}")
+    if any(m.source == SELF_GENERATED for m in cfg.mix) and not cfg.regenerate:
+        raise DataError("self_generated requests have no answers until the target writes them: set "
+                        "data.regenerate=true")
+    return list(cfg.mix)
+
+
+def data_file(cfg: DataConfig | MixSource) -> Path:
     if cfg.source == "builtin_chitchat":
         return chitchat_path()
     if cfg.source == "builtin_shapes":
@@ -52,30 +77,36 @@ def data_file(cfg: DataConfig) -> Path:
                 "(ShareGPT 'conversations' or OpenAI 'messages' rows), or data.source=builtin_chitchat")
         return path
     raise DataError(f"data.source={cfg.source!r}: use builtin_chitchat, builtin_shapes (image conversations, for "
-                    "vision targets) or path (with data.path=...)")
+                    "vision targets), path (with data.path=...) or mix (with data.mix=...; its sources may also be "
+                    "self_generated)")
 
 
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
 
 
-def _fingerprint(path: Path, tokenizer: Any, cfg: DataConfig, images: ImageInputs | None = None) -> str:
+def _fingerprint(paths: list[Path], tokenizer: Any, cfg: DataConfig, images: ImageInputs | None = None) -> str:
     h = hashlib.sha256()
-    files = sorted(path.rglob("*.json*")) if path.is_dir() else [path]
-    for f in files:
-        h.update(str(f.name).encode())
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    if images is not None:  # token counts follow image sizes and the processor; pixels are read per batch
-        folder = path if path.is_dir() else path.parent
-        for f in sorted(p for p in folder.rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES):
-            st = f.stat()
-            h.update(f"{f.relative_to(folder)}|{st.st_size}|{st.st_mtime_ns}".encode())
+    for path in paths:
+        files = sorted(path.rglob("*.json*")) if path.is_dir() else [path]
+        for f in files:
+            h.update(str(f.name).encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+        if images is not None:  # token counts follow image sizes and the processor; pixels are read per batch
+            folder = path if path.is_dir() else path.parent
+            for f in sorted(p for p in folder.rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES):
+                st = f.stat()
+                h.update(f"{f.relative_to(folder)}|{st.st_size}|{st.st_mtime_ns}".encode())
+    if images is not None:
         h.update(images.processor.to_json_string().encode())
     tok_state = json.dumps([tokenizer.name_or_path, len(tokenizer), tokenizer.chat_template,
                             tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), 4096))))])
     h.update(tok_state.encode())
     h.update(json.dumps([_PREP_VERSION, cfg.max_length, cfg.heldout_samples, cfg.max_samples]).encode())
+    if cfg.source == "mix":  # the mix's composition, and how self-generated requests are sampled
+        h.update(json.dumps([[m.source, m.path, m.weight] for m in cfg.mix], sort_keys=True).encode())
+        h.update(json.dumps(vars(cfg.self_generated), sort_keys=True).encode())
     # (regeneration settings are keyed separately, see regenerate.regeneration_key)
     return h.hexdigest()[:20]
 
@@ -88,16 +119,19 @@ def _opening(messages: list[dict[str, str]]) -> str:
 
 
 def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerprint: str = "", log=print,
-                 images: ImageInputs | None = None) -> PreparedData:
+                 images: ImageInputs | None = None, request_writer=None) -> PreparedData:
     """Read, split, check, optionally regenerate with the target, tokenise; cached by content.
 
-    ``generate`` (conversations -> answers) is required when ``cfg.regenerate`` is set. ``images``: how a
-    vision target takes images (None: conversations with images are skipped and counted).
+    ``generate`` (the target's answers: data.regenerate.AnswerStream or a batch callable) is required when
+    ``cfg.regenerate`` is set; ``request_writer`` (the same, sampling as data.self_generated says) when the
+    mix holds self_generated. ``images``: how a vision target takes images (None: conversations with images
+    are skipped and counted).
     """
     import datasets
 
-    path = data_file(cfg)
-    source_key = _fingerprint(path, tokenizer, cfg, images)
+    sources = mix_sources(cfg)
+    files = {i: data_file(src) for i, src in enumerate(sources) if src.source != SELF_GENERATED}
+    source_key = _fingerprint(list(files.values()), tokenizer, cfg, images)
     regen_key = None
     if cfg.regenerate:
         regen_key = regeneration_key(source_key, model_fingerprint, cfg.generation)
@@ -109,26 +143,37 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
                             datasets.load_from_disk(str(cached / "heldout")), prompts, stats,
                             json.loads((cached / "heldout_prompt_images.json").read_text()))
 
-    conversations, reasons, total = [], Counter(), 0
-    for file, where, row in iter_rows(path):
-        total += 1
-        try:
-            if isinstance(row, Exception):
-                raise row
-            conversations.append(normalize_conversation(row, base_dir=file.parent))
-        except MalformedRow as e:
-            reasons[str(e)] += 1
-    _check_malformed(total, reasons, cfg, path)
-
-    order = list(range(len(conversations)))
-    random.Random(_HELDOUT_SEED).shuffle(order)
-    n_held = min(cfg.heldout_samples, len(order) // 2)
-    heldout_convs = [conversations[i] for i in order[:n_held]]
+    # Each file source: its rows, a held-out share (of data.heldout_samples, by weight) and the rest.
+    file_weight = sum(sources[i].weight for i in files)
+    pools, heldout_convs, reasons, total, n_convs = {}, [], Counter(), 0, 0
+    for i, path in files.items():
+        conversations, bad, rows = _read_conversations(path, cfg)
+        reasons.update(bad)
+        total += rows
+        n_convs += len(conversations)
+        # A prompt that fills data.max_length leaves no room for an answer: never a sample, nor an eval prompt.
+        fits = [c for c in conversations if _prompt_fits(tokenizer, c, cfg.max_length, images)]
+        if len(fits) < len(conversations):
+            reasons[f"first prompt of data.max_length={cfg.max_length} tokens or more"] += len(conversations) - len(fits)
+        conversations = fits
+        order = list(range(len(conversations)))
+        random.Random(_HELDOUT_SEED).shuffle(order)
+        n_held = min(round(cfg.heldout_samples * sources[i].weight / file_weight), len(order) // 2)
+        heldout_convs += [conversations[j] for j in order[:n_held]]
+        pools[i] = [conversations[j] for j in order[n_held:]]
     # Evaluation prompts are held-out openings: no training conversation may start the same way
     # (chit-chat repeats "hi"-style openings, and a greedy target answers them identically).
     held_openings = {_opening(c) for c in heldout_convs}
-    train_convs = [conversations[i] for i in order[n_held:] if _opening(conversations[i]) not in held_openings]
-    overlap = len(order) - n_held - len(train_convs)
+    overlap = 0
+    for i, pool in pools.items():
+        pools[i] = [c for c in pool if _opening(c) not in held_openings]
+        overlap += len(pool) - len(pools[i])
+    self_stats = None
+    if len(sources) > 1 or sources[0].source == SELF_GENERATED:
+        pools, self_stats = _add_self_generated(pools, sources, cfg, tokenizer, request_writer, model_fingerprint, log)
+        train_convs, per_source = _interleave(pools, sources, _mix_total(cfg, pools, sources))
+    else:
+        train_convs, per_source = pools[0], None
     if cfg.max_samples is not None:
         train_convs = train_convs[: cfg.max_samples]
     prompts, prompt_images = [], []
@@ -139,8 +184,12 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
             continue  # an image prompt for a text-only target: counted when its sample is skipped below
         prompts.append(ids), prompt_images.append(paths)
 
-    stats: dict = {"file": str(path), "rows": total, "conversations": len(conversations),
-                   "heldout_overlap_removed": overlap}
+    path = next(iter(files.values()))
+    stats: dict = {"file": str(path), "rows": total, "conversations": n_convs, "heldout_overlap_removed": overlap}
+    if per_source is not None:
+        stats["mix"] = per_source
+    if self_stats is not None:
+        stats["self_generated"] = self_stats
     if cfg.regenerate:
         if generate is None:
             raise ValueError("data.regenerate=true needs the target to generate answers (pass generate=...)")
@@ -201,11 +250,81 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     except OSError:
         pass  # a concurrent run published the same content first
     skipped = sum(reasons.values())
-    log(f"[data] {path.name}: {len(train)} train / {len(heldout)} held-out conversations, {n_tokens} train tokens; "
+    sources = ", ".join(f"{k}: {v}" for k, v in stats["mix"].items()) if "mix" in stats else path.name
+    log(f"[data] {sources}: {len(train)} train / {len(heldout)} held-out conversations, {n_tokens} train tokens; "
         f"{overlap} training conversations dropped for sharing an opening with a held-out prompt"
         + (f"; skipped {skipped}: {dict(reasons)}" if skipped else ""))
     return PreparedData(datasets.load_from_disk(str(cached / "train")),
                         datasets.load_from_disk(str(cached / "heldout")), prompts, stats, prompt_images)
+
+
+def _read_conversations(path: Path, cfg: DataConfig) -> tuple[list, Counter, int]:
+    """A file source's conversations, the reasons of the rows skipped, and the number of rows."""
+    conversations, reasons, total = [], Counter(), 0
+    for file, where, row in iter_rows(path):
+        total += 1
+        try:
+            if isinstance(row, Exception):
+                raise row
+            conversations.append(normalize_conversation(row, base_dir=file.parent))
+        except MalformedRow as e:
+            reasons[str(e)] += 1
+    _check_malformed(total, reasons, cfg, path)
+    return conversations, reasons, total
+
+
+def _prompt_fits(tokenizer: Any, conversation: list, max_length: int, images: ImageInputs | None) -> bool:
+    try:
+        ids, _ = prompt_ids(tokenizer, conversation, images)
+    except MalformedRow:
+        return True  # (an image prompt for a text-only target: skipped and counted at tokenisation)
+    return len(ids) < max_length
+
+
+def _mix_total(cfg: DataConfig, pools: dict, sources: list[MixSource]) -> int:
+    """How many training conversations a mix holds: data.max_samples, else the regeneration cap, else all
+    of its file sources' conversations with the other sources in proportion."""
+    if cfg.max_samples is not None:
+        return cfg.max_samples
+    if cfg.regenerate and cfg.generation.max_conversations is not None:
+        return cfg.generation.max_conversations
+    files = [i for i, s in enumerate(sources) if s.source != SELF_GENERATED]
+    scale = min(len(pools[i]) / sources[i].weight for i in files)
+    return int(scale * sum(s.weight for s in sources))
+
+
+def _add_self_generated(pools: dict, sources: list[MixSource], cfg: DataConfig, tokenizer, writer, fingerprint: str,
+                        log) -> tuple[dict, dict | None]:
+    """Pools with the self-generated requests (single-turn conversations the target answers later)."""
+    wanted = [i for i, s in enumerate(sources) if s.source == SELF_GENERATED]
+    if not wanted:
+        return pools, None
+    if writer is None:
+        raise ValueError("data.mix holds self_generated: pass request_writer=... (the target sampling requests)")
+    total, weight = _mix_total(cfg, pools, sources), sum(s.weight for s in sources)
+    counts = {i: int(round(total * sources[i].weight / weight)) for i in wanted}
+    requests, stats = write_requests(writer, tokenizer, sum(counts.values()), cfg.self_generated, fingerprint,
+                                     cfg.generation.batch_size, log)
+    pools = dict(pools)
+    for i in wanted:  # several self_generated entries share one list of requests, in turn
+        pools[i], requests = requests[: counts[i]], requests[counts[i]:]
+        pools[i] = [[{"role": "user", "content": r}, {"role": "assistant", "content": ""}] for r in pools[i]]
+    return pools, stats
+
+
+def _interleave(pools: dict, sources: list[MixSource], total: int) -> tuple[list, dict]:
+    """Up to ``total`` conversations taking from each source in proportion to its weight (the source furthest
+    behind its share goes next; an exhausted source drops out). A larger total extends the same order."""
+    taken, out = {i: 0 for i in pools}, []
+    while len(out) < total:
+        open_ = [i for i in pools if taken[i] < len(pools[i])]
+        if not open_:
+            break
+        i = min(open_, key=lambda j: ((taken[j] + 1) / sources[j].weight, j))
+        out.append(pools[i][taken[i]])
+        taken[i] += 1
+    return out, {f"{sources[i].source}{'' if sources[i].path is None else ':' + sources[i].path}#{i}": n
+                 for i, n in taken.items()}
 
 
 def _text_first(convs: list) -> tuple[list, int]:

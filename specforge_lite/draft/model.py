@@ -23,6 +23,9 @@ from transformers.models.llama.modeling_llama import (
 from .ttt import DraftCache
 
 
+# The servers' EAGLE3 draft is a Llama layer whatever the target: vLLM's and SGLang's LlamaMLP refuse any
+# activation but silu, so the draft is trained (and exported) with silu for every family.
+DRAFT_ACT = "silu"
 # Rope variants the Llama draft layer (and the servers' Llama drafts) implement.
 _LLAMA_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
@@ -81,7 +84,7 @@ class Eagle3Spec:
             num_key_value_heads=get("num_key_value_heads", None) or heads,
             head_dim=get("head_dim", None) or target_hidden_size // heads,
             rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-            hidden_act=get("hidden_act", None) or get("hidden_activation", "silu"),
+            hidden_act=DRAFT_ACT,  # not the target's (Gemma's gelu_pytorch_tanh would load nowhere)
             max_position_embeddings=get("max_position_embeddings", 8192),
             rope_parameters=rope,
             vocab_size=vocab_size,

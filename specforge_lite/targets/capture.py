@@ -49,6 +49,10 @@ def resolve_aux_layer_ids(ids: Sequence[int] | None, num_layers: int) -> list[in
         )
     if len(set(ids)) != len(ids):
         raise ValueError(f"draft.aux_layer_ids {ids} repeats an id; each aux state must be a different layer")
+    if ids != sorted(ids):
+        raise ValueError(f"draft.aux_layer_ids {ids} are not in ascending order: vLLM and SGLang capture the aux "
+                         "states in layer order and concatenate them that way, so a draft trained in another order "
+                         f"reads its fc columns permuted when served. Use draft.aux_layer_ids={sorted(ids)}")
     return ids
 
 

@@ -1,29 +1,48 @@
-"""Batched generation with the target (KV cache, left padding): answers for regenerated training data."""
+"""The target's answers for regenerated training data, from two engines (``data.generation.engine``):
+
+* ``lean``: continuous batching over our lean forward (targets/custom/decode.py). A finished row leaves
+  the batch at once and a waiting prompt takes its slot, so no compute goes to rows that already stopped.
+* ``hf``: transformers' ``generate`` on batches of prompts (left padding, KV cache): every family, but a
+  batch runs until its longest answer ends and the rows that stopped earlier keep computing.
+
+Both count what they computed, so the share spent on padding or past the end of an answer is reported.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
+from ..data.chat import generation_prompt_ids
+
+
+def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
+    """Token ids of a prompt: a conversation, rendered for the assistant to answer next, or a text taken
+    as it is (a chat template's user-turn prefix, continued by the target into a request)."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return generation_prompt_ids(tokenizer, prompt)
+
 
 class HFGenerator:
-    """``generate(conversations) -> answers``: one assistant answer per conversation, from the target."""
+    """``generate(prompts) -> answers``: one answer per prompt (encode_prompt), from the target."""
 
     def __init__(self, model: Any, tokenizer: Any, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  stop_ids: set[int] | None = None):
-        """Sampling draws from torch's global generator: the caller seeds it (per shard, in regenerate)."""
+        """Sampling draws from torch's global generator: the caller seeds it (per batch, in regenerate)."""
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.stop_ids = sorted(stop_ids or {tokenizer.eos_token_id})
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.tokens_generated = 0
+        self.tokens_generated = 0  # answer tokens, the stop token included
+        self.decode_rows = 0  # row-steps the decoding computed: answers, plus rows that had already stopped
+        self.prompt_tokens = self.prompt_pad_tokens = 0
 
     @torch.no_grad()
     def __call__(self, conversations: list[list[dict[str, str]]]) -> list[str]:
         tok = self.tokenizer
-        prompts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
-        encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        encoded = [encode_prompt(tok, p) for p in conversations]
         width = max(len(e) for e in encoded)
         device = next(self.model.parameters()).device
         ids = torch.full((len(encoded), width), self.pad_id, dtype=torch.long)
@@ -38,9 +57,55 @@ class HFGenerator:
             top_p=self.top_p if sampling else None, top_k=None, eos_token_id=self.stop_ids,
             pad_token_id=self.pad_id, use_cache=True,
         )
+        new = out[:, width:]
+        self.decode_rows += new.numel()
+        self.prompt_tokens += sum(len(e) for e in encoded)
+        self.prompt_pad_tokens += ids.numel() - sum(len(e) for e in encoded)
         answers = []
-        for row in out[:, width:].tolist():
+        for row in new.tolist():
             cut = next((j for j, t in enumerate(row) if t in self.stop_ids), len(row))
             self.tokens_generated += min(cut + 1, len(row))
             answers.append(tok.decode(row[:cut], skip_special_tokens=True).strip())
         return answers
+
+
+class LeanAnswers:
+    """The continuous-batching decoder as an answer stream over conversations: ``stream(queue)`` takes
+    ``(key, messages, seed)`` and yields ``(key, answer text)``."""
+
+    def __init__(self, decoder: Any, tokenizer: Any):
+        self.decoder, self.tokenizer = decoder, tokenizer
+        self.prompt_tokens = 0
+        self.prompt_pad_tokens = 0  # prompts are never padded
+
+    @property
+    def tokens_generated(self) -> int:
+        return self.decoder.tokens_generated
+
+    @property
+    def decode_rows(self) -> int:
+        return self.decoder.decode_rows
+
+    def stream(self, queue) -> Iterator[tuple[Any, str]]:
+        encoded = _Encoded(queue, self._encode)
+        for key, tokens in self.decoder.stream(encoded):
+            yield key, self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+    def _encode(self, messages) -> list[int]:
+        ids = encode_prompt(self.tokenizer, messages)
+        self.prompt_tokens += len(ids)
+        return ids
+
+
+class _Encoded:
+    """A view of a prompt queue whose conversations come out as token ids (encoded when taken)."""
+
+    def __init__(self, queue, encode: Callable[[Any], list[int]]):
+        self.queue, self.encode = queue, encode
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def pop(self) -> tuple[Any, list[int], int]:
+        key, messages, seed = self.queue.pop()
+        return key, self.encode(messages), seed

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..config import TrainerConfig
+from ..device import native_bf16, resolve_device
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,14 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
     return out
 
 
-def use_bf16(precision: str) -> bool:
+def use_bf16(precision: str, device: torch.device | None = None) -> bool:
+    """trainer.precision: bf16 or fp32 as set; auto is bf16 where ``device`` (default: the run's device) runs
+    it natively (device.native_bf16: CUDA with bf16, CPUs whose bf16 matmul beats fp32), else fp32."""
     if precision not in ("auto", "bf16", "fp32"):
         raise ValueError(f"trainer.precision={precision!r}: use auto, fp32 or bf16")
-    return precision == "bf16" or (precision == "auto" and torch.cuda.is_available())
+    if precision != "auto":
+        return precision == "bf16"
+    return native_bf16(device if device is not None else resolve_device("auto")).native
 
 
 def deepspeed_config(cfg: TrainerConfig, world_size: int) -> dict:

@@ -34,7 +34,7 @@ class PlainEngine:
 
     def forward(self, *args: Any, **kwargs: Any):
         device = next(self.module.parameters()).device
-        autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16(self.cfg.precision)
+        autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16(self.cfg.precision, device)
                     else contextlib.nullcontext())
         with autocast:
             return self.module(*args, **kwargs)

@@ -23,13 +23,18 @@ from .llama import LlamaLeanForward
 LEAN_FORWARDS = {"llama": LlamaLeanForward, "gemma3": Gemma3LeanForward}
 
 
+def lean_forward(family, model):
+    """The family's lean forward over ``model``'s weights (in place), or None if the family has none."""
+    impl = LEAN_FORWARDS.get(family.custom_forward or "")
+    return impl(family.decoder(model), family.text_config(model.config)) if impl else None
+
+
 class CustomTarget(HFTarget):
     backend = "custom"
 
     def __init__(self, model, family, aux_layer_ids, location: str = ""):
         super().__init__(model, family, aux_layer_ids, location)
-        impl = LEAN_FORWARDS.get(family.custom_forward or "")
-        self.lean = impl(family.decoder(model), family.text_config(model.config)) if impl else None
+        self.lean = lean_forward(family, model)
 
     @property
     def delegates_to_hf(self) -> bool:
@@ -59,4 +64,4 @@ class CustomTarget(HFTarget):
         return logits, in_vocab
 
 
-__all__ = ["CustomTarget", "LEAN_FORWARDS"]
+__all__ = ["CustomTarget", "LEAN_FORWARDS", "lean_forward"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .lean import LeanForward, rotate, segment_attention
+from .lean import LeanForward, rotate
 
 
 class Gemma3LeanForward(LeanForward):
@@ -34,21 +34,22 @@ class Gemma3LeanForward(LeanForward):
             out[kind] = (cos[:, None], sin[:, None])
         return out
 
-    def layer_forward(self, i, h, rope, lengths):
+    def project(self, i, h, rope):
         layer = self.layers[i]
         attn, d = layer.self_attn, self.head_dim
         x = layer.input_layernorm(h)
         q = attn.q_norm(attn.q_proj(x).view(1, -1, self.num_heads, d)).transpose(1, 2)
         k = attn.k_norm(attn.k_proj(x).view(1, -1, self.num_kv, d)).transpose(1, 2)
         v = attn.v_proj(x).view(1, -1, self.num_kv, d).transpose(1, 2)
-        kind = self.layer_types[i]
-        cos, sin = rope[kind]
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        window = self.config.sliding_window if kind == "sliding_attention" else None
-        a = segment_attention(q, k, v, lengths, attn.scaling, window)
-        del q, k, v, x  # (locals would otherwise stay alive through the MLP and raise the peak)
-        h = h + layer.post_attention_layernorm(attn.o_proj(a))
-        del a
+        cos, sin = rope[self.layer_types[i]]
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def window(self, i):
+        return self.config.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    def finish(self, i, h, attended):
+        layer = self.layers[i]
+        h = h + layer.post_attention_layernorm(layer.self_attn.o_proj(attended))
         x = layer.pre_feedforward_layernorm(h)
         mlp = layer.mlp
         return h + layer.post_feedforward_layernorm(mlp.down_proj(self.act(mlp.gate_proj(x)) * mlp.up_proj(x)))

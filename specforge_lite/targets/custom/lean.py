@@ -104,8 +104,29 @@ class LeanForward:
         cos, sin = self.decoder.rotary_emb(h, positions[None])
         return {"default": (cos[:, None], sin[:, None])}
 
-    def layer_forward(self, i: int, h: torch.Tensor, rope: dict, lengths: list[int]) -> torch.Tensor:
+    # A layer is project (norm, q/k/v, rope) -> attention -> finish (output projection, residual, MLP), so
+    # that the capture forward (attention per sequence) and the decoder (targets/custom/decode.py: attention
+    # over a KV cache) run the same layer code.
+    def project(self, i: int, h: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's roped queries [1, nh, N, d], keys and values [1, nkv, N, d] for the states h [1, N, H]."""
         raise NotImplementedError
+
+    def finish(self, i: int, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Layer i's output from its input h [1, N, H] and its attention output [1, N, nh*d]."""
+        raise NotImplementedError
+
+    def attention_scale(self, i: int) -> float:
+        return self.layers[i].self_attn.scaling
+
+    def window(self, i: int) -> int | None:
+        """Layer i's sliding window (a key is visible when q_pos - k_pos < window), or None."""
+        return None
+
+    def layer_forward(self, i: int, h: torch.Tensor, rope: dict, lengths: list[int]) -> torch.Tensor:
+        q, k, v = self.project(i, h, rope)
+        a = segment_attention(q, k, v, lengths, self.attention_scale(i), self.window(i))
+        del q, k, v  # (locals would otherwise stay alive through the MLP and raise the peak)
+        return self.finish(i, h, a)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,

@@ -1,4 +1,4 @@
-"""Lean forward for the plain layout: Llama 3, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k
+"""Lean forward for the plain layout: Llama 3, Mistral (sliding window), Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k
 norm), Phi-3/Phi-4 (fused qkv and gate_up projections, partial rotary), SmolLM. Reads the HF modules'
 weights in place (no copy)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .lean import LeanForward, rotate, segment_attention
+from .lean import LeanForward, rotate
 
 
 class LlamaLeanForward(LeanForward):
@@ -26,7 +26,7 @@ class LlamaLeanForward(LeanForward):
             return attn.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
         return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
 
-    def layer_forward(self, i, h, rope, lengths):
+    def project(self, i, h, rope):
         layer = self.layers[i]
         attn, d = layer.self_attn, self.head_dim
         x = layer.input_layernorm(h)
@@ -38,15 +38,22 @@ class LlamaLeanForward(LeanForward):
         cos, sin = rope["default"]
         q = rotate(q.transpose(1, 2), cos, sin)
         k = rotate(k.transpose(1, 2), cos, sin)
-        v = v.view(1, -1, self.num_kv, d).transpose(1, 2)
-        a = segment_attention(q, k, v, lengths, attn.scaling, getattr(attn, "sliding_window", None))
-        del q, k, v, x  # (locals would otherwise stay alive through the MLP and raise the peak)
-        h = h + attn.o_proj(a)
-        del a
+        return q, k, v.view(1, -1, self.num_kv, d).transpose(1, 2)
+
+    def window(self, i):
+        # Qwen2/3 keep each layer's window on its attention module (None on full layers); Mistral and Phi-3
+        # have no such attribute: HF masks every layer with config.sliding_window at call time.
+        attn = self.layers[i].self_attn
+        if hasattr(attn, "sliding_window"):
+            return attn.sliding_window
+        return getattr(self.config, "sliding_window", None)
+
+    def finish(self, i, h, attended):
+        layer = self.layers[i]
+        h = h + layer.self_attn.o_proj(attended)
         x = layer.post_attention_layernorm(h)
         mlp = layer.mlp
         if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate first, then up
-            gate_up = mlp.gate_up_proj(x)
-            gate, up = gate_up.chunk(2, dim=-1)
+            gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
             return h + mlp.down_proj(self.act(gate) * up)
         return h + mlp.down_proj(self.act(mlp.gate_proj(x)) * mlp.up_proj(x))

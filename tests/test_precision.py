@@ -1,0 +1,78 @@
+"""`auto` precision: bf16 only where the hardware runs it natively (the CPU probe and CUDA support
+monkeypatched to each kind of machine), explicit settings winning, the probe cached per machine, and the
+run's one-line account of its choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specforge_lite.config import load_config
+from specforge_lite.pipeline import build_target
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch):
+    from specforge_lite import device
+
+    device._native_bf16.cache_clear()
+    monkeypatch.delenv(device.FORCE_ENV, raising=False)
+    yield device
+    device._native_bf16.cache_clear()
+
+
+def probe_result(fp32_s: float, bf16_s: float, flags: list[str]):
+    return lambda cache=None: {"capability": "AVX2" if not flags else "AVX512", "bf16_flags": flags, "threads": 2,
+                               "fp32_s": fp32_s, "bf16_s": bf16_s}
+
+
+def test_auto_is_fp32_on_a_cpu_without_native_bf16_and_bf16_where_it_is_native(fresh_choice, monkeypatch):
+    from specforge_lite.training.distributed import use_bf16
+
+    d, cpu = fresh_choice, torch.device("cpu")
+    monkeypatch.setattr(d, "cpu_probe", probe_result(0.004, 0.23, []))  # AVX2: bf16 emulated, 57x slower
+    assert d.resolve_dtype("auto", cpu) == torch.float32 and not use_bf16("auto", cpu)
+    assert "57.5x slower" in d.native_bf16(cpu).reason and "AVX2" in d.native_bf16(cpu).reason
+    # explicit settings win over the probe
+    assert d.resolve_dtype("bfloat16", cpu) == torch.bfloat16 and use_bf16("bf16", cpu)
+
+    d._native_bf16.cache_clear()
+    monkeypatch.setattr(d, "cpu_probe", probe_result(0.004, 0.002, ["amx_bf16", "avx512_bf16"]))
+    assert d.resolve_dtype("auto", cpu) == torch.bfloat16 and use_bf16("auto", cpu)
+    assert d.resolve_dtype("float32", cpu) == torch.float32 and not use_bf16("fp32", cpu)
+
+    d._native_bf16.cache_clear()
+    monkeypatch.setattr(d, "cpu_probe", probe_result(0.004, 0.0038, ["avx512f"]))  # no clear win: keep fp32
+    assert d.resolve_dtype("auto", cpu) == torch.float32
+
+
+def test_auto_on_cuda_follows_the_devices_bf16_support(fresh_choice, monkeypatch):
+    d = fresh_choice
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    assert d.resolve_dtype("auto", torch.device("cuda")) == torch.float32
+    d._native_bf16.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert d.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_the_probe_is_cached_per_machine(fresh_choice, tmp_path, monkeypatch):
+    d = fresh_choice
+    calls = []
+    monkeypatch.setattr(d, "_time_matmul", lambda dtype: calls.append(dtype) or (0.01 if dtype == torch.float32 else 0.5))
+    first = d.cpu_probe(tmp_path)
+    again = d.cpu_probe(tmp_path)
+    assert first == again and len(calls) == 2  # measured once, read back the second time
+    monkeypatch.setenv(d.FORCE_ENV, "1")
+    assert d.native_bf16("cpu").native and d.FORCE_ENV in d.native_bf16("cpu").reason
+
+
+def test_the_run_says_what_auto_chose_and_why(fresh_choice, monkeypatch):
+    from specforge_lite.pipeline import describe_precision
+
+    d = fresh_choice
+    monkeypatch.setattr(d, "cpu_probe", probe_result(0.004, 0.23, []))
+    config = load_config(["model=llama3_tiny", "tracker=none"])
+    line = describe_precision(config, build_target(config))
+    assert line.startswith("target float32 (auto), generation float32 (auto), draft training fp32 (auto)")
+    assert "bf16 is not native on cpu" in line and "slower than fp32" in line
