@@ -38,8 +38,8 @@ def main(argv=None) -> None:
     inputs = json.loads((a.run_dir / "eval_inputs.json").read_text())
     k = a.k or inputs["num_draft_tokens"]
 
-    # engine and worker in this process: starts ~25 s sooner on 2 CPU cores than vLLM's default of two more
-    # processes, each importing vLLM again
+    # engine and worker in this process: vLLM's default starts two more processes, each importing vLLM again
+    # (on 2 CPU cores, tens of seconds per start)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

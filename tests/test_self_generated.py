@@ -152,3 +152,14 @@ def test_prompts_that_fill_max_length_are_never_answered_nor_asked(tmp_path, smo
     assert not any("long long" in c[0]["content"] for c in seen)  # no answer generated for them
     assert all(len(p) < 64 for p in data.heldout_prompts)
     assert data.stats["skipped"]["first prompt of data.max_length=64 tokens or more"] == 6
+
+
+def test_a_data_group_on_the_command_line_replaces_the_recipes_mix():
+    """The embedded default's recipe picks the assistant mix, but a user's own data=... must win over it."""
+    from specforge_lite.config import load_config
+
+    default = load_config(["tracker=none"]).data
+    assert default.source == "mix" and [m.source for m in default.mix] == ["builtin_chitchat", "self_generated"]
+    mine = load_config(["tracker=none", "data=sharegpt", "data.path=/data/chats.jsonl"]).data
+    assert mine.source == "path" and mine.path == "/data/chats.jsonl" and not mine.mix
+    assert load_config(["tracker=none", "data=shapes"]).data.source == "builtin_shapes"
