@@ -30,6 +30,8 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
     from specforge_lite.training.loop import train
     from specforge_lite.training.tracking import Tracker
 
+    if config.eval.serve not in (None, "vllm"):  # (said before training, not after it)
+        raise ValueError(f"eval.serve={config.eval.serve!r}: use vllm, or null for no served check")
     ctx = init_distributed(config.trainer)
     if not ctx.is_main:
         log = lambda message: None  # noqa: E731  (rank 0 speaks for the run)
@@ -113,8 +115,12 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
             "train/sim_accept_len": result.last_metrics.get("sim_accept_len")})
         log(f"[eval] mean acceptance length {evaluation['mean_acceptance_length']:.3f} at k={evaluation['num_draft_tokens']}, "
             f"held-out acc {[round(a, 3) for a in evaluation['heldout_acc']]}")
+        if config.eval.serve:
+            summary["served"] = _serve(run_dir, log)
     log("[done] " + ", ".join(f"{k}: {v}" for k, v in summary.items()))
     ctx.barrier()
+    if str(summary.get("served", "")).startswith("failed"):  # loud, after the other ranks were released
+        raise SystemExit(f"error: {summary['served']}")
     return summary
 
 
@@ -127,6 +133,21 @@ def _export(config: Config, result, draft, target, run_dir: Path, log) -> Path:
     return export_draft(result.weights, draft.spec, config.export.format, run_dir / "final", config.export.dtype,
                         embedding, warn=lambda m: log(f"[export] warning: {m}"), verifier=verifier,
                         num_speculative_tokens=config.eval.num_draft_tokens)
+
+
+def _serve(run_dir: Path, log) -> str:
+    """eval.serve=vllm: vLLM serves the export; 'failed: why' when its outputs differ from greedy."""
+    from specforge_lite.evaluate.served import ServedMismatch, serve, serving_python
+
+    if serving_python() is None:  # asked for, not possible here: say how, keep the run's results
+        log("[serve] skipped: no serving environment. Build it (bash scripts/setup_serving.sh), then "
+            f"python -m specforge_lite.evaluate.served {run_dir}")
+        return "skipped (no serving environment)"
+    try:
+        serve([run_dir], log=log)
+    except ServedMismatch as e:
+        return f"failed: {e}"
+    return str(run_dir / "vllm_eval.json")
 
 
 def _check_preset_argument(argv: list[str]) -> None:

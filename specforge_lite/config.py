@@ -268,6 +268,10 @@ class EvalConfig:
     temperature: float = 0.0
     seed: int = 0  # of the sampling generator
     heldout_batches: int = 16  # held-out conversations for teacher-forced accuracy
+    # vllm: after our evaluation, vLLM serves the export on the same prompts (evaluate/served.py; needs the
+    # serving environment): its acceptance is reported beside ours, and the run fails if an output differs
+    # from the target's greedy output. null: not served (python -m specforge_lite.evaluate.served RUN later)
+    serve: Optional[str] = None
 
 
 @dataclass

