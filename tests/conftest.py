@@ -76,6 +76,21 @@ def smollm2():
 _serving_setup: dict = {}
 
 
+# Order (CI time): the serving environment's build writes ~4 GB in its first minutes, and a test that
+# starts fresh interpreters then re-reads torch from disk (a 2-rank DeepSpeed launch took 136 s instead of
+# 20 s). Tests that run in this process go first, those that launch train.py or torchrun after them, the
+# serving tests last.
+LATE_FILES = ["tests/test_distributed.py", "tests/test_e2e.py", "tests/test_serving.py"]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        path = item.nodeid.split("::")[0]
+        return LATE_FILES.index(path) + 1 if path in LATE_FILES else 0
+
+    items.sort(key=rank)  # (stable: the order within each group is kept)
+
+
 def pytest_collection_finish(session):
     import subprocess
 

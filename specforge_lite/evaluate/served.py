@@ -48,7 +48,10 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
     cmd = [str(python), str(SCRIPT), "--eager", *(["--k", str(k)] if k else [])]
     for run_dir in run_dirs:
         cmd += ["--run-dir", str(run_dir.resolve())]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise ServedMismatch(f"vLLM did not finish serving {len(run_dirs)} run(s) in {timeout:.0f} s") from None
     results, problems = [], []
     for run_dir in run_dirs:
         report = run_dir / "vllm_eval.json"
