@@ -59,7 +59,8 @@ def serve_run(run_dir: Path, k: int | None, dtype: str, memory_fraction: float, 
     return {
         "num_draft_tokens": k, "prompts": len(generated), **total,
         "outputs_equal_our_greedy": sum(same), "outputs_compared": len(same),
-        "first_mismatch": next(({"prompt": i, "vllm": g[:40], "ours": o[:40]} for i, (g, o) in enumerate(zip(generated, ours))
+        "first_mismatch": next(({"prompt": i, "vllm": g[:40], "ours": o[:40]}
+                                for i, (g, o) in enumerate(zip(generated, ours))
                                 if g != o), None),
         "sets": sets,
     }
@@ -96,7 +97,8 @@ def main(argv=None) -> None:
                   f"{[round(x, 3) for x in r['per_position_acceptance']]}, outputs equal to greedy "
                   f"{r['outputs_equal_our_greedy']}/{r['prompts']}")
     if failed:
-        raise SystemExit(f"vLLM could not serve {failed} of {len(a.run_dir)} runs (the error is in each one's vllm_eval.json)")
+        raise SystemExit(f"vLLM could not serve {failed} of {len(a.run_dir)} runs (the error is in each one's "
+                         f"vllm_eval.json)")
 
 
 def acceptance(before: dict, after: dict) -> dict:

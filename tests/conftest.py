@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 from specforge_lite.config import DraftConfig, load_config  # noqa: E402
 from specforge_lite.data.vocab import DraftVocab  # noqa: E402
 from specforge_lite.draft import Eagle3Draft, Eagle3Spec  # noqa: E402
-from specforge_lite.targets import HFTarget  # noqa: E402
+from specforge_lite.targets import HFTarget, Teacher  # noqa: E402
 from specforge_lite.targets.families import get_family  # noqa: E402
 
 TINY_VOCAB = 256
@@ -48,15 +48,19 @@ def tiny_vocab(target: HFTarget, size: int) -> DraftVocab:
 
 def tiny_draft(target: HFTarget, draft_vocab_size: int = 128, use_aux_norm: bool = False, seed: int = 0) -> Eagle3Draft:
     vocab = tiny_vocab(target, draft_vocab_size)
-    target.set_draft_vocab(vocab.draft_to_target, vocab.t2d)
     spec = Eagle3Spec.from_target(target.config, DraftConfig(use_aux_norm=use_aux_norm), target.aux_layer_ids,
                                   target.convention, target.vocab_size, vocab.size, target.hidden_size)
     torch.manual_seed(seed)
     draft = Eagle3Draft(spec)
     draft.set_vocab(vocab.d2t, vocab.t2d)
-    draft.init_lm_head_from_target(target.lm_head_weight(), vocab.draft_to_target)
+    draft.init_lm_head_from_target(target.full_head()[0], vocab.draft_to_target)
     draft.set_embedding(target.embedding_weight())
     return draft
+
+
+def tiny_teacher(target: HFTarget, draft: Eagle3Draft) -> Teacher:
+    """The teacher over the draft's vocabulary."""
+    return Teacher(target, draft.draft_vocab_ids(), draft.t2d)
 
 
 @pytest.fixture(scope="session")

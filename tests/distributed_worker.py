@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specforge_lite.config import load_config  # noqa: E402
 from specforge_lite.data.vocab import DraftVocab  # noqa: E402
 from specforge_lite.pipeline import build_target  # noqa: E402
+from specforge_lite.targets import Teacher  # noqa: E402
 from specforge_lite.training.distributed import init_distributed  # noqa: E402
 
 
@@ -27,10 +28,8 @@ def sharded_target(preset: str, out: Path) -> None:
     mask = torch.ones_like(ids)
     mask[1, 25:] = 0
     vocab = DraftVocab(torch.linspace(0, whole.vocab_size - 1, 512).long().unique(), whole.vocab_size, float("nan"))
-    for t in (whole, sharded):
-        t.set_draft_vocab(vocab.draft_to_target, vocab.t2d)
     a, b = whole.capture(ids, mask), sharded.capture(ids, mask)
-    (ta, va), (tb, vb) = whole.teacher(a.final_hidden), sharded.teacher(b.final_hidden)
+    (ta, va), (tb, vb) = [Teacher(t, vocab.draft_to_target, vocab.t2d)(c) for t, c in ((whole, a), (sharded, b))]
     emb_param = sharded.family.embedding(sharded.model).weight
     emb = sharded.embedding_weight()
     result = {

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_target, tiny_vocab
+from specforge_lite.targets import Teacher
 from specforge_lite.targets.capture import resolve_aux_layer_ids
 
 
@@ -54,17 +55,17 @@ def test_capture_never_asks_for_all_hidden_states():
 def test_teacher_is_the_targets_logits_on_the_draft_vocab():
     target = tiny_target()
     vocab = tiny_vocab(target, 100)
-    target.set_draft_vocab(vocab.draft_to_target, vocab.t2d)
+    teacher = Teacher(target, vocab.draft_to_target, vocab.t2d)
     ids = torch.randint(0, target.vocab_size, (2, 11))
     with torch.no_grad():
         full = target.model(input_ids=ids).logits
     got = target.capture(ids)
-    logits, in_vocab = target.teacher(got.final_hidden)
+    logits, in_vocab = teacher(got)
     torch.testing.assert_close(logits, full[..., vocab.draft_to_target], atol=1e-5, rtol=0)
     assert torch.equal(in_vocab, vocab.t2d[full.argmax(-1)])
     needed = torch.zeros_like(in_vocab)
     needed[:, 3] = True
-    _, partial = target.teacher(got.final_hidden, needed)
+    _, partial = teacher(got, needed)
     assert torch.equal(partial, in_vocab & needed)
 
 

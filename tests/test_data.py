@@ -20,7 +20,8 @@ CONV = [{"role": "user", "content": "What is two plus two?"},
 
 
 def test_sharegpt_and_openai_rows_normalise_alike():
-    share = {"conversations": [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in CONV]}
+    share = {"conversations": [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]}
+                               for m in CONV]}
     assert normalize_conversation(share) == normalize_conversation({"messages": CONV}) == CONV
     assert normalize_conversation({"messages": [{"role": "assistant", "content": "hi"}] + CONV}) == CONV
 
@@ -73,7 +74,8 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path, smollm2, monkeypatch):
     monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
     _, _, tok = smollm2
     _write(tmp_path / "d.jsonl", distinct(30) + ["{not json", {"messages": [{"role": "user", "content": "q"}]}])
-    data = prepare_data(DataConfig(source="path", path=str(tmp_path / "d.jsonl"), heldout_samples=4), tok, log=lambda m: None)
+    data = prepare_data(DataConfig(source="path", path=str(tmp_path / "d.jsonl"), heldout_samples=4), tok,
+                        log=lambda m: None)
     assert len(data.train) == 26 and len(data.heldout) == 4
     assert sum(data.stats["skipped"].values()) == 2
     assert len(data.heldout_prompts) == 4 and tok.decode(data.heldout_prompts[0]).endswith("<|im_start|>assistant\n")
@@ -126,7 +128,8 @@ def test_d2t_and_t2d_invariants():
 # kept only for the answer after the last user turn; earlier answers are rendered without it.
 THINKING_TEMPLATE = (
     "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
     "{%- for m in messages -%}"
     "{%- set content = m['content'] -%}"
     "{%- if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in content -%}"
@@ -187,7 +190,8 @@ def test_a_text_only_target_skips_image_rows_and_counts_them(tmp_path, smollm2):
     Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
     rows = [{"messages": [{"role": "user", "content": f"hello {i}"}, {"role": "assistant", "content": f"hi {i}"}]}
             for i in range(12)]
-    rows.append({"image": "a.png", "conversations": [{"from": "human", "value": "what?"}, {"from": "gpt", "value": "x"}]})
+    rows.append({"image": "a.png",
+                 "conversations": [{"from": "human", "value": "what?"}, {"from": "gpt", "value": "x"}]})
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     cfg = DataConfig(source="path", path=str(tmp_path / "d.jsonl"), heldout_samples=2)
     data = prepare_data(cfg, smollm2[2], log=lambda m: None)

@@ -158,7 +158,7 @@ def test_a_model_folder_built_on_a_rank_other_than_0_has_its_weights(tmp_path, m
     import transformers.distributed.mixin as mixin
 
     from specforge_lite.config import model_preset
-    from specforge_lite.targets.sources import _tokenizer_source_dir, build_tiny_model
+    from specforge_lite.targets.acquire import _tokenizer_source_dir, build_tiny_model
 
     monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
     monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 # The embedded default (recipe=cpu_20min, regeneration included) on a budget that fits CI.
 OVERRIDES = ["trainer.max_steps=40", "trainer.save_every=20", "trainer.progress_bar=false", "data.max_length=256",
-             "data.generation.max_conversations=40", "data.generation.max_new_tokens=32", "data.generation.batch_size=32",
+             "data.generation.max_conversations=40", "data.generation.max_new_tokens=32",
+             "data.generation.batch_size=32",
              "eval.num_prompts=2", "eval.max_new_tokens=12", "eval.heldout_batches=12"]
 
 
@@ -78,27 +79,25 @@ def test_trained_draft_beats_an_untrained_one_on_heldout_acc0(default_run):
 
     from specforge_lite.config import to_config
     from specforge_lite.evaluate.heldout import heldout_accuracy
-    from specforge_lite.pipeline import build_draft, build_target, build_vocab, load_tokenizer, pad_id, prepare
+    from specforge_lite.pipeline import pad_id
+    from specforge_lite.run import Run
 
     out, _ = default_run
     trained = json.loads((out / "eval.json").read_text())["heldout_acc"]
-    config = to_config(OmegaConf.load(out / "config.yaml"))
-    target = build_target(config)
-    tok = load_tokenizer(target)
-    data = prepare(config, target, tok, log=lambda m: None)
-    untrained = build_draft(config, target, build_vocab(config, target, data.train, tok))
+    run = Run.online(to_config(OmegaConf.load(out / "config.yaml")), log=lambda m: None)
+    untrained = run.build_draft()
     with torch.no_grad():
-        base = heldout_accuracy(target, untrained, data.heldout, pad_id(tok), config.draft, config.eval.heldout_batches)
+        base = heldout_accuracy(run.objective, run.teacher, untrained, run.data.heldout, pad_id(run.tokenizer),
+                                run.config.eval.heldout_batches)
     assert trained[0] > base["acc"][0] + 0.05, (trained, base)
 
 
 def test_eval_cli_reevaluates_a_run(default_run):
-    import runpy
+    from specforge_lite.evaluate.__main__ import main as cli
 
     out, _ = default_run
-    common = ["eval/acceptance.py", "--run-dir", str(out), "--k", "2", "--max-new-tokens", "8"]
-    # the script's entry point, run in this process (CI time: no interpreter start-up per mode)
-    cli = runpy.run_path(str(ROOT / "eval" / "acceptance.py"), run_name="eval_acceptance")["main"]
+    # python -m specforge_lite.evaluate's entry point, run in this process (CI time: no interpreter start-up per mode)
+    common = ["specforge_lite.evaluate", "--run-dir", str(out), "--k", "2", "--max-new-tokens", "8"]
     cli([*common[1:], "--num-prompts", "2", "--prompt-sets", "heldout", "gsm8k"])
     ev = json.loads((out / "eval.json").read_text())
     assert ev["num_draft_tokens"] == 2 and ev["prompts"] == 4 and list(ev["sets"]) == ["heldout", "gsm8k"]
@@ -146,7 +145,7 @@ def test_bad_aux_ids_and_unknown_key(tmp_path):
 
 
 def test_a_sweep_runs_and_reports(tmp_path):
-    """python train.py --multirun over two draft options, then python -m specforge_lite.report: one row per
+    """python train.py --multirun over two draft options, then python -m specforge_lite.evaluate.sweep: one row per
     run with its overrides and the numbers of its own files, and a plot."""
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "train.py", "--multirun", "model=llama3_tiny", "recipe=none", "tracker=none",
@@ -155,7 +154,7 @@ def test_a_sweep_runs_and_reports(tmp_path):
            "eval.max_new_tokens=6", "eval.heldout_batches=2", f"hydra.sweep.dir={sweep}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = subprocess.run([sys.executable, "-m", "specforge_lite.report", str(sweep)], cwd=ROOT,
+    report = subprocess.run([sys.executable, "-m", "specforge_lite.evaluate.sweep", str(sweep)], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr[-3000:]
     rows = json.loads((sweep / "report.json").read_text())

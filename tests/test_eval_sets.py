@@ -18,13 +18,15 @@ def write_jsonl(path, rows):
 
 def test_mtbench_question_jsonl_keeps_every_turn_and_counts_bad_rows(tmp_path):
     path = write_jsonl(tmp_path / "question.jsonl", [
-        {"question_id": 81, "category": "writing", "turns": ["Compose a travel blog post.", "Rewrite it as a limerick."]},
+        {"question_id": 81, "category": "writing",
+         "turns": ["Compose a travel blog post.", "Rewrite it as a limerick."]},
         {"question_id": 82, "category": "math", "turns": ["What is 3 + 4?"], "reference": ["7"]},
         {"question_id": 83, "category": "writing", "turns": []},  # no turns: skipped
         {"question_id": 84, "category": "writing"},  # no turns field: skipped
     ])
     s = load_file_set("mtbench", path)
-    assert [i.turns for i in s.items] == [["Compose a travel blog post.", "Rewrite it as a limerick."], ["What is 3 + 4?"]]
+    assert [i.turns for i in s.items] == [["Compose a travel blog post.", "Rewrite it as a limerick."], ["What is 3 + "
+                                                                                                         "4?"]]
     assert s.skipped == 2 and s.source == str(path)
     assert len(load_file_set("mtbench", path, limit=1).items) == 1
 

@@ -151,7 +151,8 @@ def test_speculators_export_follows_its_config_and_names(tmp_path):
     assert cfg["fc_norm"] is True and cfg["norm_before_fc"] is False and cfg["norm_output"] is False
     assert cfg["speculators_config"] == {
         "algorithm": "eagle3", "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}],
-        "default_proposal_method": "greedy", "verifier": {"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]}}
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]}}
     w = load_file(str(out / "model.safetensors"))
     assert {n.replace("midlayer.", "layers.0.") for n in SERVER_NAMES} | {"d2t", "t2d"} | {
         f"fc_norm.{i}.weight" for i in range(3)} == set(w)
@@ -217,7 +218,8 @@ def test_check_names_what_a_server_would_misread(tmp_path):
     assert any("fc_norm is not set" in e for e in broken(lambda c: (c.pop("fc_norm"), c.pop("use_aux_norm"))).errors)
     assert any("unknown weight names ['model.fc.weight']" in e
                for e in broken(edit_weights=lambda w: w.__setitem__("model.fc.weight", w.pop("fc.weight"))).errors)
-    assert any("differ" in e for e in broken(lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3])).errors)
+    nested = broken(lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3]))
+    assert any("differ" in e for e in nested.errors)
     assert any("norm_before_residual" in w for w in broken(lambda c: c.pop("norm_before_residual")).warnings)
     assert any("no d2t" in e for e in broken(edit_weights=lambda w: w.pop("d2t")).errors)
     unsorted = broken(lambda c: (c.update(eagle_aux_hidden_state_layer_ids=[6, 2, 4]),

@@ -12,10 +12,11 @@ from specforge_lite.config import available_presets, load_config
 from specforge_lite.data.vocab import DraftVocab
 from specforge_lite.draft.ttt import shift_left
 from specforge_lite.pipeline import build_target
-from specforge_lite.targets.custom import CustomTarget
+from specforge_lite.targets import HFTarget, Teacher
 
 TINY = [p for p in available_presets("model") if p.endswith("_tiny")]
-LEAN = {"llama3_tiny", "mistral_tiny", "phi3_tiny", "qwen2_5_tiny", "qwen3_tiny", "gemma3_tiny"}  # families with our own forward
+# families with our own (lean) forward
+LEAN = {"llama3_tiny", "mistral_tiny", "phi3_tiny", "qwen2_5_tiny", "qwen3_tiny", "gemma3_tiny"}
 AUX = [0, 2, 5, 8]  # the embedding output, two middle layers and the pre-norm final state (8 layers)
 
 _targets: dict = {}
@@ -66,17 +67,16 @@ def close(a, b, rel=1e-5):
 @pytest.mark.parametrize("preset", TINY)
 def test_capture_and_teacher_equal_the_hf_reference_on_both_backends(preset):
     hf = hf_target(preset)
-    custom = CustomTarget(hf.model, hf.family, AUX, hf.location)
-    assert custom.delegates_to_hf == (preset not in LEAN)
+    lean = HFTarget(hf.model, hf.family, AUX, hf.location, backend="lean")
+    assert (lean.lean is None) == (preset not in LEAN)  # no lean forward: the HF modules run
     ids, mask = batch(hf.vocab_size)
     real = mask.bool()
     needed = shift_left(mask, 1).bool() & real
     vocab = spread_vocab(hf)
     got = {}
-    for name, target in (("hf", hf), ("custom", custom)):
-        target.set_draft_vocab(vocab.draft_to_target, vocab.t2d)
+    for name, target in (("hf", hf), ("lean", lean)):
         cap = target.capture(ids, mask)
-        logits, in_vocab = target.teacher(cap.final_hidden, needed)
+        logits, in_vocab = Teacher(target, vocab.draft_to_target, vocab.t2d)(cap, needed)
         got[name] = (cap, logits, in_vocab)
     ref_aux, ref_logits = reference(hf, ids, mask)
     ref_teacher = ref_logits[..., vocab.draft_to_target]
@@ -87,7 +87,7 @@ def test_capture_and_teacher_equal_the_hf_reference_on_both_backends(preset):
         assert close(logits[needed], ref_teacher[needed], 1e-4), f"{name}: teacher differs from HF logits"
         assert torch.equal(in_vocab[needed], ref_in_vocab[needed]), name
     # and the two backends agree with each other tightly
-    for a, b in zip(got["hf"][0].aux + [got["hf"][0].final_hidden], got["custom"][0].aux + [got["custom"][0].final_hidden]):
+    for a, b in zip(got["hf"][0].aux + [got["hf"][0].final_hidden], got["lean"][0].aux + [got["lean"][0].final_hidden]):
         assert close(a[real], b[real], 1e-5)
 
 
@@ -131,11 +131,11 @@ def test_gemma4_teacher_is_softcapped_over_the_draft_vocab_only():
     target = hf_target("gemma4_tiny")
     assert target.family.logit_softcap(target.config) == 30.0
     vocab = spread_vocab(target, 256)
-    target.set_draft_vocab(vocab.draft_to_target, vocab.t2d)
-    assert target._draft_rows.shape[0] == 256  # only the draft rows are kept for the teacher
+    teacher = Teacher(target, vocab.draft_to_target, vocab.t2d)
+    assert teacher.draft_head.weight.shape[0] == 256  # only the draft rows are kept for the teacher
     h = torch.randn(1, 4, target.hidden_size) * 50
-    logits, _ = target.teacher(h)
-    raw = h @ target.lm_head_weight()[vocab.draft_to_target].T
+    logits = teacher.logits(h)
+    raw = h @ target.full_head()[0][vocab.draft_to_target].T
     assert float(logits.abs().max()) < 30.0 and torch.allclose(logits, torch.tanh(raw / 30) * 30, atol=1e-4)
 
 
@@ -214,11 +214,12 @@ def test_qwen3_vl_image_conversations_are_laid_out_as_the_model_reads_them(tmp_p
     pix = images.processor(images=[Image.open(p).convert("RGB") for p in paths], return_tensors="pt")
     with torch.no_grad():
         out = target.model(input_ids=batch.input_ids, pixel_values=pix["pixel_values"],
-                           image_grid_thw=pix["image_grid_thw"], mm_token_type_ids=(batch.input_ids == cfg.image_token_id).int(),
+                           image_grid_thw=pix["image_grid_thw"],
+                           mm_token_type_ids=(batch.input_ids == cfg.image_token_id).int(),
                            output_hidden_states=True, use_cache=False)
     assert close(cap.aux[0], out.hidden_states[0])  # embeddings with the image features merged in
     assert close(cap.aux[2], out.hidden_states[5])  # past the deepstack layers
-    assert close(cap.final_hidden @ target.lm_head_weight().T, out.logits, rel=1e-4)
+    assert close(cap.final_hidden @ target.full_head()[0].T, out.logits, rel=1e-4)
 
 
 def test_qwen3_vl_speculative_decoding_on_image_prompts_equals_hf_generate(tmp_path):
@@ -259,8 +260,8 @@ FAST = ["trainer.max_steps=2", "trainer.save_every=2", "trainer.progress_bar=fal
 @pytest.mark.slow
 @pytest.mark.parametrize("preset,extra", [(p, []) for p in TINY] + [
     ("gemma4_tiny", ["draft.use_aux_norm=true"]),
-    ("qwen3_tiny", ["target.backend=custom"]),
-    ("gemma3_tiny", ["target.backend=custom"]),
+    ("qwen3_tiny", ["target.backend=lean"]),
+    ("gemma3_tiny", ["target.backend=lean"]),
     ("qwen3_vl_tiny", ["data=shapes"]),  # image+text conversations
 ])
 def test_every_family_trains_exports_and_evaluates(preset, extra, tmp_path):

@@ -9,8 +9,8 @@ import torch
 from specforge_lite.config import load_config
 from specforge_lite.data.regenerate import PromptQueue
 from specforge_lite.pipeline import build_target
-from specforge_lite.targets.custom import lean_forward
-from specforge_lite.targets.custom.decode import LeanDecoder
+from specforge_lite.targets.lean import build_lean_forward
+from specforge_lite.targets.lean.decode import LeanDecoder
 
 NEW = 14
 
@@ -27,7 +27,8 @@ def sharpened_target(preset: str):
 
 def hf_alone(target, prompt: list[int], stops: list[int]) -> list[int]:
     """transformers' generate on this prompt alone (no padding), cut before the stop token."""
-    out = target.model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    out = target.model.generate(input_ids=torch.tensor([prompt]),
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                 max_new_tokens=NEW, do_sample=False, eos_token_id=stops or None, pad_token_id=0)
     row = out[0, len(prompt):].tolist()
     cut = next((j for j, t in enumerate(row) if t in stops), len(row))
@@ -38,7 +39,7 @@ def lean_decoder(target, slots: int, stops: set[int], temperature: float = 0.0) 
     family, model = target.family, target.model
     weight = family.lm_head_weight(model)
     head = lambda h: family.postprocess_logits(h @ weight.T, model.config)  # noqa: E731
-    return LeanDecoder(lean_forward(family, model), head, slots, NEW, stops, temperature)
+    return LeanDecoder(build_lean_forward(family, model), head, slots, NEW, stops, temperature)
 
 
 def run(decoder: LeanDecoder, prompts: list[list[int]], seeds=None) -> dict:
@@ -102,7 +103,7 @@ def test_sampled_answers_follow_their_seed_not_their_batch():
 
 
 def test_top_p_keeps_the_smallest_likeliest_set_like_a_full_sort():
-    from specforge_lite.targets.custom.decode import top_p_filter
+    from specforge_lite.targets.lean.decode import top_p_filter
 
     g = torch.Generator().manual_seed(0)
     peaked = torch.softmax(torch.randn(3, 5000, generator=g) * 6, -1)  # top-p inside the first 64 tokens
@@ -127,7 +128,7 @@ def test_top_p_keeps_the_smallest_likeliest_set_like_a_full_sort():
 def test_sampled_tokens_follow_the_distribution():
     from test_spec_decode import chi_square_p_value
 
-    from specforge_lite.targets.custom.decode import sample_rows
+    from specforge_lite.targets.lean.decode import sample_rows
 
     probs = torch.tensor([0.5, 0.0, 0.2, 0.15, 0.1, 0.05])
     draws = sample_rows(probs.repeat(4000, 1) * 3.0,  # unnormalised on purpose

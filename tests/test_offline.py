@@ -15,8 +15,9 @@ from safetensors.torch import save_file
 from conftest import ROOT
 from specforge_lite.config import load_config
 from specforge_lite.offline import StoreError, StoreReader
-from specforge_lite.offline.dump import dump
+from specforge_lite.offline.dump import dump as dump_run
 from specforge_lite.offline.ingest import ingest
+from specforge_lite.run import Run
 
 sys.path.insert(0, str(ROOT))
 
@@ -25,6 +26,11 @@ TINY = ["model=llama3_tiny", "recipe=none", "tracker=none", "data.max_length=96"
         "data.heldout_samples=4", "draft.draft_vocab_size=49152", "draft.ttt_length=3"]
 TRAIN = ["trainer.max_steps=6", "trainer.log_every=1", "trainer.progress_bar=false", "trainer.precision=fp32",
          "trainer.micro_batch_size=2", "trainer.lr=1e-3", "trainer.warmup_ratio=0", "eval.enabled=false"]
+
+
+def dump(config, log):
+    """What python -m specforge_lite.offline dump does."""
+    return dump_run(Run.online(config, log=lambda m: None), log=log)
 
 
 def _train(overrides, run_dir):
@@ -135,11 +141,9 @@ def _reference_states(target, ids, ids_to_capture):
 
 @pytest.mark.parametrize("kind", ["vllm", "speculators"])
 def test_an_extraction_ingests_to_what_our_dump_stores(kind, tmp_path, tiny_store):
-    from specforge_lite.pipeline import build_target, load_tokenizer, prepare
-
     config = load_config([*TINY, f"store.path={tmp_path / 'store'}", "store.dtype=float32"])
-    target = build_target(config)
-    data = prepare(config, target, load_tokenizer(target), log=lambda m: None)
+    run = Run.online(config, log=lambda m: None)
+    target, data = run.target, run.data
     src = tmp_path / "extraction"
     src.mkdir()
     layer_ids = [2, 4, 5, 8]  # vLLM was given the aux ids and id L (= 8 layers): the pre-norm final state
@@ -153,7 +157,7 @@ def test_an_extraction_ingests_to_what_our_dump_stores(kind, tmp_path, tiny_stor
     unknown = torch.randint(0, 1000, (12,))
     save_file({"hidden_states": _reference_states(target, unknown, layer_ids), "token_ids": unknown},
               str(src / ("zzz-unknown.safetensors" if kind == "vllm" else "hs_999.safetensors")))
-    ingest(config, kind, src, layer_ids, log=lambda m: None)
+    ingest(run, kind, src, layer_ids, log=lambda m: None)
     got, want = _store_tensors(tmp_path / "store"), _store_tensors(tiny_store)
     assert len(got) == len(want)
     for g, w in zip(got, want):

@@ -9,10 +9,9 @@ import torch
 from specforge_lite.config import DraftConfig, load_config
 from specforge_lite.data.loader import collate, collate_packed, pack
 from specforge_lite.data.vocab import DraftVocab
-from specforge_lite.draft import Eagle3Draft, Eagle3Spec
+from specforge_lite.draft import Eagle3Draft, Eagle3Objective, Eagle3Spec
 from specforge_lite.pipeline import build_target
-from specforge_lite.targets.custom import CustomTarget
-from specforge_lite.training.loop import batch_loss
+from specforge_lite.targets import Teacher
 
 CFG = DraftConfig(ttt_length=4)
 
@@ -31,7 +30,6 @@ def conversations(vocab: int, lengths=(21, 9, 26, 14, 7, 18), seed: int = 0) -> 
 def make_draft(target, seed: int = 0) -> Eagle3Draft:
     # the whole vocabulary: every target argmax is in it, so every answer token is scored
     vocab = DraftVocab(torch.arange(target.vocab_size), target.vocab_size, float("nan"))
-    target.set_draft_vocab(vocab.draft_to_target, vocab.t2d)
     spec = Eagle3Spec.from_target(target.config, CFG, target.aux_layer_ids, target.convention, target.vocab_size,
                                   vocab.size, target.hidden_size)
     torch.manual_seed(seed)
@@ -39,7 +37,7 @@ def make_draft(target, seed: int = 0) -> Eagle3Draft:
     draft.set_vocab(vocab.d2t, vocab.t2d)
     draft.set_embedding(target.embedding_weight())
     with torch.no_grad():  # a head that reads its input sharply, so the loss depends on what is attended
-        draft.lm_head.weight.copy_(target.lm_head_weight().float() * 30)
+        draft.lm_head.weight.copy_(target.full_head()[0].float() * 30)
     return draft
 
 
@@ -54,13 +52,12 @@ def test_pack_is_first_fit_in_order_and_keeps_every_token():
     assert batch.loss_mask[0, 21:30].tolist() == rows[1]["loss_mask"]
 
 
-@pytest.mark.parametrize("preset,backend", [("llama3_tiny", "hf"), ("llama3_tiny", "custom"), ("gemma3_tiny", "hf"),
-                                            ("gemma3_tiny", "custom")])
+@pytest.mark.parametrize("preset,backend", [("llama3_tiny", "hf"), ("llama3_tiny", "lean"), ("gemma3_tiny", "hf"),
+                                            ("gemma3_tiny", "lean")])
 def test_packed_and_unpacked_losses_are_equal(preset, backend):
-    target = build_target(load_config([f"model={preset}", "tracker=none"]))
-    if backend == "custom":
-        target = CustomTarget(target.model, target.family, target.aux_layer_ids, target.location)
+    target = build_target(load_config([f"model={preset}", "tracker=none", f"target.backend={backend}"]))
     draft = make_draft(target)
+    teacher, objective = Teacher(target, draft.draft_vocab_ids(), draft.t2d), Eagle3Objective.from_config(CFG)
     rows = conversations(target.vocab_size)
     unpacked = collate(rows, 0)
     packed = collate_packed(rows, 0, 32)
@@ -68,7 +65,7 @@ def test_packed_and_unpacked_losses_are_equal(preset, backend):
 
     def run(batch):
         draft.zero_grad()
-        out = batch_loss(target, draft, batch, CFG)
+        out = objective(draft, teacher, batch)
         out.loss.backward()
         return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 
@@ -85,7 +82,7 @@ def test_packed_and_unpacked_losses_are_equal(preset, backend):
     # The same packed rows read as one sequence each (no position ids) give another loss: the equality
     # above holds because attention and TTT targets stop at conversation boundaries.
     packed.position_ids = None
-    leaked = batch_loss(target, draft, packed, CFG)
+    leaked = objective(draft, teacher, packed)
     assert max(abs(float(a.loss) - float(b.loss)) for a, b in zip(leaked.steps, ref.steps)) > 1e-3
 
 

@@ -59,7 +59,8 @@ def test_auto_on_cuda_follows_the_devices_bf16_support(fresh_choice, monkeypatch
 def test_the_probe_is_cached_per_machine(fresh_choice, tmp_path, monkeypatch):
     d = fresh_choice
     calls = []
-    monkeypatch.setattr(d, "_time_matmul", lambda dtype: calls.append(dtype) or (0.01 if dtype == torch.float32 else 0.5))
+    monkeypatch.setattr(d, "_time_matmul",
+                        lambda dtype: calls.append(dtype) or (0.01 if dtype == torch.float32 else 0.5))
     first = d.cpu_probe(tmp_path)
     again = d.cpu_probe(tmp_path)
     assert first == again and len(calls) == 2  # measured once, read back the second time

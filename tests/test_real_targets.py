@@ -1,5 +1,5 @@
 """Real-model parity: SmolLM2-135M-Instruct (Llama layout) and Gemma-3-270M (scaled embedding, (1 + w)
-norms, 5:1 sliding/full attention, tied 262k head), both fetched from the package registry. The custom
+norms, 5:1 sliding/full attention, tied 262k head), both fetched from the package registry. The lean
 backend's captured states and teacher equal the HF backend's, and both equal HF's own full forward."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from specforge_lite.config import load_config
 from specforge_lite.data.vocab import DraftVocab
 from specforge_lite.draft.ttt import shift_left
 from specforge_lite.pipeline import build_target
-from specforge_lite.targets.custom import CustomTarget
+from specforge_lite.targets import HFTarget, Teacher
 
 pytestmark = pytest.mark.slow
 
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow
 def _check(preset: str, seq: int):
     hf = build_target(load_config([f"model={preset}", "tracker=none"]))
     L = hf.num_layers
-    custom = CustomTarget(hf.model, hf.family, hf.aux_layer_ids, hf.location)
-    assert custom.lean is not None
+    lean = HFTarget(hf.model, hf.family, hf.aux_layer_ids, hf.location, backend="lean")
+    assert lean.lean is not None
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, hf.vocab_size, (2, seq), generator=g)
     mask = torch.ones_like(ids)
@@ -39,25 +39,24 @@ def _check(preset: str, seq: int):
     ref_teacher = out.logits[..., draft_ids]
     del out
     results = {}
-    for name, target in (("hf", hf), ("custom", custom)):
-        target.set_draft_vocab(vocab.draft_to_target, vocab.t2d)
+    for name, target in (("hf", hf), ("lean", lean)):
         cap = target.capture(ids, mask)
-        logits, in_vocab = target.teacher(cap.final_hidden, needed)
+        logits, in_vocab = Teacher(target, vocab.draft_to_target, vocab.t2d)(cap, needed)
         results[name] = cap.aux + [cap.final_hidden]
         for i, (mine, theirs) in enumerate(zip(results[name], ref)):
             scale = float(theirs[real].abs().max())
             assert float((mine[real] - theirs[real]).abs().max()) <= 2e-5 * scale, (name, i)
         assert torch.allclose(logits[needed], ref_teacher[needed], atol=2e-4, rtol=1e-4), name
-    for a, b in zip(results["hf"], results["custom"]):
+    for a, b in zip(results["hf"], results["lean"]):
         assert float((a[real] - b[real]).abs().max()) <= 2e-5 * float(a[real].abs().max())
     return hf
 
 
-def test_smollm2_custom_backend_parity():
+def test_smollm2_lean_backend_parity():
     _check("smollm2_135m", 96)
 
 
-def test_gemma3_270m_custom_backend_parity():
+def test_gemma3_270m_lean_backend_parity():
     """Sequence longer than nothing in particular: the 512-token window is exercised by sliding layers at 600."""
     target = _check("gemma3_270m", 600)
     assert target.vocab_size == 262144 and target.num_layers == 18

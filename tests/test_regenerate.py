@@ -49,7 +49,8 @@ def test_context_all_regenerates_every_turn_in_order():
 
 def test_context_last_and_max_turns():
     out, _ = regenerate(CONVS, Recorder(), GenerationConfig(context="last", batch_size=4), "k2", log=lambda m: None)
-    assert len(out) == 14 and out[1] == [{"role": "user", "content": "q0b"}, {"role": "assistant", "content": "model says: q0b"}]
+    assert len(out) == 14
+    assert out[1] == [{"role": "user", "content": "q0b"}, {"role": "assistant", "content": "model says: q0b"}]
     out, _ = regenerate(CONVS, Recorder(), GenerationConfig(context="all", max_turns=1, max_conversations=5),
                         "k3", log=lambda m: None)
     assert len(out) == 5 and all(len(c) == 2 for c in out)

@@ -63,7 +63,8 @@ def test_requests_are_filtered_deduplicated_cached_and_extend_as_a_prefix(smollm
     _, _, tok = smollm2
     first = ScriptedWriter(POOL)
     kept, stats = write_requests(first, tok, 3, CFG, "model-a", 4, log=lambda m: None)
-    assert kept == ["How do I bake bread at home?", "Tell me a fun fact about owls.", "What is   the capital of France?"]
+    assert kept == ["How do I bake bread at home?", "Tell me a fun fact about owls.",
+                    "What is   the capital of France?"]
     assert first.prompts == {user_turn_prefix(tok)}  # the writer saw nothing but the template's user-turn prefix
     # a larger count reuses the shards already written and extends the same list
     more = ScriptedWriter(POOL)

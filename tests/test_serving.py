@@ -117,7 +117,8 @@ def served_runs(serving_python, tmp_path_factory):
 @pytest.mark.parametrize("preset", list(SERVED))
 def test_vllm_serves_our_draft_with_the_targets_greedy_output(served_runs, preset):
     """vLLM's EAGLE3 output equals the target's greedy output (our eval checks its own against greedy), and
-    vLLM's acceptance length agrees with eval/acceptance.py on the same prompts. Tolerance 0.15: vLLM's CPU
+    vLLM's acceptance length agrees with our evaluation (python -m specforge_lite.evaluate) on the same prompts.
+    Tolerance 0.15: vLLM's CPU
     kernels round differently from ours, which can flip a near-tie between two draft tokens now and then;
     the outputs must be equal. A draft vLLM cannot load (e.g. a Gemma draft with Gemma's gelu MLP, which
     vLLM's Llama draft layer refuses) fails here with vLLM's error."""
@@ -199,12 +200,12 @@ def test_vllm_extracts_the_aux_states_we_capture(vllm_extraction, preset):
     sides run fp32; vLLM's CPU kernels (its GEMMs, attention, fused add+RMSNorm) sum in another order than
     torch's: measured at most 4.4e-7 of the scale on SmolLM2 and 1.0e-5 on the Gemma 4 tiny preset. Aux ids
     two apart differ by more than 1e-2 of the scale (checked), and so does a missed sliding window."""
-    from specforge_lite.targets.custom import CustomTarget
+    from specforge_lite.targets import HFTarget
 
     hf, prompts, theirs, error = vllm_extraction[0][preset]
     assert error is None, f"vLLM could not extract {preset}: {error}"
     layer_ids = LAYER_IDS[preset]
-    lean = CustomTarget(hf.model, hf.family, layer_ids, hf.location)
+    lean = HFTarget(hf.model, hf.family, layer_ids, hf.location, backend="lean")
     for target in (hf, lean):
         for ids, vllm_states in zip(prompts, theirs):
             ours = target.capture(torch.tensor([ids])).aux
@@ -212,7 +213,7 @@ def test_vllm_extracts_the_aux_states_we_capture(vllm_extraction, preset):
             for j, layer in enumerate(layer_ids):
                 mine, ref = ours[j][0].float(), vllm_states[:, j]
                 gap = float((mine - ref).abs().max()) / float(ref.abs().max())
-                assert gap <= 1e-4, f"{type(target).__name__}: aux id {layer} differs from vLLM's by {gap:.2e}"
+                assert gap <= 1e-4, f"{target.backend}: aux id {layer} differs from vLLM's by {gap:.2e}"
             a, b = vllm_states[:, 1], vllm_states[:, 2]  # (two aux ids apart: what an off-by-one would compare)
             assert float((a - b).abs().max()) > 1e-2 * float(b.abs().max())
 
@@ -256,9 +257,11 @@ def test_the_served_check_says_what_is_missing(tmp_path, monkeypatch):
     from specforge_lite.evaluate.served import serve
 
     with pytest.raises(ValueError, match="eval.serve='sglang': use vllm"):
-        run(load_config(["model=llama3_tiny", "tracker=none", "eval.serve=sglang"]), tmp_path / "run", log=lambda m: None)
+        run(load_config(["model=llama3_tiny", "tracker=none", "eval.serve=sglang"]), tmp_path / "run",
+            log=lambda m: None)
     assert not (tmp_path / "run").exists()
-    with pytest.raises(FileNotFoundError, match="eval_inputs.json is missing.*eval/acceptance.py --run-dir"):
+    with pytest.raises(FileNotFoundError, match="eval_inputs.json is missing.*python -m specforge_lite.evaluate "
+                                                "--run-dir"):
         serve([tmp_path])
     (tmp_path / "eval_inputs.json").write_text("{}")
     monkeypatch.setenv("SPECFORGE_LITE_SERVING_PYTHON", str(tmp_path / "no-python"))

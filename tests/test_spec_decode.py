@@ -84,7 +84,7 @@ def test_smollm2_speculative_equals_greedy(smollm2):
     torch.manual_seed(0)
     draft = Eagle3Draft(spec)
     draft.set_vocab(vocab.d2t, vocab.t2d)
-    draft.init_lm_head_from_target(target.lm_head_weight(), vocab.draft_to_target)
+    draft.init_lm_head_from_target(target.full_head()[0], vocab.draft_to_target)
     draft.set_embedding(target.embedding_weight())
     prompt = tok.apply_chat_template([{"role": "user", "content": "Name three colours."}], add_generation_prompt=True)
     prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
@@ -211,7 +211,8 @@ def test_tree_drafting_scores_equal_chain_unrolls_along_each_path():
             node = tree.parents[node]
         with torch.no_grad():
             ttt = TTTCache()
-            h = draft.step(torch.tensor([context[1:] + [nxt]]), draft.project_aux(aux), torch.arange(n)[None], ttt)[:, -1:]
+            h = draft.step(torch.tensor([context[1:] + [nxt]]), draft.project_aux(aux), torch.arange(n)[None],
+                           ttt)[:, -1:]
             score = 0.0
             for j, tok in enumerate(path):
                 score += float(torch.log_softmax(draft.compute_logits(h)[0, -1].float(), -1)[t2d[tok]])

@@ -8,9 +8,10 @@ import datasets
 import pytest
 import torch
 
-from conftest import tiny_draft, tiny_target
+from conftest import tiny_draft, tiny_target, tiny_teacher
 from specforge_lite.config import DraftConfig, TrackerConfig, TrainerConfig
 from specforge_lite.data import BatchStream
+from specforge_lite.draft import Eagle3Objective
 from specforge_lite.training import checkpoint as ckpt_mod
 from specforge_lite.training.loop import train
 from specforge_lite.training.tracking import Tracker
@@ -34,7 +35,8 @@ def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2):
     cfg = TrainerConfig(max_steps=max_steps, micro_batch_size=2, grad_accum_steps=accum, lr=lr, save_every=2,
                         stop_at_step=stop_at, progress_bar=False, precision="fp32", warmup_ratio=0.1)
     stream = BatchStream(synthetic_dataset(), cfg.micro_batch_size, pad_id=0, seed=seed)
-    result = train(cfg, DraftConfig(ttt_length=3), target, draft, stream, run_dir,
+    result = train(cfg, Eagle3Objective.from_config(DraftConfig(ttt_length=3)), tiny_teacher(target, draft), draft,
+                   stream, run_dir,
                    lambda step: Tracker(TrackerConfig(kind="none"), run_dir, {}, resume_step=step),
                    draft.spec.to_dict(), log=lambda m: None)
     return result, draft
@@ -100,13 +102,14 @@ def test_resume_refuses_a_checkpoint_from_another_draft(tmp_path):
     cfg = TrainerConfig(max_steps=4, micro_batch_size=2, progress_bar=False)
     stream = BatchStream(synthetic_dataset(), 2, pad_id=0, seed=0)
     with pytest.raises(RuntimeError, match="does not fit this draft|size mismatch"):
-        train(cfg, DraftConfig(ttt_length=2), target, other, stream, tmp_path,
+        train(cfg, Eagle3Objective.from_config(DraftConfig(ttt_length=2)), tiny_teacher(target, other), other, stream,
+              tmp_path,
               lambda s: Tracker(TrackerConfig(kind="none"), tmp_path, {}, resume_step=s), other.spec.to_dict(),
               log=lambda m: None)
 
 
 def test_acceptance_loss_is_zero_on_agreement_and_trains():
-    from specforge_lite.draft.loss import token_loss
+    from specforge_lite.draft.objective import token_loss
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 40, generator=g)
@@ -126,7 +129,8 @@ def test_training_with_the_acceptance_loss_learns(tmp_path):
     cfg = TrainerConfig(max_steps=40, micro_batch_size=2, lr=3e-3, save_every=0, progress_bar=False,
                         precision="fp32", warmup_ratio=0.1)
     stream = BatchStream(synthetic_dataset(), 2, pad_id=0, seed=0)
-    train(cfg, DraftConfig(ttt_length=3, loss="acceptance"), target, draft, stream, tmp_path,
+    train(cfg, Eagle3Objective.from_config(DraftConfig(ttt_length=3, loss="acceptance")), tiny_teacher(target, draft),
+          draft, stream, tmp_path,
           lambda step: Tracker(TrackerConfig(kind="none"), tmp_path, {}, resume_step=step), draft.spec.to_dict(),
           log=lambda m: None)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_draft, tiny_target
-from specforge_lite.draft.loss import ttt_loss
+from specforge_lite.draft.objective import Eagle3Objective, UnrollInputs
 from specforge_lite.draft.ttt import TTTCache
 from specforge_lite.evaluate.spec_decode import draft_chain
 
@@ -117,7 +117,7 @@ def test_loss_alignment_and_normalisation():
     teacher = torch.randn(B, T, V)
     in_vocab = torch.rand(B, T) > 0.2
     loss_mask = (torch.rand(B, T) > 0.3).long()
-    out = ttt_loss(draft, aux, ids, teacher, in_vocab, loss_mask, ttt_length=3, decay=0.8)
+    out = Eagle3Objective(ttt_length=3, decay=0.8).unroll(draft, UnrollInputs(aux, ids, teacher, in_vocab, loss_mask))
     with torch.no_grad():  # the reference below reuses only the per-step outputs checked above
         per_step = vectorised_unroll_batched(draft, aux, ids, 3)
     expected_total = 0.0

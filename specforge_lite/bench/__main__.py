@@ -1,4 +1,6 @@
-"""python -m specforge_lite.bench <benchmark> [options]; benchmarks: train_step, regenerate, capture, memory, store, packing"""
+"""python -m specforge_lite.bench <benchmark> [options]
+
+Benchmarks: train_step, regenerate, capture, memory, store, packing."""
 
 from __future__ import annotations
 

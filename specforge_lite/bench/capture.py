@@ -1,4 +1,4 @@
-"""Capture throughput of the HF vs the custom backend, and the memory of our capture vs output_hidden_states.
+"""Capture throughput of the HF vs the lean backend, and the memory of our capture vs output_hidden_states.
 
     python -m specforge_lite.bench capture --model smollm2_135m [--seq-lens 512,2048] [--batch 2]
 
@@ -44,46 +44,44 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
 
     from ..config import load_config
-    from ..draft.ttt import shift_left
+    from ..draft.objective import Eagle3Objective
     from ..pipeline import build_target
-    from ..targets.custom import CustomTarget
+    from ..targets import HFTarget, Teacher
     from .memory import peak_bytes
 
     config = load_config([f"model={a.model}", "tracker=none", *a.overrides])
     hf = build_target(config)
-    custom = CustomTarget(hf.model, hf.family, hf.aux_layer_ids, hf.location)
+    lean = HFTarget(hf.model, hf.family, hf.aux_layer_ids, hf.location, backend="lean")
     vd = min(a.draft_vocab, hf.vocab_size)
     # The most frequent ids are unknown here; a spread of ids keeps the full-vocab argmax check on.
     draft_ids = torch.linspace(0, hf.vocab_size - 1, vd).long().unique()
     t2d = torch.zeros(hf.vocab_size, dtype=torch.bool)
     t2d[draft_ids] = True
-    for t in (hf, custom):
-        t.set_draft_vocab(draft_ids, t2d)
+    teachers = {t.backend: Teacher(t, draft_ids, t2d) for t in (hf, lean)}
     print(f"target {config.model.name}: {hf.num_layers} layers, hidden {hf.hidden_size}, vocab {hf.vocab_size}, "
           f"{hf.dtype} on {hf.device}; aux ids {hf.aux_layer_ids}; draft vocab {len(draft_ids)}; "
-          f"custom backend: {'lean forward' if custom.lean else 'delegates to HF modules'}; "
+          f"lean backend: {'lean forward' if lean.lean else 'delegates to HF modules'}; "
           f"{torch.get_num_threads()} threads")
 
     def step(target, ids, att, loss):
-        cap = target.capture(ids, att)
-        target.teacher(cap.final_hidden, shift_left(loss, 1).bool())
+        teachers[target.backend](target.capture(ids, att), Eagle3Objective.teacher_positions(loss))
 
     rows = []
     for T in [int(x) for x in a.seq_lens.split(",")]:
         for mixed in (False, True):
             ids, att, loss = make_batch(a.batch, T, hf.vocab_size, mixed)
             ntok = int(att.sum())
-            times = {"hf": [], "custom": []}
+            times = {"hf": [], "lean": []}
             for r in range(a.repeats + 1):
-                for name, target in (("hf", hf), ("custom", custom)):
+                for name, target in (("hf", hf), ("lean", lean)):
                     t0 = time.perf_counter()
                     step(target, ids, att, loss)
                     if r > 0:
                         times[name].append(time.perf_counter() - t0)
             tps = {k: ntok / statistics.median(v) for k, v in times.items()}
-            rows.append((T, "mixed" if mixed else "full", ntok, tps["hf"], tps["custom"], tps["custom"] / tps["hf"]))
-            print(f"  T={T} {rows[-1][1]:5s} {ntok:6d} tokens: HF {tps['hf']:8.1f} tok/s, custom {tps['custom']:8.1f} "
-                  f"tok/s, custom/HF {rows[-1][-1]:.2f}x", flush=True)
+            rows.append((T, "mixed" if mixed else "full", ntok, tps["hf"], tps["lean"], tps["lean"] / tps["hf"]))
+            print(f"  T={T} {rows[-1][1]:5s} {ntok:6d} tokens: HF {tps['hf']:8.1f} tok/s, lean {tps['lean']:8.1f} "
+                  f"tok/s, lean/HF {rows[-1][-1]:.2f}x", flush=True)
 
     print("\npeak memory above the weights, one row of T tokens (fp32 activations):")
     decoder = hf.family.decoder(hf.model)
@@ -93,12 +91,12 @@ def main(argv=None) -> None:
         with torch.no_grad():
             plain = peak_bytes(lambda: decoder(input_ids=ids, attention_mask=att, use_cache=False), hf.device)
             ours = peak_bytes(lambda: hf.capture(ids, att), hf.device)
-            lean = peak_bytes(lambda: custom.capture(ids, att), hf.device)
+            lean_peak = peak_bytes(lambda: lean.capture(ids, att), hf.device)
             every = peak_bytes(lambda: decoder(input_ids=ids, attention_mask=att, use_cache=False,
                                                output_hidden_states=True), hf.device)
         mib = lambda b: f"{b / 2**20:7.1f} MiB"  # noqa: E731
         print(f"  T={T}: plain forward {mib(plain)} | our capture (HF) {mib(ours)} (overhead {mib(ours - plain)}, "
-              f"aux tensors {mib(aux_bytes)}) | custom {mib(lean)} | output_hidden_states=True {mib(every)} "
+              f"aux tensors {mib(aux_bytes)}) | lean {mib(lean_peak)} | output_hidden_states=True {mib(every)} "
               f"-> ours/all-layers {ours / every:.2f}x")
 
 

@@ -26,26 +26,24 @@ def main(argv=None) -> None:
 
     from ..config import load_config
     from ..data.loader import collate, collate_packed
-    from ..pipeline import build_draft, build_target, build_vocab, load_tokenizer, pad_id, prepare
-    from ..training.loop import batch_loss
+    from ..pipeline import pad_id
+    from ..run import Run
 
     config = load_config(["tracker=none", "model=smollm2_135m", "recipe=none", *a.overrides])
-    target = build_target(config)
-    tok = load_tokenizer(target, config.model.chat_template)
-    data = prepare(config, target, tok, log=lambda m: None)
-    vocab = build_vocab(config, target, data.train, tok)
-    draft = build_draft(config, target, vocab)
-    pad, n = pad_id(tok), a.micro_batch
-    groups = [[data.train[i] for i in range(s, s + n)] for s in range(0, n * (a.batches + 1), n)]
+    run = Run.online(config, log=lambda m: None)
+    draft = run.build_draft()
+    pad, n = pad_id(run.tokenizer), a.micro_batch
+    groups = [[run.train_data[i] for i in range(s, s + n)] for s in range(0, n * (a.batches + 1), n)]
     times = {"unpacked": 0.0, "packed": 0.0}
     cells = {"unpacked": 0, "packed": 0}
     tokens = 0
     for step, rows in enumerate(groups):
         losses = {}
-        for name, batch in (("unpacked", collate(rows, pad)), ("packed", collate_packed(rows, pad, config.data.max_length))):
-            batch = batch.to(target.device)
+        packed = collate_packed(rows, pad, config.data.max_length)
+        for name, batch in (("unpacked", collate(rows, pad)), ("packed", packed)):
+            batch = batch.to(run.target.device)
             t0 = time.perf_counter()
-            out = batch_loss(target, draft, batch, config.draft)
+            out = run.objective(draft, run.teacher, batch)
             out.loss.backward()
             elapsed = time.perf_counter() - t0
             draft.zero_grad(set_to_none=True)

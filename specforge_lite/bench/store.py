@@ -36,6 +36,7 @@ def main(argv=None) -> None:
     from ..config import load_config
     from ..offline import StoreReader
     from ..offline.dump import dump
+    from ..run import Run
     from ..offline.store import PARTS
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,7 +46,7 @@ def main(argv=None) -> None:
             config = load_config([f"model={a.model}", "recipe=none", "tracker=none", f"data.max_samples={a.samples}",
                                   f"store.path={folder}", f"store.dtype={a.dtype}", f"store.teacher={teacher}",
                                   f"store.topk={a.topk}", *a.overrides])
-            dump(config, log=lambda m: None)
+            dump(Run.online(config, log=lambda m: None), log=lambda m: None)
             reader = StoreReader(folder)
             sizes[teacher] = _size(folder / s["file"] for s in reader.manifest.shards)
         reader = StoreReader(Path(tmp) / "final")
@@ -62,7 +63,8 @@ def main(argv=None) -> None:
                        theirs_dir / f"data_{i}.ckpt")
         theirs = _size(theirs_dir.glob("*.ckpt"))
     tokens, H = m.tokens, m.hidden_size
-    print(f"{a.model}: {len(reader)} samples, {tokens} tokens, hidden {H}, {len(m.aux_layer_ids)} aux states + final, {a.dtype}")
+    print(f"{a.model}: {len(reader)} samples, {tokens} tokens, hidden {H}, {len(m.aux_layer_ids)} aux states + final, "
+          f"{a.dtype}")
     print(f"  ours (safetensors shards):         {ours / tokens:10.1f} bytes/token  ({ours / 2**20:.2f} MiB)")
     print(f"  SpecForge layout (torch.save each): {theirs / tokens:10.1f} bytes/token  ({theirs / 2**20:.2f} MiB)")
     print(f"  ours, store.teacher=topk (k={a.topk}):  {sizes['topk'] / tokens:10.1f} bytes/token")

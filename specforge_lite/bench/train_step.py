@@ -44,19 +44,17 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
 
     from ..config import load_config
-    from ..draft.loss import ttt_loss
-    from ..draft.ttt import shift_left
-    from ..pipeline import build_draft, build_target, build_vocab, load_tokenizer, pad_id, prepare
+    from ..draft.objective import UnrollInputs
+    from ..pipeline import pad_id
+    from ..run import Run
     from ..training.distributed import use_bf16
     from ..training.optim import build_optimizer
     from .memory import peak_bytes
 
     config = load_config(["tracker=none", *a.overrides])
-    target = build_target(config)
-    tok = load_tokenizer(target, config.model.chat_template)
-    data = prepare(config, target, tok, log=lambda m: None)
-    vocab = build_vocab(config, target, data.train, tok)
-    batch = _fixed_length_batch(data.train, a.seq_len, pad_id(tok)).to(target.device)
+    run = Run.online(config, log=lambda m: None)
+    target, vocab, objective = run.target, run.vocab, run.objective
+    batch = _fixed_length_batch(run.train_data, a.seq_len, pad_id(run.tokenizer)).to(target.device)
     n_tok = batch.num_tokens
     print(f"target {config.model.name} ({target.num_layers} layers, {target.dtype}) on {target.device}; "
           f"draft vocab {vocab.size}, TTT {config.draft.ttt_length}; batch 1 x {a.seq_len} tokens, "
@@ -64,17 +62,18 @@ def main(argv=None) -> None:
 
     results = {}
     for precision in a.precisions.split(","):
-        draft = build_draft(config, target, vocab)
+        draft = run.build_draft()
         opt = build_optimizer(draft.parameters(), config.trainer)
         split = {"target": 0.0, "draft_fwd": 0.0, "draft_bwd": 0.0, "optimizer": 0.0}
         for step in range(a.steps + 1):
             cap, t_cap = _timed(lambda: target.capture(batch.input_ids, batch.attention_mask))
-            (teacher, in_vocab), t_teach = _timed(lambda: target.teacher(cap.final_hidden, shift_left(batch.loss_mask, 1).bool()))
+            needed = objective.teacher_positions(batch.loss_mask)
+            (teacher, in_vocab), t_teach = _timed(lambda: run.teacher(cap, needed))
 
             def forward():
                 with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=use_bf16(precision)):
-                    return ttt_loss(draft, cap.aux, batch.input_ids, teacher, in_vocab, batch.loss_mask,
-                                    config.draft.ttt_length, config.draft.step_loss_decay)
+                    return objective.unroll(draft, UnrollInputs(cap.aux, batch.input_ids, teacher, in_vocab,
+                                                                batch.loss_mask))
 
             out, t_fwd = _timed(forward)
             _, t_bwd = _timed(lambda: out.loss.backward())
@@ -88,12 +87,15 @@ def main(argv=None) -> None:
               + ", ".join(f"{k} {v / total:.0%}" for k, v in split.items()))
     if len(results) > 1:
         names = list(results)
-        print("\nthroughput ratios: " + ", ".join(f"{n}/{names[0]} = {results[n] / results[names[0]]:.2f}x" for n in names[1:]))
+        ratios = [f"{n}/{names[0]} = {results[n] / results[names[0]]:.2f}x" for n in names[1:]]
+        print("\nthroughput ratios: " + ", ".join(ratios))
 
     ids = batch.input_ids
     ours = peak_bytes(lambda: target.capture(ids), target.device)
     with torch.no_grad():
-        theirs = peak_bytes(lambda: target.model(input_ids=ids, output_hidden_states=True, use_cache=False), target.device)
+        theirs = peak_bytes(lambda: target.model(input_ids=ids, output_hidden_states=True, use_cache=False),
+                            target.device)
     aux_bytes = sum(t.numel() * t.element_size() for t in target.capture(ids).aux)
     print(f"\npeak memory at {a.seq_len} tokens: our capture {ours / 2**20:.1f} MiB vs output_hidden_states=True "
-          f"{theirs / 2**20:.1f} MiB -> ratio {ours / max(theirs, 1):.2f} (the aux states themselves: {aux_bytes / 2**20:.1f} MiB)")
+          f"{theirs / 2**20:.1f} MiB -> ratio {ours / max(theirs, 1):.2f} (the aux states themselves: "
+          f"{aux_bytes / 2**20:.1f} MiB)")

@@ -58,7 +58,8 @@ def worker(trainer: str, model: str, seq_len: int, out_path: str) -> None:
     from transformers import LlamaConfig
 
     from ..config import load_config
-    from ..draft import Eagle3Draft, Eagle3Spec
+    from ..draft import Eagle3Draft, Eagle3Objective, Eagle3Spec
+    from ..draft.objective import UnrollInputs
     from ..targets.capture import CONVENTION
     from ..training.distributed import init_distributed
     from ..training.engine import DeepSpeedEngine
@@ -71,7 +72,8 @@ def worker(trainer: str, model: str, seq_len: int, out_path: str) -> None:
     L = shape["num_hidden_layers"]
     aux_ids = [2, L // 2, L - 3]
     spec = Eagle3Spec.from_target(target_config, config.draft, aux_ids, CONVENTION, vocab_size=shape["vocab_size"],
-                                  draft_vocab_size=config.draft.draft_vocab_size, target_hidden_size=shape["hidden_size"])
+                                  draft_vocab_size=config.draft.draft_vocab_size,
+                                  target_hidden_size=shape["hidden_size"])
     torch.manual_seed(0)
     draft = Eagle3Draft(spec)
     # the target's table is read, never trained: a stride-0 stand-in of the right shape costs no memory
@@ -84,7 +86,7 @@ def worker(trainer: str, model: str, seq_len: int, out_path: str) -> None:
     ids = torch.randint(0, spec.vocab_size, (1, T), generator=g)
     teacher = torch.randn(1, T, Vd, generator=g)
     ones = torch.ones(1, T, dtype=torch.bool)
-    out = engine.forward(aux, ids, teacher, ones, ones.long(), config.draft.ttt_length, config.draft.step_loss_decay)
+    out = engine.forward(UnrollInputs(aux, ids, teacher, ones, ones.long()), Eagle3Objective.from_config(config.draft))
     engine.engine.backward(out.loss)
 
     params = _storages(getattr(p, "ds_tensor", p) for p in module.parameters())
@@ -136,15 +138,17 @@ def main(argv=None) -> None:
             r = rows[trainer][0]
             print(f"{trainer}: done ({r['trainable_params'] / 1e6:.1f}M trainable draft parameters)", flush=True)
     gib = 2**30
-    print(f"\n{a.model} EAGLE3 draft, {a.nproc} ranks, bf16 weights + fp32 master/Adam; GiB per rank (rank 0; max over ranks)")
-    print(f"| trainer | parameters | gradients | optimizer state | total | vs zero0 |")
+    print(f"\n{a.model} EAGLE3 draft, {a.nproc} ranks, bf16 weights + fp32 master/Adam; GiB per rank (rank 0; max "
+          f"over ranks)")
+    print("| trainer | parameters | gradients | optimizer state | total | vs zero0 |")
     print("|---|---|---|---|---|---|")
     base = None
     for trainer, ranks in rows.items():
         r0 = ranks[0]
         total = max(r["parameters"] + r["gradients"] + r["optimizer"] for r in ranks)
         base = base or total
-        print(f"| {trainer} | {r0['parameters'] / gib:.2f} | {r0['gradients'] / gib:.2f} | {r0['optimizer'] / gib:.2f} | "
+        print(f"| {trainer} | {r0['parameters'] / gib:.2f} | {r0['gradients'] / gib:.2f} | "
+              f"{r0['optimizer'] / gib:.2f} | "
               f"{total / gib:.2f} | {total / base:.2f}x |")
 
 

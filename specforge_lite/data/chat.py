@@ -137,7 +137,8 @@ def _encode(tokenizer: Any, text: str, spans: list[tuple[int, int]], max_length:
     return ids, mask, paths
 
 
-def generation_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], images: ImageInputs | None = None) -> list[int]:
+def generation_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
+                          images: ImageInputs | None = None) -> list[int]:
     """Token ids of ``messages`` rendered for the assistant to answer next (before image expansion)."""
     text = render(tokenizer, messages, add_generation_prompt=True, images=images)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

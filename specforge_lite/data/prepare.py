@@ -154,7 +154,8 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
         # A prompt that fills data.max_length leaves no room for an answer: never a sample, nor an eval prompt.
         fits = [c for c in conversations if _prompt_fits(tokenizer, c, cfg.max_length, images)]
         if len(fits) < len(conversations):
-            reasons[f"first prompt of data.max_length={cfg.max_length} tokens or more"] += len(conversations) - len(fits)
+            too_long = f"first prompt of data.max_length={cfg.max_length} tokens or more"
+            reasons[too_long] += len(conversations) - len(fits)
         conversations = fits
         order = list(range(len(conversations)))
         random.Random(_HELDOUT_SEED).shuffle(order)
@@ -220,7 +221,8 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
         if not convs:
             return datasets.Dataset.from_dict({"input_ids": [], "loss_mask": [], "images": []}), Counter()
         ds = datasets.Dataset.from_dict({"messages": convs})
-        ds = ds.map(tokenize, batched=True, remove_columns=["messages"], num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+        ds = ds.map(tokenize, batched=True, remove_columns=["messages"],
+                    num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
                     desc="tokenising")
         errors = Counter(e for e in ds["error"] if e)
         return ds.filter(lambda e: not e, input_columns="error").remove_columns("error"), errors

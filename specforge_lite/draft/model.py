@@ -116,7 +116,8 @@ class DraftAttention(nn.Module):
 
     def __init__(self, spec: Eagle3Spec):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+        self.num_heads, self.num_kv_heads = spec.num_attention_heads, spec.num_key_value_heads
+        self.head_dim = spec.head_dim
         width = 2 * spec.hidden_size
         self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=spec.attention_bias)
         self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=spec.attention_bias)
@@ -166,7 +167,8 @@ class Eagle3Draft(nn.Module):
         n_aux = len(spec.aux_layer_ids)
         self.fc = nn.Linear(n_aux * spec.target_hidden_size, spec.hidden_size, bias=False)
         if spec.use_aux_norm:
-            self.fc_norm = nn.ModuleList(LlamaRMSNorm(spec.target_hidden_size, eps=spec.rms_norm_eps) for _ in range(n_aux))
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(spec.target_hidden_size, eps=spec.rms_norm_eps)
+                                         for _ in range(n_aux))
         self.midlayer = DraftDecoderLayer(spec)
         self.norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
@@ -187,7 +189,8 @@ class Eagle3Draft(nn.Module):
         """Share the target's embedding tensor (frozen; SGLang and vLLM substitute it at load too)."""
         if tuple(weight.shape) != (self.spec.vocab_size, self.spec.hidden_size):
             raise ValueError(f"target embedding {tuple(weight.shape)} does not match the draft's "
-                             f"({self.spec.vocab_size}, {self.spec.hidden_size}); the draft was built for another target")
+                             f"({self.spec.vocab_size}, {self.spec.hidden_size}); the draft was built for another "
+                             f"target")
         self._embedding = weight.detach()
 
     @property
@@ -220,15 +223,10 @@ class Eagle3Draft(nn.Module):
         return self.draft_to_target(torch.arange(self.spec.draft_vocab_size, device=self.d2t.device))
 
     # ---- training forward ------------------------------------------------------------------------
-    def forward(self, aux: list[torch.Tensor], input_ids: torch.Tensor, teacher_logits: torch.Tensor,
-                in_vocab: torch.Tensor, loss_mask: torch.Tensor, ttt_length: int, decay: float = 0.8,
-                loss: str = "soft_ce", position_ids: torch.Tensor | None = None):
-        """The TTT unroll and its loss over a batch (draft/loss.py); the module's forward so that a
-        training engine (DeepSpeed) wraps exactly what is trained. ``position_ids``: packed rows."""
-        from .loss import ttt_loss
-
-        return ttt_loss(self, aux, input_ids, teacher_logits, in_vocab, loss_mask, ttt_length, decay, loss,
-                        position_ids)
+    def forward(self, inputs, objective):
+        """The TTT unroll and its loss over a batch (``objective.unroll``, draft/objective.py); the
+        module's forward so that a training engine (DeepSpeed) wraps exactly what is trained."""
+        return objective.unroll(self, inputs)
 
     # ---- forward pieces ------------------------------------------------------------------------
     def project_aux(self, aux: list[torch.Tensor]) -> torch.Tensor:
@@ -237,7 +235,8 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"got {len(aux)} aux states, the draft was built for {len(self.spec.aux_layer_ids)}")
         if aux[0].shape[-1] != self.spec.target_hidden_size:
             raise ValueError(f"aux hidden size {aux[0].shape[-1]} != the draft's target_hidden_size "
-                             f"{self.spec.target_hidden_size}: the captured target is not the one the draft was built for")
+                             f"{self.spec.target_hidden_size}: the captured target is not the one the draft was built "
+                             f"for")
         if self.spec.use_aux_norm:
             aux = [norm(a) for norm, a in zip(self.fc_norm, aux)]
         return self.fc(torch.cat(aux, dim=-1).to(self.fc.weight.dtype))

@@ -12,9 +12,11 @@ from typing import Callable
 
 import torch
 
-from ..config import Config, EvalConfig, to_config
+from ..config import Config, EvalConfig
 from ..data.chat import generation_prompt_ids
+from ..draft.objective import Eagle3Objective
 from ..draft.ttt import TreeCache
+from ..targets.teacher import Teacher
 from .heldout import heldout_accuracy
 from .prompts import PromptSet, load_prompt_sets
 from .spec_decode import (Generation, _new_cache, acceptance_summary, greedy_generate, speculative_generate,
@@ -63,7 +65,8 @@ def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, s
             accepted += gen.accepted
             per_prompt.append(1 + sum(gen.accepted) / max(len(gen.accepted), 1))
             if turn is not None:
-                messages.append({"role": "assistant", "content": tokenizer.decode(gen.tokens, skip_special_tokens=True)})
+                answer = tokenizer.decode(gen.tokens, skip_special_tokens=True)
+                messages.append({"role": "assistant", "content": answer})
     elapsed = time.perf_counter() - t0
     # The target alone on the set's first eval.baseline_prompts prompts (all when null): a batch-1 decode
     # step costs the same whatever the prompt, and on a CPU this timing was 40% of the evaluation.
@@ -144,7 +147,7 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
         raise ValueError(f"the export was trained on aux ids {spec.aux_layer_ids}, the target captures "
                          f"{target.aux_layer_ids}")
     draft = draft_from_weights(spec, weights, target)
-    target.set_draft_vocab(draft.draft_vocab_ids(), draft.t2d)
+    teacher = Teacher(target, draft.draft_vocab_ids(), draft.t2d)
     ev = config.eval
     stops = stop_ids(tokenizer, target)
     decode = _decoder(target, draft, ev, stops)
@@ -165,8 +168,8 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
         "generated": every("_outputs"), "stop_ids": sorted(stops),
         "max_new_tokens": ev.max_new_tokens, "num_draft_tokens": ev.num_draft_tokens,
         "max_model_len": max(len(p) for p in prompts) + ev.max_new_tokens + ev.num_draft_tokens + 8}))
-    held = heldout_accuracy(target, draft, data.heldout, pad_id(tokenizer), config.draft, ev.heldout_batches,
-                            target.image_inputs)
+    held = heldout_accuracy(Eagle3Objective.from_config(config.draft), teacher, draft, data.heldout,
+                            pad_id(tokenizer), ev.heldout_batches, target.image_inputs)
     pooled = acceptance_summary(every("_accepted"), ev.num_draft_tokens)
     tokens = sum(s["generated_tokens"] for s in sets.values())
     spec_time = sum(s["generated_tokens"] / s["tokens_per_s"] for s in sets.values())
@@ -198,36 +201,6 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
                 "step / (draft round + verification), from step_costs. heldout_acc is teacher-forced accuracy per TTT "
                 "step on held-out conversations",
     }
-
-
-def evaluate_run(run_dir: Path, overrides: dict | None = None, log=print) -> dict:
-    """Load a finished run (its config.yaml, target, data cache and final/ export) and evaluate it."""
-    from omegaconf import OmegaConf
-
-    from ..export import load_export
-    from ..pipeline import build_target, load_tokenizer, prepare
-
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file() or not (run_dir / "final" / "config.json").is_file():
-        raise FileNotFoundError(f"{run_dir} is not a finished run (needs config.yaml and final/config.json)")
-    config = to_config(OmegaConf.load(run_dir / "config.yaml"))
-    if config.data.source == "offline":  # trained from a store: its held-out prompts come from the store's data
-        from ..offline import Manifest
-
-        saved = Manifest.load(Path(config.data.store)).source.get("data")
-        if not saved:
-            raise ValueError(f"the store {config.data.store} does not record its data settings; evaluate with "
-                             "data.* overrides naming the data it was made from")
-        config.data = to_config({"data": saved}).data
-    for key, value in (overrides or {}).items():
-        setattr(config.eval, key, value)
-    spec, _ = load_export(run_dir / "final")
-    target = build_target(config, aux_layer_ids=spec.aux_layer_ids)
-    tokenizer = load_tokenizer(target, config.model.chat_template)
-    data = prepare(config, target, tokenizer, log=log)
-    result = evaluate_export(config, target, tokenizer, data, run_dir / "final", log=log)
-    write_eval(run_dir, result)
-    return result
 
 
 def write_eval(run_dir: Path, result: dict) -> Path:

@@ -5,23 +5,21 @@ from __future__ import annotations
 import torch
 
 from ..data.loader import collate
-from ..training.loop import batch_loss, sim_accept_len
+from ..draft.objective import Eagle3Objective, sim_accept_len
 
 
 @torch.no_grad()
-def heldout_accuracy(target, draft, dataset, pad_id: int, draft_cfg, max_conversations: int, images=None) -> dict:
+def heldout_accuracy(objective: Eagle3Objective, teacher, draft, dataset, pad_id: int, max_conversations: int,
+                     images=None) -> dict:
     was_training = draft.training
     draft.eval()
-    correct = valid = None
-    for i in range(min(max_conversations, len(dataset))):
-        batch = collate([dataset[i]], pad_id, images).to(target.device)
-        out = batch_loss(target, draft, batch, draft_cfg)
-        c = torch.stack([s.correct for s in out.steps]).float()
-        v = torch.stack([s.valid for s in out.steps]).float()
-        correct = c if correct is None else correct + c
-        valid = v if valid is None else valid + v
+    tally = objective.tally()
+    conversations = min(max_conversations, len(dataset))
+    for i in range(conversations):
+        batch = collate([dataset[i]], pad_id, images).to(teacher.device)
+        tally.add(objective(draft, teacher, batch))
     draft.train(was_training)
-    if correct is None:
+    if conversations == 0:
         return {"acc": [], "sim_accept_len": 0.0, "tokens": 0}
-    accs = (correct / valid.clamp(min=1)).tolist()
-    return {"acc": accs, "sim_accept_len": sim_accept_len(accs), "tokens": int(valid[0])}
+    accs = tally.accuracies()
+    return {"acc": accs, "sim_accept_len": sim_accept_len(accs), "tokens": tally.scored}

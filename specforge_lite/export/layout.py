@@ -1,7 +1,7 @@
 """What every EAGLE3 Llama-draft export shares: the flat Llama config and the weight names.
 
 Server-specific choices (which aux-id convention, when d2t/t2d are written) are passed in by the
-format modules (vllm.py, sglang.py); nothing here knows a server's quirks.
+format classes (vllm.py, sglang.py, speculators.py); nothing here knows a server's quirks.
 """
 
 from __future__ import annotations
@@ -16,11 +16,16 @@ from ..device import dtype_name
 from ..draft.model import Eagle3Spec
 
 PROVENANCE_KEY = "specforge_lite"
+# The decoder layer's weights, after its prefix (midlayer. or layers.0.), as a regular expression.
+LAYER_WEIGHTS = (r"(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight"
+                 r"|(?:input_layernorm|hidden_norm|post_attention_layernorm)\.weight")
 
 
 def llama_draft_config(spec: Eagle3Spec, server_aux_ids: list[int], dtype: torch.dtype) -> dict:
     rope = dict(spec.rope_parameters)
-    scaling = None if rope.get("rope_type", "default") == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    scaling = None
+    if rope.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",

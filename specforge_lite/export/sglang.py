@@ -3,33 +3,59 @@
 SGLang adds 1 to explicit ids ("id = output of layer i"), so a draft trained on the input of layer i
 is written as i - 1. Newer builds add the 1 only when the first id is 1, which the default ids
 [2, L//2, L-3] satisfy after translation; other choices are read differently across SGLang versions.
-SGLang keeps d2t even for a full draft vocabulary and skips unknown weight names silently.
+SGLang reads the ids from ``eagle_config``, keeps d2t even for a full draft vocabulary and skips
+unknown weight names silently.
 """
 
 from __future__ import annotations
 
 from ..draft.model import Eagle3Spec
-
-NAME = "sglang"
+from .format import ExportFormat
 
 
 class ExportRefused(ValueError):
     pass
 
 
-def server_aux_ids(spec: Eagle3Spec, warn) -> list[int]:
-    ids = list(spec.aux_layer_ids)
-    if 0 in ids:
-        raise ExportRefused("aux id 0 (the embedding output) cannot be expressed in SGLang's output-of-layer ids; "
-                            "train with ids >= 1 to serve on SGLang")
-    translated = [i - 1 for i in ids]
-    if translated[0] != 1:
-        warn(f"SGLang ids {translated}: builds before mid-2026 add 1 to every id (correct), newer builds only when "
-             "the first id is 1 (they would read these ids one layer early). Prefer aux ids starting at 2 for SGLang.")
-    if spec.target_num_layers in ids:
-        warn("aux id == num_layers (pre-norm final state) is not a layer input SGLang captures in every build")
-    return translated
+class SGLangFormat(ExportFormat):
+    name, server = "sglang", "SGLang"
 
+    def server_aux_ids(self, spec: Eagle3Spec, warn) -> list[int]:
+        ids = list(spec.aux_layer_ids)
+        if 0 in ids:
+            raise ExportRefused("aux id 0 (the embedding output) cannot be expressed in SGLang's output-of-layer ids; "
+                                "train with ids >= 1 to serve on SGLang")
+        translated = [i - 1 for i in ids]
+        if translated[0] != 1:
+            warn(f"SGLang ids {translated}: builds before mid-2026 add 1 to every id (correct), newer builds only when "
+                 "the first id is 1 (they would read these ids one layer early). Prefer aux ids starting at 2 for "
+                 "SGLang.")
+        if spec.target_num_layers in ids:
+            warn("aux id == num_layers (pre-norm final state) is not a layer input SGLang captures in every build")
+        return translated
 
-def with_vocab_maps(spec: Eagle3Spec) -> bool:
-    return True
+    def with_vocab_maps(self, spec: Eagle3Spec) -> bool:
+        return True
+
+    def check(self, config: dict, shapes: dict, report) -> None:
+        unknown = self.unknown_weights(shapes)
+        if unknown:
+            report.errors.append(f"unknown weight names {unknown[:5]}: SGLang skips them in silence (the weight "
+                                 "stays random)")
+        top = config.get("eagle_aux_hidden_state_layer_ids")
+        nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if top and nested and list(top) != list(nested):
+            report.errors.append(f"top-level ids {top} and eagle_config ids {nested} differ: SGLang reads the "
+                                 "eagle_config ones, vLLM the top-level ones")
+        if not nested and top:
+            report.warnings.append("eagle_config.eagle_aux_hidden_state_layer_ids is missing: SGLang falls back to "
+                                   "its default ids")
+        if config.get("num_hidden_layers", 1) != 1:
+            report.warnings.append("num_hidden_layers > 1: older SGLang builds load one layer only")
+        if config.get("draft_vocab_size") is None:
+            report.warnings.append("draft_vocab_size is missing: SGLang then takes the target's lm_head")
+        ids = nested or top
+        if ids:
+            report.servers[self.server] = (
+                f"reads ids {list(ids)} as layer outputs, i.e. the inputs of layers {[i + 1 for i in ids]}"
+                + (" (newer builds add the 1 only when the first id is 1)" if ids[0] != 1 else ""))

@@ -9,55 +9,80 @@ are written only when the draft vocabulary is smaller than the target's.
 
 from __future__ import annotations
 
-from ..draft.model import Eagle3Spec
+import torch
 
-NAME = "speculators"
+from ..draft.model import Eagle3Spec
+from .format import ExportFormat
+
 _LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                "head_dim", "num_hidden_layers", "rms_norm_eps", "hidden_act", "max_position_embeddings",
                "rope_theta", "rope_scaling", "attention_bias", "mlp_bias", "vocab_size", "tie_word_embeddings",
                "torch_dtype")
 
 
-def server_aux_ids(spec: Eagle3Spec, warn) -> list[int]:
-    return list(spec.aux_layer_ids)
+class SpeculatorsFormat(ExportFormat):
+    name, server, layout = "speculators", "speculators / vLLM", "speculators"
+    layer_prefix = "layers.0."
 
+    def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
+                     warn) -> dict:
+        config = super().write_config(spec, dtype, verifier, num_speculative_tokens, warn)
+        layer = {k: config[k] for k in _LAYER_KEYS if k in config}
+        layer["architectures"] = ["LlamaForCausalLM"]
+        out = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer,
+            "draft_vocab_size": spec.draft_vocab_size,
+            "target_hidden_size": spec.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(config["eagle_aux_hidden_state_layer_ids"]),
+            "norm_before_residual": spec.norm_before_residual,
+            "norm_before_fc": False,
+            "fc_norm": bool(spec.use_aux_norm),
+            "norm_output": False,
+            "torch_dtype": config["torch_dtype"],
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": verifier.get("name_or_path"),
+                             "architectures": list(verifier.get("architectures") or [])},
+            },
+        }
+        for key in [k for k in config if k not in out and k not in _LAYER_KEYS]:
+            if key.startswith("specforge"):
+                out[key] = config[key]
+        return out
 
-def with_vocab_maps(spec: Eagle3Spec) -> bool:
-    return spec.draft_vocab_size != spec.vocab_size
+    def weight_name(self, ours: str) -> str:
+        return "layers.0." + ours.removeprefix("midlayer.") if ours.startswith("midlayer.") else ours
 
+    def our_weight_name(self, theirs: str) -> str:
+        return "midlayer." + theirs.removeprefix("layers.0.") if theirs.startswith("layers.0.") else theirs
 
-def adapt_config(config: dict, spec: Eagle3Spec, verifier: dict, num_speculative_tokens: int) -> dict:
-    layer = {k: config[k] for k in _LAYER_KEYS if k in config}
-    layer["architectures"] = ["LlamaForCausalLM"]
-    out = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "transformer_layer_config": layer,
-        "draft_vocab_size": spec.draft_vocab_size,
-        "target_hidden_size": spec.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(config["eagle_aux_hidden_state_layer_ids"]),
-        "norm_before_residual": spec.norm_before_residual,
-        "norm_before_fc": False,
-        "fc_norm": bool(spec.use_aux_norm),
-        "norm_output": False,
-        "torch_dtype": config["torch_dtype"],
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier.get("name_or_path"),
-                         "architectures": list(verifier.get("architectures") or [])},
-        },
-    }
-    for key in [k for k in config if k not in out and k not in _LAYER_KEYS]:
-        if key.startswith("specforge"):
-            out[key] = config[key]
-    return out
+    def reads(self, config: dict) -> bool:
+        return config.get("speculators_model_type") is not None
 
+    def layer_config(self, config: dict, report) -> dict | None:
+        layer = config.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            report.errors.append("speculators config lacks transformer_layer_config")
+            return None
+        return layer
 
-def weight_name(name: str) -> str:
-    return "layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
-
-
-def our_weight_name(name: str) -> str:
-    return "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+    def check(self, config: dict, shapes: dict, report) -> None:
+        if config.get("speculators_model_type") != "eagle3":
+            report.errors.append(f"speculators_model_type {config.get('speculators_model_type')!r}, expected 'eagle3'")
+        unknown = self.unknown_weights(shapes)
+        if unknown:
+            report.errors.append(f"unknown weight names {unknown[:5]} (speculators names the decoder layer layers.0.*)")
+        if config.get("fc_norm") and config.get("norm_before_fc"):
+            report.errors.append("fc_norm and norm_before_fc are mutually exclusive")
+        sc = config.get("speculators_config") or {}
+        if not (sc.get("verifier") or {}).get("architectures"):
+            report.warnings.append("speculators_config.verifier names no architectures: the verifier cannot be checked")
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
+        if ids:
+            report.servers[self.server] = (
+                f"captures the input of layers {list(ids)}, norm_before_residual="
+                f"{config.get('norm_before_residual', True)} (true when absent), fc_norm={bool(config.get('fc_norm'))}")

@@ -7,14 +7,24 @@ with a full draft vocabulary, wants no d2t/t2d.
 
 from __future__ import annotations
 
-from ..draft.model import Eagle3Spec
-
-NAME = "vllm"
+from .format import ExportFormat
 
 
-def server_aux_ids(spec: Eagle3Spec, warn) -> list[int]:
-    return list(spec.aux_layer_ids)
+class VLLMFormat(ExportFormat):
+    name, server = "vllm", "vLLM"
 
-
-def with_vocab_maps(spec: Eagle3Spec) -> bool:
-    return spec.draft_vocab_size != spec.vocab_size
+    def check(self, config: dict, shapes: dict, report) -> None:
+        unknown = self.unknown_weights(shapes)
+        if unknown:
+            report.errors.append(f"unknown weight names {unknown[:5]}: vLLM refuses them")
+        vocab, draft = config.get("vocab_size"), config.get("draft_vocab_size")
+        if draft is None:
+            report.warnings.append("draft_vocab_size is missing: vLLM assumes the full vocabulary")
+        if draft == vocab and "d2t" in shapes:
+            report.warnings.append("d2t with a full draft vocabulary: vLLM builds that want none may refuse it")
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
+        if ids:
+            report.servers[self.server] = (
+                f"captures the input of layers {list(ids)} (id L = pre-norm final state), "
+                f"norm_before_residual={config.get('norm_before_residual', False)}, "
+                f"fc_norm={bool(config.get('fc_norm'))}")

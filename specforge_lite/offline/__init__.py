@@ -1,6 +1,6 @@
 """Offline training: a compact, resumable hidden-state store (dump, ingest) and the target read from it."""
 
 from .store import Manifest, StoreError, StoreReader
-from .target import StoreTarget
+from .target import StoreTarget, store_run
 
-__all__ = ["Manifest", "StoreError", "StoreReader", "StoreTarget"]
+__all__ = ["Manifest", "StoreError", "StoreReader", "StoreTarget", "store_run"]

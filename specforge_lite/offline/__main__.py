@@ -31,17 +31,23 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
 
     from ..config import load_config
+    from ..run import Run
+    from .dump import store_folder
 
     config = load_config(["tracker=none", *_overrides(a.overrides)])
+    store_folder(config, a.command)  # the store settings are checked before the target loads
     if a.command == "dump":
         from .dump import dump
 
-        dump(config)
+        dump(Run.online(config))
     else:
-        from .ingest import ingest
+        from pathlib import Path
 
+        from .ingest import extraction_files, ingest
+
+        extraction_files(a.kind, Path(a.src))  # a missing or empty folder is said before the target loads
         ids = [int(x) for x in a.layer_ids.split(",")] if a.layer_ids else None
-        ingest(config, a.kind, a.src, ids)
+        ingest(Run.online(config), a.kind, a.src, ids)
 
 
 if __name__ == "__main__":

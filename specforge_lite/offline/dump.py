@@ -23,13 +23,13 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def with_final_state(target: HFTarget) -> HFTarget:
-    """The same model capturing one more state: the last layer's pre-norm output (id num_layers)."""
+    """The same model capturing one more state: the last layer's pre-norm output (id num_layers). Close
+    it when done (its hooks stay on the shared model)."""
     L = target.num_layers
     if L in target.aux_layer_ids:
-        raise StoreError(f"aux id {L} (the pre-norm final state) is stored separately; leave it out of draft.aux_layer_ids")
-    target.close()
-    cls = type(target)
-    return cls(target.model, target.family, [*target.aux_layer_ids, L], target.location)
+        raise StoreError(f"aux id {L} (the pre-norm final state) is stored separately; leave it out of "
+                         f"draft.aux_layer_ids")
+    return target.with_aux_layer_ids([*target.aux_layer_ids, L])
 
 
 def data_settings(config: Config) -> dict:
@@ -67,42 +67,48 @@ def open_or_create(folder: Path, target: HFTarget, vocab, aux_ids: list[int], st
         manifest = old
     else:
         folder.mkdir(parents=True, exist_ok=True)
-        lm_bias = target.lm_head_bias()
+        rows, bias = target.head_rows(vocab.draft_to_target)
         final_norm = target.family.final_norm(target.model).state_dict()
-        save_parts(folder, target.embedding_weight(), final_norm, target.lm_head_rows(vocab.draft_to_target),
-                   vocab.d2t, None if lm_bias is None else lm_bias.index_select(0, vocab.draft_to_target))
+        save_parts(folder, target.embedding_weight(), final_norm, rows, vocab.d2t, bias)
         manifest.save(folder)
     for stale in folder.glob("*.tmp"):  # a shard a killed run was writing
         stale.unlink()
     return manifest
 
 
-def check_store_config(sc) -> None:
+def store_folder(config: Config, command: str) -> Path:
+    """The store folder ``store=DIR`` names, after checking the store settings (before any model loads)."""
+    sc = config.store
+    if not sc.path:
+        raise StoreError(f"give the store folder: python -m specforge_lite.offline {command} ... store=DIR")
     if sc.dtype not in _DTYPE_BYTES:
         raise StoreError(f"store.dtype={sc.dtype!r}: use bfloat16, float16 or float32")
     if sc.teacher not in ("final", "topk") or (sc.teacher == "topk" and sc.topk < 1):
-        raise StoreError(f"store.teacher={sc.teacher!r} (store.topk={sc.topk}): use final, or topk with store.topk >= 1")
+        raise StoreError(f"store.teacher={sc.teacher!r} (store.topk={sc.topk}): use final, or topk with "
+                         "store.topk >= 1")
+    return Path(sc.path).expanduser()
 
 
-def dump(config: Config, log=print) -> Path:
-    from ..pipeline import build_target, build_vocab, load_tokenizer, pad_id, prepare
+def dump(run, log=print) -> Path:
+    """``run``: the online run (run.Run) whose prepared training data, draft vocabulary and teacher the
+    store records."""
+    folder = store_folder(run.config, "dump")
+    target = with_final_state(run.target)
+    try:
+        return _write(run, target, folder, log)
+    finally:
+        target.close()
 
+
+def _write(run, target: HFTarget, folder: Path, log) -> Path:
+    """The store of ``run``'s training data, captured by ``target`` (the run's aux ids plus id L)."""
+    from ..pipeline import pad_id
+
+    config, data, teacher, aux_ids = run.config, run.data, run.teacher, list(run.target.aux_layer_ids)
     sc = config.store
-    if not sc.path:
-        raise StoreError("give the store folder: python -m specforge_lite.offline dump ... store=DIR")
-    check_store_config(sc)
-    folder = Path(sc.path).expanduser()
-    live = build_target(config)
-    tokenizer = load_tokenizer(live, config.model.chat_template)
-    data = prepare(config, live, tokenizer, log=log)
-    vocab = build_vocab(config, live, data.train, tokenizer)
-    aux_ids = list(live.aux_layer_ids)
-    target = with_final_state(live)
-    target.set_draft_vocab(vocab.draft_to_target, vocab.t2d)
-
     source = {"kind": "dump", "model": config.model.name, "location": str(target.location),
               "train_samples": len(data.train), "data": data_settings(config)}
-    manifest = open_or_create(folder, target, vocab, aux_ids, sc, source, log)
+    manifest = open_or_create(folder, target, run.vocab, aux_ids, sc, source, log)
     tokens = sum(len(x) for x in data.train["input_ids"])
     need = store_bytes(tokens, len(aux_ids), target.hidden_size, sc.dtype, sc.topk if sc.teacher == "topk" else 0)
     free = shutil.disk_usage(folder).free
@@ -114,19 +120,19 @@ def dump(config: Config, log=print) -> Path:
 
     writer = ShardWriter(folder, manifest, sc.samples_per_shard)
     n = len(data.train)
-    pad = pad_id(tokenizer)
+    pad = pad_id(run.tokenizer)
     with torch.no_grad():
         for start in range(manifest.num_samples, n, sc.batch_size):
             rows = [data.train[i] for i in range(start, min(start + sc.batch_size, n))]
             batch = collate(rows, pad, target.image_inputs).to(target.device)
             captured = target.capture(batch.input_ids, batch.attention_mask, **batch.inputs)
-            _, in_vocab = target.teacher(captured.final_hidden, batch.attention_mask.bool())
+            _, in_vocab = teacher(captured, batch.attention_mask.bool())
             for r, row in enumerate(rows):
                 k = len(row["input_ids"])
                 aux = torch.stack([a[r, :k] for a in captured.aux[:-1]], dim=1)
-                teacher = teacher_record(sc.teacher, sc.topk, captured.aux[-1][r, :k],
-                                         lambda: target.draft_logits(captured.final_hidden[r, :k]))
-                writer.add(batch.input_ids[r, :k], batch.loss_mask[r, :k], aux, teacher, in_vocab[r, :k])
+                record = teacher_record(sc.teacher, sc.topk, captured.aux[-1][r, :k],
+                                        lambda: teacher.logits(captured.final_hidden[r, :k]))
+                writer.add(batch.input_ids[r, :k], batch.loss_mask[r, :k], aux, record, in_vocab[r, :k])
             if (start // sc.batch_size) % 20 == 0:
                 log(f"[store] {min(start + sc.batch_size, n)}/{n} samples")
         writer.flush()

@@ -26,8 +26,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..config import Config
-from ..targets.capture import resolve_aux_layer_ids
 from .store import ShardWriter, StoreError, teacher_record
 
 
@@ -76,22 +74,16 @@ def read_extraction(path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
     return ids, hs
 
 
-def ingest(config: Config, kind: str, src: str | Path, layer_ids: list[int] | None = None, log=print) -> Path:
-    from ..pipeline import build_target, build_vocab, load_tokenizer, prepare
-    from .dump import check_store_config, data_settings, open_or_create, with_final_state
+def ingest(run, kind: str, src: str | Path, layer_ids: list[int] | None = None, log=print) -> Path:
+    """``run``: the online run (run.Run) whose prepared training data the extraction is matched to; its
+    target gives the parts a store keeps and its teacher the in-vocabulary flags."""
+    from .dump import data_settings, open_or_create, store_folder
 
-    sc = config.store
-    if not sc.path:
-        raise StoreError("give the store folder: python -m specforge_lite.offline ingest ... store=DIR")
-    check_store_config(sc)
-    folder, src = Path(sc.path).expanduser(), Path(src).expanduser()
+    config, live, data, vocab, teacher = run.config, run.target, run.data, run.vocab, run.teacher
+    sc, folder, src = config.store, store_folder(config, "ingest"), Path(src).expanduser()
     files = extraction_files(kind, src)
-    live = build_target(config)
-    tokenizer = load_tokenizer(live, config.model.chat_template)
-    data = prepare(config, live, tokenizer, log=log)
-    vocab = build_vocab(config, live, data.train, tokenizer)
     L = live.num_layers
-    aux_ids = resolve_aux_layer_ids(config.draft.aux_layer_ids, L)
+    aux_ids = list(live.aux_layer_ids)
     given = layer_ids or [2, L // 2, L - 3, L]
     missing = [i for i in [*aux_ids, L] if i not in given]
     if missing:
@@ -99,9 +91,7 @@ def ingest(config: Config, kind: str, src: str | Path, layer_ids: list[int] | No
                          f"state), missing {missing}. Extract with those ids, or set draft.aux_layer_ids / --layer-ids")
     pick = [given.index(i) for i in aux_ids]
     final_at = given.index(L)
-    target = with_final_state(live)
-    target.set_draft_vocab(vocab.draft_to_target, vocab.t2d)
-    final_norm = target.family.final_norm(target.model)
+    final_norm = live.family.final_norm(live.model)
 
     by_tokens = {tuple(ids): i for i, ids in enumerate(data.train["input_ids"])}
     found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -112,33 +102,33 @@ def ingest(config: Config, kind: str, src: str | Path, layer_ids: list[int] | No
             skipped["being written (lock held)"] += 1
             continue
         ids, hs = got
-        if hs.shape[1] != len(given) or hs.shape[2] != target.hidden_size:
+        if hs.shape[1] != len(given) or hs.shape[2] != live.hidden_size:
             raise StoreError(f"{path}: hidden_states {tuple(hs.shape)}; expected [T, {len(given)} ids, "
-                             f"{target.hidden_size}] for --layer-ids {given} and this target's hidden size")
+                             f"{live.hidden_size}] for --layer-ids {given} and this target's hidden size")
         index = by_tokens.get(tuple(ids.tolist()))
         if index is None:
             skipped["no prepared training sample with these tokens"] += 1
             continue
         found[index] = (ids, hs)
     if not found:
-        raise StoreError(f"none of the {len(files)} files in {src} matched a prepared training sample ({dict(skipped)}); "
+        raise StoreError(f"none of the {len(files)} files in {src} matched a prepared training sample "
+                         f"({dict(skipped)}); "
                          "ingest with the model and data settings the extraction was made from")
 
     source = {"kind": f"ingest-{kind}", "model": config.model.name, "path": str(src), "layer_ids": given,
               "data": data_settings(config)}
-    manifest = open_or_create(folder, target, vocab, aux_ids, sc, source, log)
+    manifest = open_or_create(folder, live, vocab, aux_ids, sc, source, log)
     order = sorted(found)  # the prepared order, as a dump writes it
     writer = ShardWriter(folder, manifest, sc.samples_per_shard)
     with torch.no_grad():
         for index in order[manifest.num_samples:]:
             ids, hs = found[index]
-            hs = hs.to(target.device, target.dtype)
+            hs = hs.to(live.device, live.dtype)
             final = hs[:, final_at]
             normed = final_norm(final)
-            _, in_vocab = target.teacher_rows(normed)
             mask = torch.tensor(data.train[index]["loss_mask"])
-            teacher = teacher_record(sc.teacher, sc.topk, final, lambda: target.draft_logits(normed))
-            writer.add(ids, mask, hs[:, pick], teacher, in_vocab)
+            record = teacher_record(sc.teacher, sc.topk, final, lambda: teacher.logits(normed))
+            writer.add(ids, mask, hs[:, pick], record, teacher.in_vocab(normed))
         writer.flush()
     log(f"[store] ingested {len(found)} {kind} sequences into {folder}" +
         (f"; skipped {sum(skipped.values())}: {dict(skipped)}" if skipped else ""))

@@ -88,7 +88,8 @@ class Manifest:
                              "python -m specforge_lite.offline dump ... store=DIR (or ingest)")
         data = json.loads(path.read_text())
         if data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise StoreError(f"{path}: format {data.get('format')} v{data.get('version')}, expected {FORMAT} v{VERSION}")
+            raise StoreError(f"{path}: format {data.get('format')} v{data.get('version')}, "
+                             f"expected {FORMAT} v{VERSION}")
         return cls(**data)
 
 

@@ -1,10 +1,10 @@
 """``StoreTarget``: the target as offline training sees it, read back from a hidden-state store.
 
-It answers what the training loop asks of a live target (``capture``, ``teacher``, the embedding, the
-draft rows of the head, the config) from stored tensors: aux states and the pre-norm final state per
-sample, the final norm and the draft-vocabulary rows of the lm_head kept once. The teacher is the same
-computation as online (final norm, draft rows, the family's logit transform), so training from a store
-equals training online.
+It implements the target protocol (targets/protocol.py: ``capture``, the embedding, the draft rows of
+the head, the config) from stored tensors: aux states and the pre-norm final state per sample, the
+final norm and the draft-vocabulary rows of the lm_head kept once. The same ``Teacher`` as online runs
+on its captures (final norm here, draft rows, the family's logit transform), so training from a store
+equals training online; the in-vocabulary flags travel with each capture (the full head is not kept).
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ import torch
 
 from ..config import Config
 from ..data.vocab import DraftVocab
+from ..run import Run
 from ..targets.capture import CONVENTION, resolve_aux_layer_ids
 from ..targets.families import get_family
-from ..targets.hf import Captured
+from ..targets.protocol import Captured
+from ..training.distributed import DistributedContext
 from .store import StoreError, StoreReader, teacher_fields
 
 
@@ -59,8 +61,6 @@ class StoreTarget:
         norm_state = {k.removeprefix("final_norm."): v for k, v in parts.items() if k.startswith("final_norm.")}
         self.final_norm = _final_norm_module(self.family, m.target_config, norm_state).to(self.device)
         self.vocab = DraftVocab.from_d2t(parts["d2t"], m.vocab_size)
-        self._in_vocab: torch.Tensor | None = None
-        self._topk: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def open(cls, config: Config, device: str = "cpu") -> "StoreTarget":
@@ -92,22 +92,23 @@ class StoreTarget:
     def embedding_weight(self) -> torch.Tensor:
         return self._embedding
 
-    def lm_head_rows(self, draft_to_target: torch.Tensor) -> torch.Tensor:
-        if not torch.equal(draft_to_target.cpu(), self.vocab.draft_to_target):
+    def head_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not torch.equal(ids.cpu(), self.vocab.draft_to_target):
             raise StoreError("the store keeps the lm_head rows of its own draft vocabulary only")
-        return self._draft_rows
+        return self._draft_rows, self._draft_bias
 
-    def set_draft_vocab(self, draft_to_target: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.lm_head_rows(draft_to_target)
+    def full_head(self) -> None:
+        return None  # (the flags it would give were stored: each capture carries in_vocab)
 
     def close(self) -> None:
         pass
 
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                store_index: torch.Tensor | None = None, **inputs: Any) -> Captured:
+                position_ids: torch.Tensor | None = None, store_index: torch.Tensor | None = None,
+                **inputs: Any) -> Captured:
         """The stored states of the batch's samples (``store_index``), right-padded with zeros like the batch."""
-        if "position_ids" in inputs:
+        if position_ids is not None:
             raise StoreError("a hidden-state store is read one sample per row: use data.packing=false")
         if store_index is None:
             raise StoreError("an offline batch carries store_index (the loader adds it for store rows)")
@@ -129,24 +130,18 @@ class StoreTarget:
                 values[row, :n], ids[row, :n] = s["topk_values"].float(), s["topk_ids"].long()
             else:
                 final[row, :n] = s["final"].float()
-        self._in_vocab = in_vocab.to(self.device)
-        self._topk = (values.to(self.device), ids.to(self.device)) if topk else None
         final = final.to(self.device)
         return Captured(aux=[aux[:, :, j].to(self.device) for j in range(n_aux)],
-                        final_hidden=final if topk else self.final_norm(final))
+                        final_hidden=final if topk else self.final_norm(final), in_vocab=in_vocab.to(self.device),
+                        topk=(values.to(self.device), ids.to(self.device)) if topk else None)
 
-    @torch.no_grad()
-    def teacher(self, final_hidden: torch.Tensor, needed: torch.Tensor | None = None):
-        """Draft-vocabulary logits as the live target computes them; the in-vocabulary flags were stored
-        at dump time (the full-vocabulary argmax needs the whole head)."""
-        if self._topk is not None:  # store.teacher=topk: every other draft token gets probability 0
-            values, ids = self._topk
-            logits = torch.full((*values.shape[:2], self._draft_rows.shape[0]), float("-inf"), device=values.device)
-            logits.scatter_(-1, ids, values)
-        else:
-            logits = final_hidden @ self._draft_rows.T
-            if self._draft_bias is not None:
-                logits = logits + self._draft_bias
-            logits = self.family.postprocess_logits(logits.float(), self.config)
-        in_vocab = self._in_vocab if needed is None else self._in_vocab & needed
-        return logits, in_vocab
+
+def store_run(config: Config, ctx: DistributedContext | None = None, log=print) -> Run:
+    """The run that trains from ``data.store`` (data.source=offline): the store's target, its draft
+    vocabulary and its samples, in the same Run object as an online run."""
+    target = StoreTarget.open(config)
+    reader = target.reader
+    log(f"[store] {target.location}: {len(reader)} samples, {target.manifest.tokens} tokens, aux ids "
+        f"{target.aux_layer_ids} ({target.convention}), draft vocabulary {target.vocab.size}")
+    stats = {"store": target.location, "samples": len(reader), "tokens": target.manifest.tokens}
+    return Run(config, target, target.vocab, reader, stats, ctx=ctx or DistributedContext())

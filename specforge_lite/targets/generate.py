@@ -1,6 +1,6 @@
 """The target's answers for regenerated training data, from two engines (``data.generation.engine``):
 
-* ``lean``: continuous batching over our lean forward (targets/custom/decode.py). A finished row leaves
+* ``lean``: continuous batching over our lean forward (targets/lean/decode.py). A finished row leaves
   the batch at once and a waiting prompt takes its slot, so no compute goes to rows that already stopped.
 * ``hf``: transformers' ``generate`` on batches of prompts (left padding, KV cache): every family, but a
   batch runs until its longest answer ends and the rows that stopped earlier keep computing.

@@ -119,4 +119,5 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     path = Path(path)
     if not (path / STATE).is_file() or not (path / WEIGHTS).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (needs {WEIGHTS} and {STATE})")
-    return load_file(str(path / WEIGHTS)), torch.load(path / STATE, weights_only=False), json.loads((path / SPEC).read_text())
+    state = torch.load(path / STATE, weights_only=False)
+    return load_file(str(path / WEIGHTS)), state, json.loads((path / SPEC).read_text())

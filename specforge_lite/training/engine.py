@@ -99,7 +99,8 @@ class DeepSpeedEngine:
         if self.zero_stage == 0 and self.engine.is_gradient_accumulation_boundary():
             # ZeRO-0 does not report the norm it clips with; the averaged gradients are in place here
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            self._norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+            norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+            self._norm = float(torch.linalg.vector_norm(norms))
         self.engine.step()
 
     def step(self) -> float:

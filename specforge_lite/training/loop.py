@@ -1,35 +1,21 @@
-"""The training loop: capture -> teacher -> TTT loss -> AdamW, with checkpoints and exact resume."""
+"""The training loop: the objective (capture -> teacher -> TTT unroll) -> backward -> optimizer step, with
+checkpoints and exact resume."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from ..config import DraftConfig, TrainerConfig
-from ..data.loader import Batch, BatchStream
-from ..draft.loss import TTTOutput
-from ..draft.ttt import shift_left
-from ..targets.hf import HFTarget
+from ..config import TrainerConfig
+from ..data.loader import BatchStream
+from ..draft.objective import Eagle3Objective
+from ..targets.teacher import Teacher
 from .checkpoint import latest_checkpoint, load_checkpoint, load_rng, save_checkpoint, set_rng_state
 from .distributed import DistributedContext
 from .engine import build_engine
-from .tracking import Tracker
-
-
-def batch_loss(target: HFTarget, draft_forward: Callable[..., TTTOutput], batch: Batch, draft_cfg: DraftConfig) -> TTTOutput:
-    """One micro-batch: the frozen target's capture and teacher (in the target's own dtype), then the
-    draft's TTT unroll (``draft_forward``: the draft module, or a training engine's forward)."""
-    packed = {} if batch.position_ids is None else {"position_ids": batch.position_ids}
-    captured = target.capture(batch.input_ids, batch.attention_mask, **packed, **batch.inputs)
-    # The teacher at position j is scored only where x[j+1] carries loss (see ttt_loss's alignment).
-    needed = shift_left(batch.loss_mask, 1).bool()
-    teacher, in_vocab = target.teacher(captured.final_hidden, needed)
-    return draft_forward(captured.aux, batch.input_ids, teacher, in_vocab, batch.loss_mask,
-                         draft_cfg.ttt_length, draft_cfg.step_loss_decay, draft_cfg.loss, **packed)
 
 
 @dataclass
@@ -40,17 +26,9 @@ class TrainResult:
     weights: dict = field(default_factory=dict)  # the full trained weights (gathered from ZeRO shards)
 
 
-def sim_accept_len(accs: list[float]) -> float:
-    """Expected number of accepted draft tokens: sum over k of prod(acc_0..acc_k)."""
-    total, prod = 0.0, 1.0
-    for a in accs:
-        prod *= a
-        total += prod
-    return total
-
-
-def train(cfg: TrainerConfig, draft_cfg: DraftConfig, target: HFTarget, draft: torch.nn.Module, stream: BatchStream,
-          run_dir: Path, tracker_factory, spec: dict, log=print, ctx: DistributedContext | None = None) -> TrainResult:
+def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draft: torch.nn.Module,
+          stream: BatchStream, run_dir: Path, tracker_factory, spec: dict, log=print,
+          ctx: DistributedContext | None = None) -> TrainResult:
     """The loop every rank runs. Each rank draws its own share of every global batch (``stream``),
     metrics are summed over ranks before logging, and only rank 0 logs and writes shared files."""
     ctx = ctx or DistributedContext()
@@ -104,34 +82,28 @@ def train(cfg: TrainerConfig, draft_cfg: DraftConfig, target: HFTarget, draft: t
     t_window, tok_window = time.perf_counter(), 0
     try:
         while step < stop_at:
-            # summed over micro-batches here and over ranks below: [loss, tokens, correct_k..., valid_k...]
-            sums = torch.zeros(2 + 2 * draft_cfg.ttt_length, dtype=torch.float64)
+            tally = objective.tally()  # summed over micro-batches here and over ranks below
             for _ in range(cfg.grad_accum_steps):
-                batch = next(stream).to(target.device)
-                out = batch_loss(target, engine.forward, batch, draft_cfg)
+                batch = next(stream).to(teacher.device)
+                out = objective(engine.forward, teacher, batch)
                 engine.backward(out.loss)
-                sums[0] += float(out.loss.detach()) / cfg.grad_accum_steps
-                sums[1] += batch.num_tokens
-                sums[2 : 2 + draft_cfg.ttt_length] += torch.stack([s.correct for s in out.steps]).double().cpu()
-                sums[2 + draft_cfg.ttt_length :] += torch.stack([s.valid for s in out.steps]).double().cpu()
+                tally.add(out, batch.num_tokens, loss_divisor=cfg.grad_accum_steps)
             grad_norm = engine.step()
-            ctx.all_reduce_sum(sums)
+            ctx.all_reduce_sum(tally.sums)
             step += 1
-            tokens_seen += int(sums[1])
-            tok_window += int(sums[1])
+            tokens_seen += tally.tokens
+            tok_window += tally.tokens
 
             if ctx.is_main and (step % cfg.log_every == 0 or step == stop_at):
-                k = draft_cfg.ttt_length
-                accs = (sums[2 : 2 + k] / sums[2 + k :].clamp(min=1)).tolist()
                 elapsed = time.perf_counter() - t_window
-                loss = float(sums[0]) / ctx.world_size
-                metrics = {"step": step, "loss": loss, "lr": engine.lr, "grad_norm": grad_norm,
-                           "tokens_seen": tokens_seen, "tokens_per_s": tok_window / max(elapsed, 1e-9),
-                           **{f"acc_{i}": a for i, a in enumerate(accs)}, "sim_accept_len": sim_accept_len(accs)}
+                scores = tally.metrics(ranks=ctx.world_size)
+                metrics = {"step": step, "loss": scores.pop("loss"), "lr": engine.lr, "grad_norm": grad_norm,
+                           "tokens_seen": tokens_seen, "tokens_per_s": tok_window / max(elapsed, 1e-9), **scores}
                 tracker.log(metrics)
                 t_window, tok_window = time.perf_counter(), 0
                 if bar is not None:
-                    bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{accs[0]:.2f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                    bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}",
+                                    tok_s=f"{metrics['tokens_per_s']:.0f}")
             if bar is not None:
                 bar.update(1)
             if cfg.save_every > 0 and step % cfg.save_every == 0:

@@ -15,8 +15,8 @@ class TargetFamily:
     """
 
     name = "llama"
-    # Lean forward of our own in targets/custom/ (None: target.backend=custom runs the HF modules).
-    custom_forward: str | None = None
+    # Lean forward of our own in targets/lean/ (None: target.backend=lean runs the HF modules).
+    lean_forward: str | None = None
     # Turn format for tokenizers that ship no chat template (base checkpoints), as Jinja.
     fallback_chat_template: str | None = None
     # True when left padding or packed rows would leak state between samples (recurrent layers).
@@ -96,7 +96,8 @@ class TargetFamily:
         return self.decoder(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    use_cache=False).last_hidden_state
 
-    def run_cached(self, model: nn.Module, input_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None = None,
+    def run_cached(self, model: nn.Module, input_ids: torch.Tensor, cache: Any,
+                   attention_mask: torch.Tensor | None = None,
                    position_ids: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor:
         """One incremental forward with a KV cache (decoding); returns the logits of the new positions.
         A 4D ``attention_mask`` with ``position_ids`` verifies a draft tree."""

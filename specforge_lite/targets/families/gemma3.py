@@ -32,7 +32,7 @@ GEMMA_TURNS = (
 
 class Gemma3Family(TargetFamily):
     name = "gemma3"
-    custom_forward = "gemma3"
+    lean_forward = "gemma3"
     fallback_chat_template = GEMMA_TURNS
 
     def logit_softcap(self, config: Any) -> float | None:

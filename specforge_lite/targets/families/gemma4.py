@@ -9,7 +9,7 @@ Quirks handled here and in the shared base:
 - KV-shared layers reuse earlier layers' keys/values; with ``logits_to_keep`` (as in generate) later
   layers would see only the last position, so capture is a plain full forward with no cache.
 - The embedding module scales by sqrt(hidden); the draft takes the raw table like SGLang/vLLM.
-The lean backend has no Gemma 4 forward: ``target.backend=custom`` runs the HF modules (said in the preset).
+The lean backend has no Gemma 4 forward: ``target.backend=lean`` runs the HF modules (said in the preset).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ attention. A recurrent state has no attention mask: a pad token or another sampl
 sample's tokens in the same row would flow into that sample's states. Right padding is safe (pads come
 after every real token and never influence it), so capture checks that each row is right-padded and
 refuses anything else; packing several samples into one row is never done for this family.
-The lean backend has no forward for these: ``target.backend=custom`` runs the HF modules.
+The lean backend has no forward for these: ``target.backend=lean`` runs the HF modules.
 """
 
 from __future__ import annotations
@@ -30,5 +30,6 @@ class HybridLinearAttentionFamily(TargetFamily):
                     position_ids: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor:
         self.check_padding(attention_mask)
         if position_ids is not None:
-            raise ValueError("qwen3_next/qwen3_5 targets cannot take packed rows (recurrent layers); use data.packing=false")
+            raise ValueError("qwen3_next/qwen3_5 targets cannot take packed rows (recurrent layers); use "
+                             "data.packing=false")
         return super().run_decoder(model, input_ids, attention_mask, **inputs)

@@ -2,7 +2,7 @@
 
 Their differences (Qwen2's q/k/v bias, Qwen3's per-head q/k norm, Phi-3's fused qkv and gate_up
 projections, Llama 3's rope scaling) live inside the layers; capture and the teacher see the same parts,
-and the lean forward in targets/custom/llama.py covers all of them.
+and the lean forward in targets/lean/llama.py covers all of them.
 """
 
 from __future__ import annotations
@@ -12,4 +12,4 @@ from .base import TargetFamily
 
 class LlamaFamily(TargetFamily):
     name = "llama"
-    custom_forward = "llama"
+    lean_forward = "llama"

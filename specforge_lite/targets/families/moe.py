@@ -8,7 +8,7 @@ sinks and needs ``attn_implementation: eager`` (its presets set it); its chat fo
 loss mask comes from the tokenizer's Harmony template like any other (a historical turn is rendered
 differently from the last one, which data/chat.py handles by taking such turns one at a time).
 Llama 4 interleaves chunked-attention and NoPE full-attention layers inside the HF modules.
-No lean forward: ``target.backend=custom`` runs the HF modules for these.
+No lean forward: ``target.backend=lean`` runs the HF modules for these.
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ class Qwen3VLFamily(TargetFamily):
         return model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                            **inputs).last_hidden_state
 
-    def run_cached(self, model: nn.Module, input_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None = None,
+    def run_cached(self, model: nn.Module, input_ids: torch.Tensor, cache: Any,
+                   attention_mask: torch.Tensor | None = None,
                    position_ids: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor:
         if attention_mask is not None or position_ids is not None:
             raise ValueError("qwen3_vl targets cannot verify a draft tree (mrope positions are computed by the "

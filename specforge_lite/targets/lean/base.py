@@ -105,7 +105,7 @@ class LeanForward:
         return {"default": (cos[:, None], sin[:, None])}
 
     # A layer is project (norm, q/k/v, rope) -> attention -> finish (output projection, residual, MLP), so
-    # that the capture forward (attention per sequence) and the decoder (targets/custom/decode.py: attention
+    # that the capture forward (attention per sequence) and the decoder (targets/lean/decode.py: attention
     # over a KV cache) run the same layer code.
     def project(self, i: int, h: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer i's roped queries [1, nh, N, d], keys and values [1, nkv, N, d] for the states h [1, N, H]."""

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .lean import LeanForward, segment_attention
+from .base import LeanForward, segment_attention
 
 _MIN_PREFIX = 4  # shorter common prefixes are not worth keeping
 

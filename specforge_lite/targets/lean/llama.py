@@ -4,9 +4,8 @@ weights in place (no copy)."""
 
 from __future__ import annotations
 
-import torch
 
-from .lean import LeanForward, rotate
+from .base import LeanForward, rotate
 
 
 class LlamaLeanForward(LeanForward):

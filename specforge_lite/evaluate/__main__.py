@@ -1,6 +1,6 @@
 """Speculative decoding with a trained draft on each prompt set: acceptance and speed-up.
 
-    python eval/acceptance.py --run-dir runs/DIR [--k 3] [--num-prompts 16] [--max-new-tokens 64]
+    python -m specforge_lite.evaluate --run-dir runs/DIR [--k 3] [--num-prompts 16] [--max-new-tokens 64]
         [--temperature 0.7] [--drafting tree --tree-topk 4 --tree-budget 16]
         [--prompt-sets heldout mtbench gsm8k summarization humaneval]
         [--prompt-file mtbench=/data/mt_bench/question.jsonl --prompt-file gsm8k=/data/gsm8k/test.jsonl]
@@ -12,19 +12,17 @@ measured and estimated speed-up), DIR/eval.md (the table) and DIR/eval.png (acce
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from specforge_lite.evaluate.acceptance import evaluate_run  # noqa: E402
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .finish import evaluate_finished_run
+
+    p = argparse.ArgumentParser(prog="python -m specforge_lite.evaluate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", required=True, type=Path)
-    p.add_argument("--k", type=int, default=None, help="draft tokens per verification (default: the run's eval.num_draft_tokens)")
+    p.add_argument("--k", type=int, default=None, help="draft tokens per verification (default: the run's "
+                                                       "eval.num_draft_tokens)")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None, help="> 0: speculative sampling (default: greedy)")
@@ -46,7 +44,7 @@ def main(argv=None) -> None:
                                    "drafting": a.drafting, "tree_topk": a.tree_topk, "tree_budget": a.tree_budget,
                                    "prompt_sets": a.prompt_sets, "prompt_files": files or None}.items()
                  if v is not None}
-    result = evaluate_run(a.run_dir, overrides)
+    evaluate_finished_run(a.run_dir, overrides)
     print((a.run_dir / "eval.md").read_text())
     print(f"wrote {a.run_dir / 'eval.json'}, eval.md, eval.png")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .lean import LeanForward, rotate
+from .base import LeanForward, rotate
 
 
 class Gemma3LeanForward(LeanForward):
@@ -15,7 +15,8 @@ class Gemma3LeanForward(LeanForward):
         super().__init__(decoder, config)
         c = config
         if getattr(c, "attn_logit_softcapping", None) is not None:
-            raise NotImplementedError("Gemma attention-logit softcapping is not in the lean forward; use target.backend=hf")
+            raise NotImplementedError("Gemma attention-logit softcapping is not in the lean forward; use "
+                                      "target.backend=hf")
         self.num_heads, self.num_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.layer_types = c.layer_types
         from transformers.activations import ACT2FN

@@ -1,9 +1,10 @@
-"""Compare the runs of a sweep: python -m specforge_lite.report SWEEP_DIR [--out DIR]
+"""Compare the runs of a sweep: python -m specforge_lite.evaluate.sweep SWEEP_DIR [--out DIR]
 
 Reads every run under SWEEP_DIR (a folder with metrics.jsonl; ``python train.py --multirun ...`` makes
 one per job under multirun/<time>/<n>/) and prints a Markdown table: the overrides that distinguish the
 run, final loss, accuracy per TTT step, the simulated acceptance length (1 + sum_k prod_{i<=k} acc_i)
-from training and from held-out data, the measured acceptance length (speculative decoding, eval.json) and training tokens/s.
+from training and from held-out data, the measured acceptance length (speculative decoding, eval.json) and
+training tokens/s.
 Writes report.md, report.json and, with matplotlib installed, report.png (accuracy per step per run;
 simulated vs measured acceptance) next to them.
 """
@@ -92,7 +93,7 @@ def plot(rows: list[dict], path: Path) -> bool:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m specforge_lite.report", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m specforge_lite.evaluate.sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep_dir", type=Path)
     p.add_argument("--out", type=Path, default=None, help="where to write report.* (default: SWEEP_DIR)")
@@ -106,8 +107,8 @@ def main(argv=None) -> None:
     print(table)
     (out / "report.md").write_text(table + "\n")
     (out / "report.json").write_text(json.dumps(rows, indent=1) + "\n")
-    print(f"\nwrote {out / 'report.md'}, {out / 'report.json'}" + (f", {out / 'report.png'}" if plot(rows, out / "report.png")
-                                                                 else " (pip install matplotlib for report.png)"))
+    png = f", {out / 'report.png'}" if plot(rows, out / "report.png") else " (pip install matplotlib for report.png)"
+    print(f"\nwrote {out / 'report.md'}, {out / 'report.json'}" + png)
 
 
 if __name__ == "__main__":

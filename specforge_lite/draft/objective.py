@@ -1,0 +1,186 @@
+"""The EAGLE3 training objective, in one object built from the draft config: which teacher positions a
+batch needs, how the draft's TTT unroll lines up with the teacher, the loss per token (soft
+cross-entropy, or draft.loss=acceptance: -log of the expected speculative-sampling acceptance), the
+decay over unroll steps, and the metrics (accuracy per step, the simulated acceptance length).
+
+Adding a loss option is a branch in ``token_loss`` and a name in ``LOSSES`` (and the config's comment).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .ttt import TTTCache, shift_left
+
+if TYPE_CHECKING:  # (only named in signatures: the draft stage imports nothing of the target's at run time)
+    from ..targets.teacher import Teacher
+
+LOSSES = ("soft_ce", "acceptance")
+
+
+@dataclass
+class StepStats:
+    loss: torch.Tensor  # scalar, mean over valid tokens of this step
+    correct: torch.Tensor  # scalar count: draft argmax == teacher argmax
+    valid: torch.Tensor  # scalar count of valid tokens
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor  # weighted sum over steps (what backward() sees)
+    steps: list[StepStats]
+
+    def accuracies(self) -> list[float]:
+        return [float(s.correct) / max(float(s.valid), 1.0) for s in self.steps]
+
+
+@dataclass
+class UnrollInputs:
+    """What one TTT unroll reads, for a batch [B, T]: the target's aux states, the teacher's logits and
+    in-vocabulary flags, the tokens and their loss mask, and (packed rows) the positions."""
+
+    aux: list[torch.Tensor]
+    input_ids: torch.Tensor
+    teacher_logits: torch.Tensor
+    in_vocab: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor | None = None
+
+
+def token_loss(kind: str, teacher_p: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    """Per-token loss [N] between the teacher's distribution and the draft's logits.
+
+    soft_ce: -sum_v p_t(v) log p_d(v). acceptance: -log sum_v min(p_t(v), p_d(v)), the log of the
+    probability that speculative sampling accepts the draft's token (1 - total variation): zero exactly
+    when the two distributions agree, and it spends no effort on the teacher's tail beyond the overlap."""
+    if kind == "soft_ce":
+        return -(teacher_p * torch.log_softmax(draft_logits, dim=-1)).sum(-1)
+    if kind == "acceptance":
+        accept = torch.minimum(teacher_p, torch.softmax(draft_logits, dim=-1)).sum(-1)
+        return -torch.log(accept.clamp_min(1e-6))
+    raise ValueError(f"draft.loss={kind!r}: use one of {LOSSES}")
+
+
+def sim_accept_len(accs: list[float]) -> float:
+    """Expected number of accepted draft tokens: sum over k of prod(acc_0..acc_k)."""
+    total, prod = 0.0, 1.0
+    for a in accs:
+        prod *= a
+        total += prod
+    return total
+
+
+class Eagle3Objective:
+    def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce"):
+        if loss not in LOSSES:
+            raise ValueError(f"draft.loss={loss!r}: use one of {LOSSES}")
+        self.ttt_length, self.decay, self.loss = ttt_length, decay, loss
+
+    @classmethod
+    def from_config(cls, draft_cfg) -> "Eagle3Objective":
+        return cls(draft_cfg.ttt_length, draft_cfg.step_loss_decay, draft_cfg.loss)
+
+    def __call__(self, draft_forward, teacher: Teacher, batch) -> TTTOutput:
+        """One micro-batch: the frozen target's capture and the teacher on it (in the target's own dtype),
+        then the draft's unroll through ``draft_forward`` (the draft module, or a training engine's
+        forward, so that the engine wraps exactly what is trained)."""
+        packed = {} if batch.position_ids is None else {"position_ids": batch.position_ids}
+        captured = teacher.target.capture(batch.input_ids, batch.attention_mask, **packed, **batch.inputs)
+        logits, in_vocab = teacher(captured, self.teacher_positions(batch.loss_mask))
+        inputs = UnrollInputs(captured.aux, batch.input_ids, logits, in_vocab, batch.loss_mask, batch.position_ids)
+        return draft_forward(inputs, self)
+
+    @staticmethod
+    def teacher_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+        """Where the teacher is read: position j, where x[j+1] carries loss (see ``unroll``'s alignment)."""
+        return shift_left(loss_mask, 1).bool()
+
+    def unroll(self, draft, x: UnrollInputs) -> TTTOutput:
+        """Unroll the draft ``ttt_length`` steps over a batch and score every step.
+
+        Alignment (step k, row t): input token x[t+1+k] at position t+k, hidden = fused aux state h[t] at
+        k=0 and the previous step's pre-norm output after; the teacher is the target's distribution at
+        position t+1+k (which predicts x[t+2+k]); the row counts only if x[t+2+k] is an assistant token
+        (mask aligned with the predicted token) and the target's full-vocab argmax lies in the draft vocab.
+        Each step's loss is normalised over its valid tokens; step k is weighted decay**k.
+
+        ``position_ids`` (packed rows): positions restart at 0 where a conversation starts. The draft then
+        attends only within a conversation and a row counts only if the token it predicts is in its own
+        conversation, so the loss equals that of the same conversations unpacked.
+        """
+        B, T = x.input_ids.shape
+        hidden = draft.project_aux(x.aux)
+        segments = None
+        if x.position_ids is None:
+            positions = torch.arange(T, device=x.input_ids.device).unsqueeze(0).expand(B, T)
+        else:
+            positions = x.position_ids
+            segments = (positions == 0).long().cumsum(-1)  # 1, 2, ... per conversation; 0 never occurs
+        teacher_top = x.teacher_logits.argmax(-1)
+        cache = TTTCache(segments)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        steps = []
+        for k in range(self.ttt_length):
+            hidden = draft.step(shift_left(x.input_ids, 1 + k), hidden, positions + k, cache)
+            valid = shift_left(x.loss_mask, 2 + k).bool() & shift_left(x.in_vocab, 1 + k)
+            if segments is not None:
+                valid &= shift_left(segments, 2 + k) == segments
+            rows = valid.nonzero(as_tuple=True)
+            t_rows = (rows[0], rows[1] + 1 + k)  # teacher rows for the valid positions
+            n = valid.sum()
+            if int(n) == 0:
+                zero = total.new_zeros(())
+                steps.append(StepStats(zero, zero, zero))
+                continue
+            logits = draft.compute_logits(hidden[rows]).float()
+            target_p = torch.softmax(x.teacher_logits[t_rows].float(), dim=-1)
+            step_loss = token_loss(self.loss, target_p, logits).sum() / n
+            total = total + (self.decay ** k) * step_loss
+            correct = (logits.argmax(-1) == teacher_top[t_rows]).sum()
+            steps.append(StepStats(step_loss.detach(), correct.detach(), n.detach()))
+        if not total.requires_grad:
+            # No token to score in this micro-batch (e.g. the target's answers all fall outside the draft
+            # vocabulary): a zero loss that still reaches every trainable weight, so backward() runs and,
+            # under data parallelism, every rank takes part in the gradient reduction.
+            total = total + sum((p * 0).sum() for p in draft.parameters() if p.requires_grad)
+        return TTTOutput(total, steps)
+
+    # ---- metrics ------------------------------------------------------------------------------
+    def tally(self) -> "Tally":
+        return Tally(self.ttt_length)
+
+
+class Tally:
+    """Sums over micro-batches (and, by the caller's all-reduce of ``sums``, over ranks):
+    [loss, tokens, correct per step..., valid per step...]."""
+
+    def __init__(self, ttt_length: int):
+        self.k = ttt_length
+        self.sums = torch.zeros(2 + 2 * ttt_length, dtype=torch.float64)
+
+    def add(self, out: TTTOutput, tokens: int = 0, loss_divisor: int = 1) -> None:
+        self.sums[0] += float(out.loss.detach()) / loss_divisor
+        self.sums[1] += tokens
+        self.sums[2 : 2 + self.k] += torch.stack([s.correct for s in out.steps]).double().cpu()
+        self.sums[2 + self.k :] += torch.stack([s.valid for s in out.steps]).double().cpu()
+
+    @property
+    def tokens(self) -> int:
+        return int(self.sums[1])
+
+    @property
+    def scored(self) -> int:
+        """Tokens scored at the first unroll step."""
+        return int(self.sums[2 + self.k])
+
+    def accuracies(self) -> list[float]:
+        return (self.sums[2 : 2 + self.k] / self.sums[2 + self.k :].clamp(min=1)).tolist()
+
+    def metrics(self, ranks: int = 1) -> dict:
+        """The logged figures: mean loss per rank, accuracy per step, simulated acceptance length."""
+        accs = self.accuracies()
+        return {"loss": float(self.sums[0]) / ranks, **{f"acc_{i}": a for i, a in enumerate(accs)},
+                "sim_accept_len": sim_accept_len(accs)}

@@ -1,0 +1,61 @@
+"""``ExportFormat``: what a server format is, as one class per server: how it writes an export (ids in its
+convention, which vocabulary maps, weight names, config layout) and how that server reads a folder (its
+checks for ``python -m specforge_lite.export --check``). Formats are registered in export/__init__.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..draft.model import Eagle3Spec
+from .layout import LAYER_WEIGHTS, PROVENANCE_KEY, llama_draft_config
+
+LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+class ExportFormat:
+    name = ""  # export.format=<name>
+    server = ""  # who reads it, as the check's report names it
+    layout = "llama-eagle3"  # the config layout: several servers may read one
+    layer_prefix = "midlayer."  # the decoder layer's weight prefix in the written file
+
+    # ---- writing ----------------------------------------------------------------------------------
+    def server_aux_ids(self, spec: Eagle3Spec, warn) -> list[int]:
+        """Our aux ids (targets/capture.py) in the server's own convention."""
+        return list(spec.aux_layer_ids)
+
+    def with_vocab_maps(self, spec: Eagle3Spec) -> bool:
+        """Whether d2t/t2d are written (by default only for a reduced draft vocabulary)."""
+        return spec.draft_vocab_size != spec.vocab_size
+
+    def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
+                     warn) -> dict:
+        config = llama_draft_config(spec, self.server_aux_ids(spec, warn), dtype)
+        config[PROVENANCE_KEY]["format"] = self.name
+        return config
+
+    def weight_name(self, ours: str) -> str:
+        return ours
+
+    def our_weight_name(self, theirs: str) -> str:
+        return theirs
+
+    # ---- reading (the check) ----------------------------------------------------------------------
+    def reads(self, config: dict) -> bool:
+        """Whether this server's loader takes a folder with this config.json."""
+        return any(a in LLAMA_ARCHS for a in config.get("architectures") or [])
+
+    def layer_config(self, config: dict, report) -> dict | None:
+        """The decoder layer's fields (the flat config, or a nested block); None after reporting why not."""
+        return config
+
+    def check(self, config: dict, shapes: dict, report) -> None:
+        """This server's own reading rules, beyond the layout's shared ones (check.py)."""
+
+    def unknown_weights(self, shapes: dict) -> list[str]:
+        layer = re.escape(self.layer_prefix) + f"(?:{LAYER_WEIGHTS})"
+        known = rf"fc\.weight|norm\.weight|lm_head\.weight|d2t|t2d|embed_tokens\.weight|input_norm\.weight" \
+                rf"|fc_norm\.\d+\.weight|{layer}"
+        return [k for k in shapes if not re.fullmatch(known, k)]

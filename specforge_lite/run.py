@@ -1,0 +1,95 @@
+"""One training run, assembled once: config -> target -> tokenizer -> data -> draft vocabulary -> teacher
+and objective.
+
+``Run.online`` runs the target live (train.py, a store's dump or ingest, evaluation, the benchmarks);
+the store's constructor, ``offline.store_run``, reads the target's states back from a hidden-state store
+into the same object; ``evaluate.finish`` is the end of a run (export, evaluation, served check). Each
+stage's own builder is in pipeline.py; this module only puts them together, in one place.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import Config
+from .data import BatchStream, DraftVocab
+from .draft import Eagle3Draft, Eagle3Objective
+from .targets import Target, Teacher
+from .training.distributed import DistributedContext
+
+
+@dataclass
+class Run:
+    config: Config
+    target: Target
+    vocab: DraftVocab
+    train_data: Any  # what the batch stream reads: the prepared training set, or the store's samples
+    stats: dict  # written to data_stats.json
+    tokenizer: Any = None  # online runs only
+    data: Any = None  # data.PreparedData (held-out conversations, prompt sets): online runs only
+    ctx: DistributedContext = field(default_factory=DistributedContext)
+    teacher: Teacher = field(init=False)
+    objective: Eagle3Objective = field(init=False)
+
+    def __post_init__(self):
+        self.teacher = Teacher(self.target, self.vocab.draft_to_target, self.vocab.t2d)
+        self.objective = Eagle3Objective.from_config(self.config.draft)
+
+    # ---- constructors -------------------------------------------------------------------------
+    @classmethod
+    def online(cls, config: Config, ctx: DistributedContext | None = None, log=print,
+               aux_layer_ids: list[int] | None = None, vocab: DraftVocab | None = None) -> "Run":
+        """The live target, its tokenizer, the prepared data and the draft vocabulary (``vocab``: one
+        given, e.g. an export's; else built from the training data)."""
+        from .pipeline import build_target, build_vocab, describe_precision, load_tokenizer, prepare
+
+        ctx = ctx or DistributedContext()
+        target = build_target(config, aux_layer_ids=aux_layer_ids, ctx=ctx)
+        tokenizer = load_tokenizer(target, config.model.chat_template)
+        log(f"[target] {config.model.name} from {target.location}: {target.num_layers} layers, hidden "
+            f"{target.hidden_size}, vocab {target.vocab_size}, aux ids {target.aux_layer_ids} ({target.convention}) on "
+            f"{target.device}/{target.dtype}" + (f"; {ctx.world_size} ranks, target "
+            f"{'sharded (ZeRO-3)' if config.target.shard == 'zero3' else 'replicated'}" if ctx.enabled else ""))
+        log(f"[precision] {describe_precision(config, target)}")
+        # rank 0 prepares (and caches) the data first; the other ranks then read the same cache
+        if not ctx.is_main:
+            ctx.barrier()
+        data = prepare(config, target, tokenizer, log=log)
+        if ctx.is_main:
+            ctx.barrier()
+        if vocab is None:
+            vocab = build_vocab(config, target, data.train, tokenizer)
+            log(f"[vocab] draft vocabulary {vocab.size} tokens, covering {vocab.coverage:.1%} of training loss tokens")
+        return cls(config, target, vocab, data.train, data.stats, tokenizer, data, ctx)
+
+    # ---- what training reads ------------------------------------------------------------------
+    def build_draft(self) -> Eagle3Draft:
+        from .pipeline import build_draft
+
+        return build_draft(self.config, self.target, self.vocab)
+
+    def batches(self) -> BatchStream:
+        """This rank's share of every global batch."""
+        from .pipeline import packing_length, pad_id
+
+        t = self.config.trainer
+        pad = pad_id(self.tokenizer) if self.tokenizer is not None else 0  # pads are masked; never read
+        return BatchStream(self.train_data, t.micro_batch_size, pad, t.seed, images=self.target.image_inputs,
+                           rank=self.ctx.rank, world_size=self.ctx.world_size,
+                           pack_length=packing_length(self.config, self.target))
+
+    def tracker(self, run_dir: Path, step: int):
+        from omegaconf import OmegaConf
+
+        from .training.tracking import Tracker
+
+        settings = OmegaConf.to_container(OmegaConf.structured(self.config))
+        return Tracker(self.config.tracker, run_dir, settings, resume_step=step)
+
+    def write_stats(self, run_dir: Path) -> None:
+        if self.ctx.is_main:
+            stats = {**self.stats, "draft_vocab_coverage": self.vocab.coverage}
+            (Path(run_dir) / "data_stats.json").write_text(json.dumps(stats, indent=1))

@@ -1,0 +1,82 @@
+"""The teacher: the target's distribution over the draft vocabulary, and whether the target's own
+choice (the argmax over its full vocabulary) is a token the draft can say at all.
+
+One ``Teacher`` is built once from a target and a draft vocabulary; the online (HF or lean forward)
+and offline (store) paths share it, and so do a store's dump and ingest, which record what it says.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .protocol import Captured, Target
+
+# Positions per chunk when the full-vocabulary argmax is needed (never a [T, V] tensor for a whole batch).
+_ARGMAX_CHUNK = 256
+
+
+class LogitHead:
+    """An lm_head (all rows, or the draft vocabulary's) with the family's logit transform (Gemma's
+    soft-capping): the logits the target's own forward would give for post-final-norm states."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, family, config):
+        self.weight, self.bias, self.family, self.config = weight, bias, family, config
+
+    def __call__(self, h: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+        logits = h.to(self.weight.dtype) @ self.weight.T
+        if self.bias is not None:
+            logits = logits + self.bias
+        return self.family.postprocess_logits(logits.float() if fp32 else logits, self.config)
+
+
+class Teacher:
+    def __init__(self, target: Target, draft_to_target: torch.Tensor, t2d: torch.Tensor):
+        rows, bias = target.head_rows(draft_to_target)
+        self.target = target
+        self.draft_head = LogitHead(rows, bias, target.family, target.config)
+        self.t2d = t2d.to(rows.device)
+        self.draft_vocab_size = rows.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Teacher logits over the draft vocabulary (fp32) for post-final-norm states h [..., H]."""
+        return self.draft_head(h, fp32=True)
+
+    def in_vocab(self, rows: torch.Tensor) -> torch.Tensor:
+        """Whether the target's full-vocabulary argmax lies in the draft vocabulary, for states [N, H]."""
+        if bool(self.t2d.all()):  # the whole vocabulary: no head to read (nor, when sharded, to gather)
+            return torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+        whole = self.target.full_head()  # on every rank, rows or not: gathering a sharded head is collective
+        if whole is None:
+            raise ValueError("this target keeps only the draft rows of its lm_head; its captures must carry in_vocab")
+        head = LogitHead(*whole, self.target.family, self.target.config)
+        top = torch.empty(rows.shape[0], dtype=torch.long, device=rows.device)
+        for s in range(0, rows.shape[0], _ARGMAX_CHUNK):
+            top[s : s + _ARGMAX_CHUNK] = head(rows[s : s + _ARGMAX_CHUNK]).argmax(-1)
+        return self.t2d[top]
+
+    @torch.no_grad()
+    def __call__(self, captured: Captured, needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher logits over the draft vocabulary [B, T, Vd] (fp32) and the in-vocabulary flags [B, T],
+        computed only where ``needed`` [B, T] (all positions when None): elsewhere the logits are zeros
+        and the flags False, which the objective never reads."""
+        h = captured.final_hidden
+        B, T = h.shape[:2]
+        if needed is None:
+            needed = torch.ones(B, T, dtype=torch.bool, device=h.device)
+        where = needed.nonzero(as_tuple=True)
+        if captured.topk is not None:  # store.teacher=topk: every other draft token gets probability 0
+            values, ids = captured.topk
+            logits = torch.full((B, T, self.draft_vocab_size), float("-inf"), device=values.device)
+            logits.scatter_(-1, ids, values)
+        else:
+            logits = torch.zeros(B, T, self.draft_vocab_size, device=h.device)
+            logits[where] = self.logits(h[where])
+        if captured.in_vocab is not None:
+            return logits, captured.in_vocab & needed
+        in_vocab = torch.zeros(B, T, dtype=torch.bool, device=h.device)
+        in_vocab[where] = self.in_vocab(h[where])
+        return logits, in_vocab
