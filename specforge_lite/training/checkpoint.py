@@ -6,6 +6,7 @@ A checkpoint is a folder ``checkpoints/step_XXXXXXXX`` holding the draft's full 
 position, step and world size, and every rank's RNG state. It is written under a temporary name and
 renamed into place once every rank has written its part, so a run killed at any moment leaves either
 the previous checkpoint or the new one, never half of one; ``latest`` names the newest complete folder.
+``CheckpointManager`` is what the loop sees: the stateful parts saved and restored together.
 """
 
 from __future__ import annotations
@@ -121,3 +122,52 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         raise FileNotFoundError(f"{path} is not a complete checkpoint (needs {WEIGHTS} and {STATE})")
     state = torch.load(path / STATE, weights_only=False)
     return load_file(str(path / WEIGHTS)), state, json.loads((path / SPEC).read_text())
+
+
+class CheckpointManager:
+    """The run's stateful parts, saved and restored as one: the training engine (weights, optimizer,
+    schedule), the batch stream's position, every rank's RNG and the step counters. ``trainer.resume``
+    says where a run starts from: auto (the newest complete checkpoint), never, or a checkpoint folder."""
+
+    def __init__(self, run_dir: Path, cfg, spec: dict, ctx, engine, stream):
+        self.run_dir, self.cfg, self.spec, self.ctx = Path(run_dir), cfg, spec, ctx
+        self.engine, self.stream = engine, stream
+
+    def resume(self, log=print) -> tuple[int, int]:
+        """Restore every part from the checkpoint ``trainer.resume`` names; (step, tokens seen)."""
+        cfg, ctx = self.cfg, self.ctx
+        path = None
+        if cfg.resume == "auto":
+            path = latest_checkpoint(self.run_dir)
+        elif cfg.resume not in ("never", "none", ""):
+            path = Path(cfg.resume)
+        if path is None:
+            return 0, 0
+        weights, state, saved_spec = load_checkpoint(path)
+        changed = {k: (saved_spec.get(k), v) for k, v in self.spec.items() if saved_spec.get(k) != v}
+        if changed:
+            raise RuntimeError(f"checkpoint {path} does not fit this draft (saved vs now: {changed}); "
+                               "resume with the same model and draft settings, or use a new output_dir")
+        saved_world = state.get("world_size", 1)
+        if saved_world != ctx.world_size and cfg.deepspeed.enabled and cfg.deepspeed.zero_stage > 0:
+            # DeepSpeed 0.19 refuses ZeRO-1/2/3 optimizer partitions from another data-parallel size, and its
+            # universal-checkpoint converter does not take a plain torch optimizer's state.
+            raise RuntimeError(
+                f"checkpoint {path} was written by {saved_world} ranks under ZeRO-{cfg.deepspeed.zero_stage} "
+                f"and this run has {ctx.world_size}: partitioned optimizer state cannot be re-split on load. Resume "
+                f"with {saved_world} ranks (the global batch is micro_batch_size x grad_accum_steps x ranks), or "
+                "train with trainer=zero0, whose replicated state resumes on any number of ranks")
+        self.engine.load(path, weights, ctx)
+        self.stream.load_state_dict(state["data"])
+        if not load_rng(path, ctx.rank) and "rng" in state:
+            set_rng_state(state["rng"])  # checkpoints written before per-rank RNG files
+        log(f"[train] resumed from {path} at step {state['step']}"
+            + (f" (written by {saved_world} ranks, now {ctx.world_size})" if saved_world != ctx.world_size else ""))
+        return state["step"], state["tokens_seen"]
+
+    def save(self, step: int, tokens_seen: int) -> Path:
+        state = {"data": self.stream.state_dict(), "step": step, "tokens_seen": tokens_seen,
+                 "world_size": self.ctx.world_size, "engine": self.engine.kind}
+        return save_checkpoint(self.run_dir, step, self.engine.full_state_dict(), state, self.spec,
+                               keep=self.cfg.keep_checkpoints, ctx=self.ctx,
+                               save_engine=lambda folder: self.engine.save(folder, self.ctx))

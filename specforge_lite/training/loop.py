@@ -13,7 +13,7 @@ from ..config import TrainerConfig
 from ..data.loader import BatchStream
 from ..draft.objective import Eagle3Objective
 from ..targets.teacher import Teacher
-from .checkpoint import latest_checkpoint, load_checkpoint, load_rng, save_checkpoint, set_rng_state
+from .checkpoint import CheckpointManager
 from .distributed import DistributedContext
 from .engine import build_engine
 
@@ -33,41 +33,8 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
     metrics are summed over ranks before logging, and only rank 0 logs and writes shared files."""
     ctx = ctx or DistributedContext()
     engine = build_engine(draft, cfg, ctx)
-    step, tokens_seen = 0, 0
-
-    resume_from = None
-    if cfg.resume == "auto":
-        resume_from = latest_checkpoint(run_dir)
-    elif cfg.resume not in ("never", "none", ""):
-        resume_from = Path(cfg.resume)
-    if resume_from is not None:
-        weights, state, saved_spec = load_checkpoint(resume_from)
-        changed = {k: (saved_spec.get(k), v) for k, v in spec.items() if saved_spec.get(k) != v}
-        if changed:
-            raise RuntimeError(f"checkpoint {resume_from} does not fit this draft (saved vs now: {changed}); "
-                               "resume with the same model and draft settings, or use a new output_dir")
-        saved_world = state.get("world_size", 1)
-        if saved_world != ctx.world_size and cfg.deepspeed.enabled and cfg.deepspeed.zero_stage > 0:
-            # DeepSpeed 0.19 refuses ZeRO-1/2/3 optimizer partitions from another data-parallel size, and its
-            # universal-checkpoint converter does not take a plain torch optimizer's state.
-            raise RuntimeError(
-                f"checkpoint {resume_from} was written by {saved_world} ranks under ZeRO-{cfg.deepspeed.zero_stage} "
-                f"and this run has {ctx.world_size}: partitioned optimizer state cannot be re-split on load. Resume "
-                f"with {saved_world} ranks (the global batch is micro_batch_size x grad_accum_steps x ranks), or "
-                "train with trainer=zero0, whose replicated state resumes on any number of ranks")
-        engine.load(resume_from, weights, ctx)
-        stream.load_state_dict(state["data"])
-        if not load_rng(resume_from, ctx.rank) and "rng" in state:
-            set_rng_state(state["rng"])  # checkpoints written before per-rank RNG files
-        step, tokens_seen = state["step"], state["tokens_seen"]
-        log(f"[train] resumed from {resume_from} at step {step}"
-            + (f" (written by {saved_world} ranks, now {ctx.world_size})" if saved_world != ctx.world_size else ""))
-
-    def checkpoint() -> Path:
-        state = {"data": stream.state_dict(), "step": step, "tokens_seen": tokens_seen, "world_size": ctx.world_size,
-                 "engine": engine.kind}
-        return save_checkpoint(run_dir, step, engine.full_state_dict(), state, spec, keep=cfg.keep_checkpoints,
-                               ctx=ctx, save_engine=lambda folder: engine.save(folder, ctx))
+    checkpoints = CheckpointManager(run_dir, cfg, spec, ctx, engine=engine, stream=stream)
+    step, tokens_seen = checkpoints.resume(log)
 
     stop_at = min(cfg.max_steps, cfg.stop_at_step) if cfg.stop_at_step is not None else cfg.max_steps
     tracker = tracker_factory(step) if ctx.is_main else None
@@ -107,9 +74,9 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
             if bar is not None:
                 bar.update(1)
             if cfg.save_every > 0 and step % cfg.save_every == 0:
-                last_ckpt = checkpoint()
+                last_ckpt = checkpoints.save(step, tokens_seen)
         if last_ckpt is None or not last_ckpt.name.endswith(f"{step:08d}"):
-            last_ckpt = checkpoint()
+            last_ckpt = checkpoints.save(step, tokens_seen)
     finally:
         if bar is not None:
             bar.close()
