@@ -101,6 +101,13 @@ class DraftConfig:
     # the expected acceptance sum_v min(p_target(v), p_draft(v)), what speculative sampling accepts.
     loss: str = "soft_ce"
     init_lm_head_from_target: bool = True
+    # Long rows: blockwise holds no [T, T] scores (memory linear in T); dense is the reference that does.
+    ttt_attention: str = "blockwise"
+    # Rows per chunk of the lm_head + loss, recomputed in backward: no [N, draft_vocab] logits of a whole
+    # step are kept (0: one chunk).
+    loss_chunk_rows: int = 512
+    # Recompute each TTT step's draft layer in backward instead of keeping its activations.
+    checkpointing: bool = False
 
 
 @dataclass

@@ -165,3 +165,92 @@ def test_aux_norm_adds_one_norm_per_aux_state():
         plain = draft.fc(torch.cat(aux, -1))
         change_plain = (draft.fc(torch.cat(scaled, -1)) - plain).norm() / plain.norm()
     assert change_normed < 0.01 < 0.5 < change_plain
+
+
+def _naive_ttt_attention(q, keys, values, q_offset, scale, segments):
+    """One query at a time over an explicit list of the keys it sees: the step-0 keys at rows <= its own
+    (in its own conversation), then its own row's key of every later step."""
+    B, h, Tq, _ = q.shape
+    groups = h // keys[0].shape[1]
+    out = []
+    for b in range(B):
+        heads = []
+        for head in range(h):
+            kv = head // groups
+            rows = []
+            for i in range(Tq):
+                r = q_offset + i
+                seen = [j for j in range(r + 1) if segments is None or segments[b, j] == segments[b, r]]
+                ks = [keys[0][b, kv, j] for j in seen] + [k[b, kv, i] for k in keys[1:]]
+                vs = [values[0][b, kv, j] for j in seen] + [v[b, kv, i] for v in values[1:]]
+                p = torch.softmax(torch.stack([q[b, head, i] @ k for k in ks]) * scale, dim=0)
+                rows.append(sum(w * v for w, v in zip(p, vs)))
+            heads.append(torch.stack(rows))
+        out.append(torch.stack(heads))
+    return torch.stack(out)
+
+
+def test_blockwise_ttt_attention_equals_the_naive_one_with_gradients(monkeypatch):
+    """The blockwise attention (query blocks, log-sum-exp merge of the same-row keys, recomputing backward)
+    against a naive per-query softmax written here: outputs and the gradients of q and every key and value,
+    over several query blocks, grouped-query heads, packed rows and a query offset. Tolerance 1e-5 (fp32:
+    only the order of the sums differs). The dense implementation is held to the same reference."""
+    from specforge_lite.draft import attention
+
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 3)  # T=10: four blocks, the last one short
+    g = torch.Generator().manual_seed(0)
+    B, h, kvh, T, d, steps = 2, 4, 2, 10, 8, 3
+    segments = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 3, 3, 3], [1] * 10])
+    for packed, q_offset in ((False, 0), (True, 0), (True, 6)):
+        Tq = T - q_offset
+        leaves = [torch.randn(B, h, Tq, d, generator=g)]
+        leaves += [torch.randn(B, kvh, T if s == 0 else Tq, d, generator=g) for s in range(steps) for _ in "kv"]
+        results = []
+        for impl in ("naive", "blockwise", "dense"):
+            xs = [x.clone().requires_grad_() for x in leaves]
+            q, keys, values = xs[0], xs[1::2], xs[2::2]
+            seg = segments if packed else None
+            if impl == "naive":
+                out = _naive_ttt_attention(q, keys, values, q_offset, 0.3, seg)
+            else:
+                cache = TTTCache(seg, attention=impl)
+                for k, v in zip(keys, values):
+                    cache.append(k, v)
+                out = cache.attend(q, q_offset, 0.3)
+            (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+            results.append([out.detach()] + [x.grad for x in xs])
+        for impl, got in zip(("blockwise", "dense"), results[1:]):
+            for i, (a, b) in enumerate(zip(got, results[0])):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"{impl} tensor {i}: {m}")
+
+
+def test_checkpointed_steps_and_chunked_loss_give_the_same_loss_and_gradients():
+    """draft.checkpointing (each step recomputed in backward, the key cache cut back for it) and
+    draft.loss_chunk_rows (lm_head + loss in row chunks, recomputed) and draft.ttt_attention=dense change
+    memory, not results: the same loss, step statistics and gradients as the plain unroll (tolerance 1e-5
+    of each gradient's largest entry), on packed rows."""
+    target = tiny_target()
+    draft = tiny_draft(target, draft_vocab_size=target.vocab_size)
+    g = torch.Generator().manual_seed(1)
+    B, T, V = 2, 12, draft.spec.draft_vocab_size
+    ids = torch.randint(0, target.vocab_size, (B, T), generator=g)
+    positions = torch.tensor([list(range(7)) + list(range(5)), list(range(12))])
+    inputs = UnrollInputs(target.capture(ids).aux, ids, torch.randn(B, T, V, generator=g),
+                          torch.rand(B, T, generator=g) > 0.2, (torch.rand(B, T, generator=g) > 0.3).long(), positions)
+
+    def run(**options):
+        draft.zero_grad()
+        out = Eagle3Objective(ttt_length=3, **options).unroll(draft, inputs)
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+    ref, ref_grads = run()
+    for options in ({"checkpointing": True}, {"loss_chunk_rows": 5}, {"attention": "dense"},
+                    {"checkpointing": True, "loss_chunk_rows": 4}):
+        out, grads = run(**options)
+        assert torch.allclose(out.loss, ref.loss, rtol=1e-5, atol=1e-6), options
+        counts = [(int(s.correct), int(s.valid)) for s in out.steps]
+        assert counts == [(int(s.correct), int(s.valid)) for s in ref.steps]
+        for name, grad in ref_grads.items():
+            gap = float((grads[name] - grad).abs().max()) / float(grad.abs().max())
+            assert gap <= 1e-5, (options, name, gap)  # of the gradient's largest entry: fp32 summation order

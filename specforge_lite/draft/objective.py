@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .ttt import TTTCache, shift_left
+from torch.utils.checkpoint import checkpoint
+
+from .ttt import TTT_ATTENTION, TTTCache, shift_left
 
 if TYPE_CHECKING:  # (only named in signatures: the draft stage imports nothing of the target's at run time)
     from ..targets.teacher import Teacher
@@ -74,14 +76,19 @@ def sim_accept_len(accs: list[float]) -> float:
 
 
 class Eagle3Objective:
-    def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce"):
+    def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", attention: str = "blockwise",
+                 loss_chunk_rows: int = 512, checkpointing: bool = False):
         if loss not in LOSSES:
             raise ValueError(f"draft.loss={loss!r}: use one of {LOSSES}")
+        if attention not in TTT_ATTENTION:
+            raise ValueError(f"draft.ttt_attention={attention!r}: use one of {TTT_ATTENTION}")
         self.ttt_length, self.decay, self.loss = ttt_length, decay, loss
+        self.attention, self.loss_chunk_rows, self.checkpointing = attention, loss_chunk_rows, checkpointing
 
     @classmethod
     def from_config(cls, draft_cfg) -> "Eagle3Objective":
-        return cls(draft_cfg.ttt_length, draft_cfg.step_loss_decay, draft_cfg.loss)
+        return cls(draft_cfg.ttt_length, draft_cfg.step_loss_decay, draft_cfg.loss, draft_cfg.ttt_attention,
+                   draft_cfg.loss_chunk_rows, draft_cfg.checkpointing)
 
     def __call__(self, draft_forward, teacher: Teacher, batch) -> TTTOutput:
         """One micro-batch: the frozen target's capture and the teacher on it (in the target's own dtype),
@@ -120,11 +127,11 @@ class Eagle3Objective:
             positions = x.position_ids
             segments = (positions == 0).long().cumsum(-1)  # 1, 2, ... per conversation; 0 never occurs
         teacher_top = x.teacher_logits.argmax(-1)
-        cache = TTTCache(segments)
+        cache = TTTCache(segments, self.attention)
         total = hidden.new_zeros((), dtype=torch.float32)
         steps = []
         for k in range(self.ttt_length):
-            hidden = draft.step(shift_left(x.input_ids, 1 + k), hidden, positions + k, cache)
+            hidden = self._step(draft, shift_left(x.input_ids, 1 + k), hidden, positions + k, cache)
             valid = shift_left(x.loss_mask, 2 + k).bool() & shift_left(x.in_vocab, 1 + k)
             if segments is not None:
                 valid &= shift_left(segments, 2 + k) == segments
@@ -135,11 +142,9 @@ class Eagle3Objective:
                 zero = total.new_zeros(())
                 steps.append(StepStats(zero, zero, zero))
                 continue
-            logits = draft.compute_logits(hidden[rows]).float()
-            target_p = torch.softmax(x.teacher_logits[t_rows].float(), dim=-1)
-            step_loss = token_loss(self.loss, target_p, logits).sum() / n
+            loss_sum, correct = self._scored(draft, hidden[rows], x.teacher_logits, t_rows, teacher_top[t_rows])
+            step_loss = loss_sum / n
             total = total + (self.decay ** k) * step_loss
-            correct = (logits.argmax(-1) == teacher_top[t_rows]).sum()
             steps.append(StepStats(step_loss.detach(), correct.detach(), n.detach()))
         if not total.requires_grad:
             # No token to score in this micro-batch (e.g. the target's answers all fall outside the draft
@@ -147,6 +152,42 @@ class Eagle3Objective:
             # under data parallelism, every rank takes part in the gradient reduction.
             total = total + sum((p * 0).sum() for p in draft.parameters() if p.requires_grad)
         return TTTOutput(total, steps)
+
+    def _step(self, draft, input_ids, hidden, positions, cache: TTTCache) -> torch.Tensor:
+        """One unroll step, or (draft.checkpointing) one whose activations are recomputed in backward."""
+        if not (self.checkpointing and torch.is_grad_enabled()):
+            return draft.step(input_ids, hidden, positions, cache)
+        before = len(cache)
+
+        def run(ids, h, pos):
+            # A recomputation in backward finds the later steps' keys in the cache: it must see only the
+            # keys this step saw in the forward, so the cache is cut back to them first.
+            del cache.keys[before:], cache.values[before:]
+            return draft.step(ids, h, pos, cache)
+
+        return checkpoint(run, input_ids, hidden, positions, use_reentrant=False)
+
+    def _scored(self, draft, hidden: torch.Tensor, teacher_logits: torch.Tensor, t_rows: tuple[torch.Tensor, ...],
+                teacher_top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, correct count) of valid rows [N, H] against their teacher rows (``t_rows`` of
+        ``teacher_logits``), in chunks of ``loss_chunk_rows`` rows whose [chunk, draft_vocab] logits and
+        teacher rows are gathered and computed inside the chunk and recomputed in backward, not kept."""
+
+        def chunk(h, where, top):
+            logits = draft.compute_logits(h).float()
+            target_p = torch.softmax(teacher_logits[where].float(), dim=-1)
+            return token_loss(self.loss, target_p, logits).sum(), (logits.argmax(-1) == top).sum()
+
+        size = self.loss_chunk_rows or hidden.shape[0]
+        if hidden.shape[0] <= size:
+            return chunk(hidden, t_rows, teacher_top)
+        loss, correct = hidden.new_zeros((), dtype=torch.float32), teacher_top.new_zeros(())
+        for s in range(0, hidden.shape[0], size):
+            part = (hidden[s : s + size], tuple(i[s : s + size] for i in t_rows), teacher_top[s : s + size])
+            part_loss, part_correct = (checkpoint(chunk, *part, use_reentrant=False) if torch.is_grad_enabled()
+                                       else chunk(*part))
+            loss, correct = loss + part_loss, correct + part_correct
+        return loss, correct
 
     # ---- metrics ------------------------------------------------------------------------------
     def tally(self) -> "Tally":

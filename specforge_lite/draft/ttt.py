@@ -15,16 +15,26 @@ from __future__ import annotations
 import torch
 from transformers.models.llama.modeling_llama import repeat_kv
 
+from .attention import causal_attention_lse
+
+# blockwise: step-0 attention in query blocks with its log-sum-exp, the same-row keys merged in through it;
+# memory linear in T. dense: the [T, T] scores of every step held at once (the reference, and for benchmarks).
+TTT_ATTENTION = ("blockwise", "dense")
+
 
 class TTTCache:
     """Keys/values per unroll step: step 0 over all rows, later steps only at the query rows.
 
-    ``segments`` [B, T]: which conversation each row belongs to in packed rows (None: one per row)."""
+    ``segments`` [B, T]: which conversation each row belongs to in packed rows (None: one per row).
+    ``attention``: one of ``TTT_ATTENTION``."""
 
-    def __init__(self, segments: torch.Tensor | None = None):
+    def __init__(self, segments: torch.Tensor | None = None, attention: str = "blockwise"):
+        if attention not in TTT_ATTENTION:
+            raise ValueError(f"draft.ttt_attention={attention!r}: use one of {TTT_ATTENTION}")
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.segments = segments
+        self.dense = attention == "dense"
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.keys.append(k)
@@ -34,14 +44,33 @@ class TTTCache:
         return len(self.keys)
 
     def attend(self, q: torch.Tensor, q_offset: int, scale: float) -> torch.Tensor:
-        return ttt_attention(q, self, q_offset, scale)
+        return (ttt_attention_dense if self.dense else ttt_attention)(q, self, q_offset, scale)
 
 
 def ttt_attention(q: torch.Tensor, cache: TTTCache, q_offset: int, scale: float) -> torch.Tensor:
     """q [B, h, Tq, d]; the query rows are rows ``q_offset .. q_offset+Tq-1`` of the step-0 keys.
 
-    Scores against step-0 keys are causal; each later step contributes one same-row score.
+    Scores against step-0 keys are causal: attention in query blocks (draft/attention.py) that returns
+    its log-sum-exp. Each later step contributes one same-row score; with the log-sum-exp standing for
+    all step-0 scores, a softmax over [lse, same-row scores] gives the exact weight of the step-0 output
+    and of each same-row value, as one softmax over all of them would. Equal to ``ttt_attention_dense``.
     """
+    groups = q.shape[1] // cache.keys[0].shape[1]
+    k0, v0 = repeat_kv(cache.keys[0], groups), repeat_kv(cache.values[0], groups)
+    out0, lse0 = causal_attention_lse(q, k0, v0, scale, q_offset, cache.segments)
+    if len(cache.keys) == 1:
+        return out0
+    extra_v = [repeat_kv(v, groups) for v in cache.values[1:]]
+    same_row = [(q * repeat_kv(k, groups)).sum(-1).float() * scale for k in cache.keys[1:]]  # [B, h, Tq] each
+    weights = torch.softmax(torch.stack([lse0, *same_row], dim=-1), dim=-1).to(q.dtype)  # [B, h, Tq, 1 + steps]
+    out = weights[..., :1] * out0
+    for j, v in enumerate(extra_v):
+        out = out + weights[..., j + 1, None] * v
+    return out
+
+
+def ttt_attention_dense(q: torch.Tensor, cache: TTTCache, q_offset: int, scale: float) -> torch.Tensor:
+    """``ttt_attention`` with every [Tq, T] score matrix held at once (autograd keeps one per step)."""
     groups = q.shape[1] // cache.keys[0].shape[1]
     k0, v0 = repeat_kv(cache.keys[0], groups), repeat_kv(cache.values[0], groups)
     T0, Tq = k0.shape[-2], q.shape[-2]
