@@ -249,7 +249,7 @@ class TrackerConfig:
 
 @dataclass
 class EvalConfig:
-    enabled: bool = True  # run eval/acceptance.py at the end of training
+    enabled: bool = True  # evaluate the export at the end of training (evaluate/finish.py)
     num_prompts: int = 16  # prompts per prompt set for speculative decoding
     max_new_tokens: int = 64
     # Prompt sets measured one by one (evaluate/prompts.py): heldout (the training data's held-out

@@ -1,1 +1,2 @@
-"""Evaluation: speculative decoding acceptance and held-out accuracy (entry point: eval/acceptance.py)."""
+"""Evaluation: speculative decoding acceptance and held-out accuracy
+(entry point: python -m specforge_lite.evaluate)."""

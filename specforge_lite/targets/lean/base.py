@@ -26,7 +26,7 @@ def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position
     else:
         m = attention_mask.bool()
         if bool((m[:, 1:] & ~m[:, :-1]).any()):
-            raise ValueError("the custom backend takes right-padded rows (as the data loader makes them); "
+            raise ValueError("the lean backend takes right-padded rows (as the data loader makes them); "
                              "use target.backend=hf for left-padded input")
         lengths = m.sum(1).tolist()
         keep = m.reshape(-1).nonzero(as_tuple=True)[0]
