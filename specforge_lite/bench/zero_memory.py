@@ -23,15 +23,11 @@ import tempfile
 
 import torch
 
-# Target shapes of hub presets whose config.json is not reachable offline (from their model cards).
-KNOWN_TARGETS = {
-    "llama3_8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                      num_hidden_layers=32, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                      rope_theta=500000.0),
-    "llama3_70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
-                       num_hidden_layers=80, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                       rope_theta=500000.0),
-}
+from .shapes import SHAPES, synthetic_draft
+
+# Target shapes of hub presets whose config.json is not reachable offline (from their model cards): the
+# targets whose ZeRO memory is worth measuring (a draft for a small target fits any device).
+KNOWN_TARGETS = {name: SHAPES[name] for name in ("llama3_8b", "llama3_70b")}
 
 
 def _storages(tensors) -> dict[int, int]:
@@ -55,12 +51,9 @@ def _flatten(obj):
 
 
 def worker(trainer: str, model: str, seq_len: int, out_path: str) -> None:
-    from transformers import LlamaConfig
-
     from ..config import load_config
-    from ..draft import Eagle3Draft, Eagle3Objective, Eagle3Spec
+    from ..draft import Eagle3Objective
     from ..draft.objective import UnrollInputs
-    from ..targets.capture import CONVENTION
     from ..training.distributed import init_distributed
     from ..training.engine import DeepSpeedEngine
 
@@ -68,21 +61,13 @@ def worker(trainer: str, model: str, seq_len: int, out_path: str) -> None:
                           "trainer.micro_batch_size=1"])
     ctx = init_distributed(config.trainer)
     shape = KNOWN_TARGETS[model]
-    target_config = LlamaConfig(**shape)
-    L = shape["num_hidden_layers"]
-    aux_ids = [2, L // 2, L - 3]
-    spec = Eagle3Spec.from_target(target_config, config.draft, aux_ids, CONVENTION, vocab_size=shape["vocab_size"],
-                                  draft_vocab_size=config.draft.draft_vocab_size,
-                                  target_hidden_size=shape["hidden_size"])
-    torch.manual_seed(0)
-    draft = Eagle3Draft(spec)
-    # the target's table is read, never trained: a stride-0 stand-in of the right shape costs no memory
-    draft.set_embedding(torch.zeros(1, spec.hidden_size).expand(spec.vocab_size, spec.hidden_size))
+    draft = synthetic_draft(shape, config.draft, config.draft.draft_vocab_size)
+    spec = draft.spec
     engine = DeepSpeedEngine(draft, config.trainer, ctx)
     module, opt = engine.module, engine.engine.optimizer
     T, H, Vd = seq_len, shape["hidden_size"], spec.draft_vocab_size
     g = torch.Generator().manual_seed(ctx.rank)
-    aux = [torch.randn(1, T, H, generator=g) for _ in aux_ids]
+    aux = [torch.randn(1, T, H, generator=g) for _ in spec.aux_layer_ids]
     ids = torch.randint(0, spec.vocab_size, (1, T), generator=g)
     teacher = torch.randn(1, T, Vd, generator=g)
     ones = torch.ones(1, T, dtype=torch.bool)

@@ -60,11 +60,12 @@ class _CausalAttentionLSE(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=torch.float32)
         dk = torch.zeros_like(k, dtype=torch.float32)
         dv = torch.zeros_like(v, dtype=torch.float32)
+        kf, vf = k.float(), v.float()  # (once, not per block: for bf16 inputs each is a copy)
         for s in range(0, q.shape[-2], block):
             e = min(s + block, q.shape[-2])
             end = min(q_offset + e, k.shape[-2])
             rows = torch.arange(s, e, device=q.device) + q_offset
-            qb, kb, vb, gb = q[:, :, s:e].float(), k[:, :, :end].float(), v[:, :, :end].float(), g[:, :, s:e]
+            qb, kb, vb, gb = q[:, :, s:e].float(), kf[:, :, :end], vf[:, :, :end], g[:, :, s:e]
             probs = torch.exp(_block_scores(q[:, :, s:e], k[:, :, :end], scale, rows, segments) - lse[:, :, s:e, None])
             dv[:, :, :end] += torch.matmul(probs.transpose(-1, -2), gb)
             ds = probs * (torch.matmul(gb, vb.transpose(-1, -2)) - D[:, :, s:e, None])

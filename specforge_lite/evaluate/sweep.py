@@ -4,9 +4,8 @@ Reads every run under SWEEP_DIR (a folder with metrics.jsonl; ``python train.py 
 one per job under multirun/<time>/<n>/) and prints a Markdown table: the overrides that distinguish the
 run, final loss, accuracy per TTT step, the simulated acceptance length (1 + sum_k prod_{i<=k} acc_i)
 from training and from held-out data, the measured acceptance length (speculative decoding, eval.json) and
-training tokens/s.
-Writes report.md, report.json and, with matplotlib installed, report.png (accuracy per step per run;
-simulated vs measured acceptance) next to them.
+training tokens/s. Writes report.md, report.json and, with matplotlib installed, report.png (accuracy per
+step per run; simulated vs measured acceptance) next to them.
 """
 
 from __future__ import annotations
