@@ -196,6 +196,10 @@ class DeepSpeedConfig:
     reduce_bucket_size: int = 50_000_000  # elements per gradient all-reduce bucket
     allgather_bucket_size: int = 50_000_000
     overlap_comm: bool = False  # overlap gradient reduction with backward (GPU/NCCL)
+    # Ulysses sequence parallelism (deepspeed.sequence): this many ranks share each row, each running the
+    # draft on its share of the row with attention split by heads across them (draft/sequence_parallel.py);
+    # the ranks divide into world_size / sequence_parallel data-parallel replicas. 1: off.
+    sequence_parallel: int = 1
 
 
 @dataclass
@@ -275,6 +279,9 @@ class EvalConfig:
     temperature: float = 0.0
     seed: int = 0  # of the sampling generator
     heldout_batches: int = 16  # held-out conversations for teacher-forced accuracy
+    # Acceptance is also reported per context-length bucket (tokens before the drafted position), split at
+    # these lengths: the default buckets are <1k, 1k-4k, 4k-16k and >=16k.
+    context_length_edges: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
     # vllm: after our evaluation, vLLM serves the export on the same prompts (evaluate/served.py; needs the
     # serving environment): its acceptance is reported beside ours, and the run fails if an output differs
     # from the target's greedy output. null: not served (python -m specforge_lite.evaluate.served RUN later)

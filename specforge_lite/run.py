@@ -36,7 +36,7 @@ class Run:
 
     def __post_init__(self):
         self.teacher = Teacher(self.target, self.vocab.draft_to_target, self.vocab.t2d)
-        self.objective = Eagle3Objective.from_config(self.config.draft)
+        self.objective = Eagle3Objective.from_config(self.config.draft, self.ctx.sequence_shard())
 
     # ---- constructors -------------------------------------------------------------------------
     @classmethod
@@ -72,13 +72,13 @@ class Run:
         return build_draft(self.config, self.target, self.vocab)
 
     def batches(self) -> BatchStream:
-        """This rank's share of every global batch."""
+        """This rank's share of every global batch (the ranks of a sequence-parallel group read the same rows)."""
         from .pipeline import packing_length, pad_id
 
         t = self.config.trainer
         pad = pad_id(self.tokenizer) if self.tokenizer is not None else 0  # pads are masked; never read
         return BatchStream(self.train_data, t.micro_batch_size, pad, t.seed, images=self.target.image_inputs,
-                           rank=self.ctx.rank, world_size=self.ctx.world_size,
+                           rank=self.ctx.data_rank, world_size=self.ctx.data_world_size,
                            pack_length=packing_length(self.config, self.target))
 
     def tracker(self, run_dir: Path, step: int):

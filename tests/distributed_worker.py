@@ -1,5 +1,7 @@
-"""Run by tests/test_distributed.py under ``torchrun --nproc_per_node 2``: a ZeRO-3 sharded target
-against a whole copy of the same target in the same process, on each rank's own batch."""
+"""Run by tests/test_distributed.py under ``torchrun --nproc_per_node 2``:
+``sharded_target``: a ZeRO-3 sharded target against a whole copy of the same target in the same process,
+on each rank's own batch; ``ulysses``: the draft's TTT unroll split across the ranks by sequence
+parallelism against the whole unroll on one rank."""
 
 from __future__ import annotations
 
@@ -51,5 +53,54 @@ def sharded_target(preset: str, out: Path) -> None:
     ctx.barrier()
 
 
+def ulysses(shape: str, out: Path) -> None:
+    """Both ranks hold the same packed rows (odd length, so the split pads) at a real draft's head layout;
+    each runs its share of the unroll (blockwise attention, activation checkpointing, small loss chunks),
+    and the sums over the two ranks of loss and gradients are compared with the whole unroll."""
+    import deepspeed
+
+    from specforge_lite.bench.shapes import SHAPES, synthetic_draft
+    from specforge_lite.config import DraftConfig
+    from specforge_lite.draft.objective import Eagle3Objective, UnrollInputs
+    from specforge_lite.training.distributed import launcher_env, with_sequence_parallel
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    ctx = with_sequence_parallel(launcher_env(), 2)
+    dims = {**SHAPES[shape], "num_hidden_layers": 8}
+    draft = synthetic_draft(dims, DraftConfig(), 96)
+    table = torch.randn(dims["vocab_size"], dims["hidden_size"], generator=torch.Generator().manual_seed(1))
+    draft.set_embedding(table)
+    g = torch.Generator().manual_seed(7)  # the same rows on both ranks
+    B, T, H = 2, 37, dims["hidden_size"]
+    positions = torch.cat([torch.arange(20), torch.arange(17)])[None].repeat(B, 1)  # two conversations per row
+    inputs = UnrollInputs([torch.randn(B, T, H, generator=g) for _ in range(3)],
+                          torch.randint(0, dims["vocab_size"], (B, T), generator=g),
+                          torch.randn(B, T, 96, generator=g), torch.rand(B, T, generator=g) > 0.2,
+                          (torch.rand(B, T, generator=g) > 0.3).long(), positions)
+    options = dict(ttt_length=4, loss_chunk_rows=8, checkpointing=True)
+    whole = Eagle3Objective(**options).unroll(draft, inputs)
+    whole.loss.backward()
+    want = {n: p.grad.clone() for n, p in draft.named_parameters()}
+    draft.zero_grad()
+    part = Eagle3Objective(**options, sequence=ctx.sequence_shard()).unroll(draft, inputs)
+    part.loss.backward()
+    summed = torch.stack([part.loss.detach(), *[s.valid.float() for s in part.steps],
+                          *[s.correct.float() for s in part.steps]])
+    torch.distributed.all_reduce(summed)
+    grad_diff = 0.0
+    for n, p in draft.named_parameters():
+        grad = p.grad.clone()
+        torch.distributed.all_reduce(grad)
+        grad_diff = max(grad_diff, float((grad - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12)))
+    result = {"rank": ctx.rank, "loss": float(summed[0]), "whole_loss": float(whole.loss),
+              "valid": summed[1:5].tolist(), "whole_valid": [float(s.valid) for s in whole.steps],
+              "correct": summed[5:].tolist(), "whole_correct": [float(s.correct) for s in whole.steps],
+              "own_valid": [float(s.valid) for s in part.steps], "grad_rel_diff": grad_diff}
+    gathered = [None] * ctx.world_size
+    torch.distributed.all_gather_object(gathered, result)
+    if ctx.is_main:
+        out.write_text(json.dumps(gathered))
+
+
 if __name__ == "__main__":
-    sharded_target(sys.argv[1], Path(sys.argv[2]))
+    {"sharded_target": sharded_target, "ulysses": ulysses}[sys.argv[1]](sys.argv[2], Path(sys.argv[3]))

@@ -66,8 +66,11 @@ def test_run_directory_contract(default_run):
     assert all(s["target_alone_prompts"] == 1 for s in sets.values())  # eval.baseline_prompts of the recipe
     assert ev["prompts"] == sum(s["prompts"] for s in sets.values())
     assert ev["estimated_speedup"] > 0 and ev["step_costs"]["target_verify_s"] > 0
+    assert sum(b["rounds"] for b in ev["by_context_length"].values()) == ev["rounds"]  # every round in one bucket
+    assert ev["by_context_length"]["<1k"]["rounds"] > 0
     table = (out / "eval.md").read_text()
     assert all(f"| {name} |" in table for name in [*sets, "all"])
+    assert "by context length" in table
     assert (out / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "wandb").is_dir()  # offline wandb files live inside the run
     assert str(out / "final") in stdout and str(out / "eval.json") in stdout

@@ -81,7 +81,7 @@ def test_multi_turn_items_ask_each_turn_after_the_targets_own_answer():
 
     def decode(prompt, inputs):
         seen.append(list(prompt))
-        return Generation(tokens=answer, accepted=[1, 0, 2])
+        return Generation(tokens=answer, accepted=[1, 0, 2], contexts=[30, 1500, 5000])
 
     item = PromptItem(turns=["What is the capital of France?", "And of Italy?"])
     ev = EvalConfig(num_draft_tokens=3, max_new_tokens=4)
@@ -92,6 +92,9 @@ def test_multi_turn_items_ask_each_turn_after_the_targets_own_answer():
     assert second.startswith(first)  # the second turn extends the first conversation
     assert result["prompts"] == 2 and result["rounds"] == 6
     assert result["mean_acceptance_length"] == 2.0 and result["per_position_acceptance"] == [2 / 3, 1 / 3, 0.0]
+    by_length = result["by_context_length"]  # each round filed under the context it drafted after
+    assert [by_length[b]["rounds"] for b in ("<1k", "1k-4k", "4k-16k", ">=16k")] == [2, 2, 2, 0]
+    assert by_length["<1k"]["mean_acceptance_length"] == 2.0 and by_length["4k-16k"]["mean_acceptance_length"] == 3.0
 
 
 def test_eval_report_has_a_row_and_a_curve_per_set(tmp_path):
@@ -100,7 +103,9 @@ def test_eval_report_has_a_row_and_a_curve_per_set(tmp_path):
     def summary(acc):
         return {"prompts": 4, "mean_acceptance_length": 1 + sum(acc), "per_position_acceptance": acc,
                 "tokens_per_s": 20.0, "target_alone_tokens_per_s": 10.0, "speedup_vs_target_alone": 2.0,
-                "estimated_speedup": 2.2}
+                "estimated_speedup": 2.2,
+                "by_context_length": {"<1k": {"rounds": 7, "mean_acceptance_length": 1 + sum(acc)},
+                                      ">=1k": {"rounds": 0, "mean_acceptance_length": None}}}
 
     result = {**summary([0.8, 0.5, 0.2]), "num_draft_tokens": 3, "drafting": "tree", "tree_topk": 4, "tree_budget": 16,
               "temperature": 0.0, "sets": {"gsm8k": summary([0.9, 0.6, 0.3]), "humaneval": summary([0.7, 0.4, 0.1])},
@@ -111,6 +116,7 @@ def test_eval_report_has_a_row_and_a_curve_per_set(tmp_path):
     assert "tree (depth 3, top-4, budget 16)" in table
     assert "| gsm8k | 4 | 2.800 | 0.90 / 0.60 / 0.30 |" in table and "| humaneval |" in table and "| all |" in table
     assert "verification of 17 tokens 12.0 ms" in table
+    assert "| prompt set | <1k | >=1k |" in table and "| gsm8k | 2.800 (7) | - (0) |" in table
     assert (tmp_path / "eval.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -6,7 +6,8 @@ import torch
 
 from conftest import tiny_draft, tiny_target
 from specforge_lite.evaluate import spec_decode
-from specforge_lite.evaluate.spec_decode import acceptance_summary, greedy_generate, speculative_generate
+from specforge_lite.evaluate.spec_decode import (DraftContext, acceptance_by_context_length, acceptance_summary,
+                                                 draft_chain, greedy_generate, speculative_generate)
 
 
 def hf_greedy(target, prompt, max_new_tokens, eos=None):
@@ -69,6 +70,60 @@ def test_acceptance_summary():
     assert s["mean_acceptance_length"] == 1 + 6 / 4
     assert s["per_position_acceptance"] == [0.75, 0.5, 0.25]
     assert s["per_position_conditional_acceptance"][1] == 0.5 / 0.75
+
+
+def uncached_chain(draft, aux, context, next_token, k):
+    """The draft's first step over the whole context every round, then k - 1 chain steps at the last row
+    (what evaluation did before it kept a draft KV cache): the last row's state and the proposals."""
+    from specforge_lite.draft.ttt import TTTCache
+
+    n, cache = len(context), TTTCache()
+    h = draft.step(torch.tensor([context[1:] + [next_token]]), draft.project_aux(aux), torch.arange(n)[None],
+                   cache)[:, -1:]
+    first, proposals = h, []
+    for j in range(k):
+        proposals.append(int(draft.draft_to_target(draft.compute_logits(h)[0, -1].argmax())))
+        h = draft.step(torch.tensor([[proposals[-1]]]), h, torch.tensor([[n + j]]), cache, q_offset=n - 1)
+    return first, proposals
+
+
+@torch.no_grad()
+def test_draft_kv_cache_equals_recomputing_the_context_every_round():
+    """Rounds that keep the draft's context keys (DraftContext) and run only the newly committed rows give
+    the same last-row state (1e-5) and the same proposals as re-running the draft over the whole context,
+    for rounds committing 1 to k + 1 rows; the tree drafter too."""
+    import pytest
+
+    from specforge_lite.evaluate.tree import draft_tree
+
+    target = tiny_target()
+    draft = tiny_draft(target, seed=3)
+    ids = torch.randint(0, target.vocab_size, (1, 40))
+    aux = target.capture(ids).aux
+    chain, tree, n = DraftContext(draft), DraftContext(draft), 6
+    for commit in [1, 4, 2, 3, 1, 4, 4, 2, 1, 3]:
+        context, nxt = ids[0, :n].tolist(), int(ids[0, n])
+        new_rows = [a[:, chain.rows:n] for a in aux]
+        want_h, want = uncached_chain(draft, [a[:, :n] for a in aux], context, nxt, 3)
+        _, got_h = DraftContext(draft).open_round([a[:, :n] for a in aux], context, nxt)
+        torch.testing.assert_close(got_h, want_h, atol=1e-5, rtol=1e-5)
+        assert draft_chain(chain, new_rows, context, nxt, 3) == want
+        cached_tree = draft_tree(tree, new_rows, context, nxt, 3, 3, 9)
+        fresh_tree = draft_tree(DraftContext(draft), [a[:, :n] for a in aux], context, nxt, 3, 3, 9)
+        assert cached_tree.tokens == fresh_tree.tokens
+        assert cached_tree.scores == pytest.approx(fresh_tree.scores, abs=1e-4)
+        n += commit
+    with pytest.raises(ValueError, match="new rows"):
+        draft_chain(chain, [a[:, :n] for a in aux], ids[0, :n].tolist(), int(ids[0, n]), 3)
+
+
+def test_acceptance_by_context_length():
+    by = acceptance_by_context_length([3, 0, 1, 2, 2], [10, 1023, 1024, 5000, 20000], k=3, edges=[1024, 4096, 16384])
+    assert list(by) == ["<1k", "1k-4k", "4k-16k", ">=16k"]
+    assert by["<1k"]["rounds"] == 2 and by["<1k"]["mean_acceptance_length"] == 1 + 3 / 2
+    assert by["1k-4k"]["mean_acceptance_length"] == 2.0 and by[">=16k"]["rounds"] == 1
+    empty = acceptance_by_context_length([1], [10], k=3, edges=[1000])
+    assert empty[">=1000"] == {"rounds": 0, "mean_acceptance_length": None}
 
 
 def test_smollm2_speculative_equals_greedy(smollm2):
@@ -200,7 +255,7 @@ def test_tree_drafting_scores_equal_chain_unrolls_along_each_path():
     aux, logits = target.forward_cached(torch.tensor([prompt]), cache)
     context, nxt = prompt[:-1], prompt[-1]
     aux = [a[:, :-1] for a in aux]
-    tree = draft_tree(draft, aux, context, nxt, depth=3, topk=3, budget=12)
+    tree = draft_tree(DraftContext(draft), aux, context, nxt, depth=3, topk=3, budget=12)
     assert len(tree.tokens) == 12 and max(tree.depths) == 3
     t2d = {int(t): i for i, t in enumerate(draft.draft_vocab_ids())}
     n = len(context)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import tiny_draft, tiny_target
 from specforge_lite.draft.objective import Eagle3Objective, UnrollInputs
 from specforge_lite.draft.ttt import TTTCache
-from specforge_lite.evaluate.spec_decode import draft_chain
+from specforge_lite.evaluate.spec_decode import DraftContext, draft_chain
 
 
 def rope(x, pos, theta):
@@ -94,7 +94,7 @@ def test_inference_chain_equals_training_unroll_at_the_last_row():
     context, nxt = ids[0, :-1].tolist(), int(ids[0, -1])
     aux = target.capture(ids[:, :-1]).aux
     with torch.no_grad():
-        proposals = draft_chain(draft, aux, context, nxt, k=3)
+        proposals = draft_chain(DraftContext(draft), aux, context, nxt, k=3)
         # Training unroll over the same rows, feeding the draft's own proposals as the shifted tokens.
         seq = torch.tensor([context + [nxt] + proposals[:2]])
         n = len(context)

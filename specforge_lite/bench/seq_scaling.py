@@ -1,7 +1,8 @@
 """Peak memory and tokens/s of one draft training step (capture excluded) as rows grow long.
 
     python -m specforge_lite.bench seq_scaling [--shape smollm2|llama3_8b] [--seq-lens 2048,8192,32768]
-        [--ttt 7] [--max-gib 20]
+        [--ttt 7] [--max-gib 20] [--ways dense,blockwise,blockwise+ckpt]
+    torchrun --nproc_per_node 2 -m specforge_lite.bench seq_scaling --sequence-parallel 2 ...
 
 One step = the TTT unroll, its loss and the backward, on one row of T tokens with random aux states and
 teacher logits (the target is not run). Three ways, measured side by side in one process:
@@ -10,14 +11,29 @@ draft.ttt_attention=blockwise), "blockwise" (the defaults: attention in query bl
 log-sum-exp, lm_head + loss in recomputed row chunks) and "blockwise+ckpt" (draft.checkpointing=true as
 well). A way whose estimated memory exceeds --max-gib is skipped and says so. The growth per 4x of T
 is printed per way; the last line names the memory ratio of the two longest rows 4x apart.
+
+``--sequence-parallel N`` (under a launcher with N processes, gloo): each rank runs its share of every
+row (draft/sequence_parallel.py, DeepSpeed's all-to-all); the memory printed is rank 0's, the tokens/s
+the group's.
+
+``--peers NAME=PYTHON ...`` (e.g. ``specforge=/tmp/peers/bin/python``): after the table, one training
+step of each peer's own EAGLE3 draft (scripts/peers/NAME_step.py, run by that interpreter, its own
+TTT loop and loss) against ours (the defaults) on the same shapes, at ``--peer-seq-lens``: tokens/s,
+medians of ``--repeats`` steps after a warm-up, side by side, and our ratio to the faster peer.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import torch
+
+PEER_DRIVERS = Path(__file__).resolve().parents[2] / "scripts" / "peers"
 
 WAYS = {"dense": dict(attention="dense", loss_chunk_rows=0), "blockwise": dict(attention="blockwise"),
         "blockwise+ckpt": dict(attention="blockwise", checkpointing=True)}
@@ -28,6 +44,19 @@ def _dense_bytes(shape: dict, T: int, ttt: int) -> int:
     return 2 * ttt * shape["num_attention_heads"] * T * T * 4
 
 
+def _sequence_shard(size: int):
+    """(this rank's SequenceShard or None, a print that only rank 0 speaks through)."""
+    if size == 1:
+        return None, print
+    import deepspeed
+
+    from ..training.distributed import launcher_env, with_sequence_parallel
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    ctx = with_sequence_parallel(launcher_env(), size)
+    return ctx.sequence_shard(), (lambda *args, **kw: print(*args, **kw) if ctx.is_main else None)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m specforge_lite.bench seq_scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,32 +65,36 @@ def main(argv=None) -> None:
     p.add_argument("--ttt", type=int, default=7, help="TTT unroll steps")
     p.add_argument("--draft-vocab", type=int, default=32000)
     p.add_argument("--max-gib", type=float, default=20.0, help="skip a way whose estimate exceeds this")
+    p.add_argument("--ways", default=",".join(WAYS), help="which of " + ", ".join(WAYS))
+    p.add_argument("--sequence-parallel", type=int, default=1, help="ranks sharing each row (under torchrun)")
+    p.add_argument("--peers", nargs="*", default=[], help="NAME=PYTHON: a peer's driver and the venv it runs in")
+    p.add_argument("--peer-seq-lens", default="512,2048")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per peer comparison (median)")
     a = p.parse_args(argv)
+    shard, say = _sequence_shard(a.sequence_parallel)
 
     from ..config import DraftConfig
-    from ..draft.objective import Eagle3Objective, UnrollInputs
+    from ..draft.objective import Eagle3Objective
     from .memory import peak_bytes
     from .shapes import SHAPES, synthetic_draft
 
     shape = SHAPES[a.shape]
     draft = synthetic_draft(shape, DraftConfig(), a.draft_vocab)
     H, Vd, device = shape["hidden_size"], a.draft_vocab, torch.device("cpu")
-    print(f"draft of {a.shape} shape: hidden {H}, {shape['num_attention_heads']} heads, draft vocab {Vd}, "
-          f"TTT {a.ttt}, fp32, one row per step")
-    results: dict[str, dict[int, tuple[float, float]]] = {w: {} for w in WAYS}
-    print("| T | way | peak MiB | tokens/s |\n|---|---|---|---|")
+    say(f"draft of {a.shape} shape: hidden {H}, {shape['num_attention_heads']} heads, draft vocab {Vd}, "
+        f"TTT {a.ttt}, fp32, one row per step"
+        + (f", each row shared by {a.sequence_parallel} ranks (per-rank memory)" if shard else ""))
+    ways = {w: WAYS[w] for w in a.ways.split(",")}
+    results: dict[str, dict[int, tuple[float, float]]] = {w: {} for w in ways}
+    say("| T | way | peak MiB | tokens/s |\n|---|---|---|---|")
     for T in [int(x) for x in a.seq_lens.split(",")]:
-        g = torch.Generator().manual_seed(T)
-        inputs = UnrollInputs([torch.randn(1, T, H, generator=g) for _ in range(3)],
-                              torch.randint(0, shape["vocab_size"], (1, T), generator=g),
-                              torch.randn(1, T, Vd, generator=g), torch.ones(1, T, dtype=torch.bool),
-                              torch.ones(1, T, dtype=torch.long))
-        for way, options in WAYS.items():
+        inputs = _row(shape, T, Vd)
+        for way, options in ways.items():
             if way == "dense" and _dense_bytes(shape, T, a.ttt) > a.max_gib * 2**30:
-                print(f"| {T} | {way} | skipped: its scores alone need "
-                      f"{_dense_bytes(shape, T, a.ttt) / 2**30:.0f} GiB | |", flush=True)
+                say(f"| {T} | {way} | skipped: its scores alone need "
+                    f"{_dense_bytes(shape, T, a.ttt) / 2**30:.0f} GiB | |", flush=True)
                 continue
-            objective = Eagle3Objective(a.ttt, **options)
+            objective = Eagle3Objective(a.ttt, **options, sequence=shard)
 
             def step():
                 objective.unroll(draft, inputs).loss.backward()
@@ -71,19 +104,77 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             step()
             results[way][T] = (peak / 2**20, T / (time.perf_counter() - t0))
-            print(f"| {T} | {way} | {results[way][T][0]:.0f} | {results[way][T][1]:.0f} |", flush=True)
-    print()
+            say(f"| {T} | {way} | {results[way][T][0]:.0f} | {results[way][T][1]:.0f} |", flush=True)
+    say()
     last = None
     for way, by_t in results.items():
         ts = sorted(by_t)
         for lo, hi in zip(ts, ts[1:]):
             if hi == 4 * lo:
                 ratio = by_t[hi][0] / by_t[lo][0]
-                print(f"{way}: memory x{ratio:.2f} from T={lo} to T={hi} (linear: x4, quadratic: x16)")
+                say(f"{way}: memory x{ratio:.2f} from T={lo} to T={hi} (linear: x4, quadratic: x16)")
                 if way != "dense":
                     last = (way, lo, hi, ratio)
     if last:
-        print(f"memory ratio {last[2]}/{last[1]} ({last[0]}): {last[3]:.2f}")
+        say(f"memory ratio {last[2]}/{last[1]} ({last[0]}): {last[3]:.2f}")
+    if a.peers:
+        _against_peers(draft, shape, a, say)
+
+
+def _row(shape: dict, T: int, Vd: int):
+    from ..draft.objective import UnrollInputs
+
+    g = torch.Generator().manual_seed(T)
+    return UnrollInputs([torch.randn(1, T, shape["hidden_size"], generator=g) for _ in range(3)],
+                        torch.randint(0, shape["vocab_size"], (1, T), generator=g),
+                        torch.randn(1, T, Vd, generator=g), torch.ones(1, T, dtype=torch.bool),
+                        torch.ones(1, T, dtype=torch.long))
+
+
+def _median_step_seconds(step, repeats: int) -> float:
+    step()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _against_peers(draft, shape: dict, a, say) -> None:
+    """Tokens/s of one training step, ours (the default objective) and each peer's, on the same shapes."""
+    from ..draft.objective import Eagle3Objective
+
+    peers = dict(item.split("=", 1) for item in a.peers)
+    say(f"\nOne draft training step (forward + loss + backward), TTT {a.ttt}, draft vocab {a.draft_vocab}, fp32, "
+        f"median of {a.repeats} after a warm-up:")
+    say("| T | ours tok/s | " + " | ".join(f"{n} tok/s" for n in peers) + " | ours / faster peer |")
+    say("|---" * (len(peers) + 3) + "|")
+    for T in [int(x) for x in a.peer_seq_lens.split(",")]:
+        inputs, objective = _row(shape, T, a.draft_vocab), Eagle3Objective(a.ttt)
+
+        def step():
+            objective.unroll(draft, inputs).loss.backward()
+            draft.zero_grad(set_to_none=True)
+
+        ours = T / _median_step_seconds(step, a.repeats)
+        theirs, notes = {}, []
+        for name, python in peers.items():
+            cmd = [python, str(PEER_DRIVERS / f"{name}_step.py"), "--seq-len", str(T), "--ttt", str(a.ttt),
+                   "--draft-vocab", str(a.draft_vocab), "--repeats", str(a.repeats)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                notes.append(f"{name} failed: {proc.stderr.strip().splitlines()[-1:]}")
+                continue
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            theirs[name] = result["tokens_per_s"]
+            notes.append(f"{name} {result.get('version', '?')}: {result.get('notes', '')}")
+        best = max(theirs.values(), default=float("nan"))
+        say(f"| {T} | {ours:.0f} | " + " | ".join(f"{theirs[n]:.0f}" if n in theirs else "failed" for n in peers)
+            + f" | {ours / best:.2f}x |", flush=True)
+        if T == int(a.peer_seq_lens.split(",")[-1]):
+            for note in notes:
+                say(f"  {note}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 
 from torch.utils.checkpoint import checkpoint
 
+from .sequence_parallel import SequenceShard, continued_positions, padded_rows
 from .ttt import TTT_ATTENTION, TTTCache, shift_left
 
 if TYPE_CHECKING:  # (only named in signatures: the draft stage imports nothing of the target's at run time)
@@ -25,9 +26,9 @@ LOSSES = ("soft_ce", "acceptance")
 
 @dataclass
 class StepStats:
-    loss: torch.Tensor  # scalar, mean over valid tokens of this step
-    correct: torch.Tensor  # scalar count: draft argmax == teacher argmax
-    valid: torch.Tensor  # scalar count of valid tokens
+    loss: torch.Tensor  # scalar, this step's loss summed over this rank's rows / valid tokens of the whole rows
+    correct: torch.Tensor  # scalar count: draft argmax == teacher argmax (this rank's rows)
+    valid: torch.Tensor  # scalar count of valid tokens (this rank's rows)
 
 
 @dataclass
@@ -77,18 +78,21 @@ def sim_accept_len(accs: list[float]) -> float:
 
 class Eagle3Objective:
     def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", attention: str = "blockwise",
-                 loss_chunk_rows: int = 512, checkpointing: bool = False):
+                 loss_chunk_rows: int = 512, checkpointing: bool = False, sequence: SequenceShard | None = None):
+        """``sequence``: this rank's share of every row under sequence parallelism (draft/sequence_parallel.py);
+        None: whole rows."""
         if loss not in LOSSES:
             raise ValueError(f"draft.loss={loss!r}: use one of {LOSSES}")
         if attention not in TTT_ATTENTION:
             raise ValueError(f"draft.ttt_attention={attention!r}: use one of {TTT_ATTENTION}")
         self.ttt_length, self.decay, self.loss = ttt_length, decay, loss
         self.attention, self.loss_chunk_rows, self.checkpointing = attention, loss_chunk_rows, checkpointing
+        self.sequence = sequence
 
     @classmethod
-    def from_config(cls, draft_cfg) -> "Eagle3Objective":
+    def from_config(cls, draft_cfg, sequence: SequenceShard | None = None) -> "Eagle3Objective":
         return cls(draft_cfg.ttt_length, draft_cfg.step_loss_decay, draft_cfg.loss, draft_cfg.ttt_attention,
-                   draft_cfg.loss_chunk_rows, draft_cfg.checkpointing)
+                   draft_cfg.loss_chunk_rows, draft_cfg.checkpointing, sequence)
 
     def __call__(self, draft_forward, teacher: Teacher, batch) -> TTTOutput:
         """One micro-batch: the frozen target's capture and the teacher on it (in the target's own dtype),
@@ -117,27 +121,37 @@ class Eagle3Objective:
         ``position_ids`` (packed rows): positions restart at 0 where a conversation starts. The draft then
         attends only within a conversation and a row counts only if the token it predicts is in its own
         conversation, so the loss equals that of the same conversations unpacked.
+
+        Under sequence parallelism (``self.sequence``) the draft runs on this rank's rows [lo, hi) only;
+        the masks and the normaliser are computed over whole rows, which every rank holds.
         """
         B, T = x.input_ids.shape
-        hidden = draft.project_aux(x.aux)
-        segments = None
+        lo, hi, Tp = 0, T, T
+        if self.sequence is not None:  # rows padded to an even split; the padding is never valid (loss mask 0)
+            Tp = self.sequence.padded_length(T)
+            lo, hi = self.sequence.bounds(T)
         if x.position_ids is None:
-            positions = torch.arange(T, device=x.input_ids.device).unsqueeze(0).expand(B, T)
+            positions, segments = torch.arange(Tp, device=x.input_ids.device).unsqueeze(0).expand(B, Tp), None
         else:
-            positions = x.position_ids
+            positions = continued_positions(x.position_ids, Tp)
             segments = (positions == 0).long().cumsum(-1)  # 1, 2, ... per conversation; 0 never occurs
         teacher_top = x.teacher_logits.argmax(-1)
-        cache = TTTCache(segments, self.attention)
+        cache = (TTTCache(segments, self.attention) if self.sequence is None
+                 else self.sequence.cache(segments, self.attention))
+        input_ids, loss_mask, in_vocab = (padded_rows(t, Tp) for t in (x.input_ids, x.loss_mask, x.in_vocab))
+        hidden = draft.project_aux([padded_rows(a, Tp)[:, lo:hi] for a in x.aux])
         total = hidden.new_zeros((), dtype=torch.float32)
         steps = []
         for k in range(self.ttt_length):
-            hidden = self._step(draft, shift_left(x.input_ids, 1 + k), hidden, positions + k, cache)
-            valid = shift_left(x.loss_mask, 2 + k).bool() & shift_left(x.in_vocab, 1 + k)
+            hidden = self._step(draft, shift_left(input_ids, 1 + k)[:, lo:hi], hidden, (positions + k)[:, lo:hi],
+                                cache)
+            valid = shift_left(loss_mask, 2 + k).bool() & shift_left(in_vocab, 1 + k)
             if segments is not None:
                 valid &= shift_left(segments, 2 + k) == segments
-            rows = valid.nonzero(as_tuple=True)
-            t_rows = (rows[0], rows[1] + 1 + k)  # teacher rows for the valid positions
-            n = valid.sum()
+            n = valid.sum()  # over whole rows: every rank of a sequence-parallel group divides by the same count
+            mine = valid[:, lo:hi]
+            rows = mine.nonzero(as_tuple=True)
+            t_rows = (rows[0], rows[1] + lo + 1 + k)  # teacher rows for the valid positions
             if int(n) == 0:
                 zero = total.new_zeros(())
                 steps.append(StepStats(zero, zero, zero))
@@ -145,7 +159,7 @@ class Eagle3Objective:
             loss_sum, correct = self._scored(draft, hidden[rows], x.teacher_logits, t_rows, teacher_top[t_rows])
             step_loss = loss_sum / n
             total = total + (self.decay ** k) * step_loss
-            steps.append(StepStats(step_loss.detach(), correct.detach(), n.detach()))
+            steps.append(StepStats(step_loss.detach(), correct.detach(), mine.sum().detach()))
         if not total.requires_grad:
             # No token to score in this micro-batch (e.g. the target's answers all fall outside the draft
             # vocabulary): a zero loss that still reaches every trainable weight, so backward() runs and,

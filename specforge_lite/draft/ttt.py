@@ -26,25 +26,42 @@ class TTTCache:
     """Keys/values per unroll step: step 0 over all rows, later steps only at the query rows.
 
     ``segments`` [B, T]: which conversation each row belongs to in packed rows (None: one per row).
-    ``attention``: one of ``TTT_ATTENTION``."""
+    ``attention``: one of ``TTT_ATTENTION``.
+    ``context``: step-0 keys and values of earlier rows, kept from an earlier call (a drafting server's KV
+    cache); the first step's keys extend them and its queries are the rows after them (``q_offset``)."""
 
-    def __init__(self, segments: torch.Tensor | None = None, attention: str = "blockwise"):
+    def __init__(self, segments: torch.Tensor | None = None, attention: str = "blockwise",
+                 context: tuple[torch.Tensor, torch.Tensor] | None = None):
         if attention not in TTT_ATTENTION:
             raise ValueError(f"draft.ttt_attention={attention!r}: use one of {TTT_ATTENTION}")
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.segments = segments
         self.dense = attention == "dense"
+        self._context = context
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not self.keys:
+            k, v = _after(self._context, k, v)
         self.keys.append(k)
         self.values.append(v)
+
+    def context_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step-0 keys and values of every row so far: the ``context`` of the next call."""
+        return self.keys[0], self.values[0]
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def attend(self, q: torch.Tensor, q_offset: int, scale: float) -> torch.Tensor:
         return (ttt_attention_dense if self.dense else ttt_attention)(q, self, q_offset, scale)
+
+
+def _after(kept: tuple[torch.Tensor, torch.Tensor] | None, k: torch.Tensor, v: torch.Tensor):
+    """Keys and values ``k``, ``v`` placed after the ``kept`` rows (None: nothing kept)."""
+    if kept is None:
+        return k, v
+    return torch.cat([kept[0], k], dim=-2), torch.cat([kept[1], v], dim=-2)
 
 
 def ttt_attention(q: torch.Tensor, cache: TTTCache, q_offset: int, scale: float) -> torch.Tensor:
@@ -101,10 +118,12 @@ class TreeCache:
     so a query at depth d sees exactly what the TTT pattern's step d gives it.
 
     Call ``add_nodes(parents)`` before each ``step`` that feeds new nodes; ``parents[i]`` is the index of
-    node i's parent among the nodes added so far, or -1 for a child of the root."""
+    node i's parent among the nodes added so far, or -1 for a child of the root. ``context``: as for
+    ``TTTCache``, the kept keys and values of earlier context rows."""
 
-    def __init__(self):
-        self.context_keys = self.context_values = None
+    def __init__(self, context: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.context_keys, self.context_values = context if context is not None else (None, None)
+        self._context_open = True  # the first append extends the context rows
         self.node_keys = self.node_values = None
         self.visible: torch.Tensor | None = None  # [M, M]: visible[i, j] = node j is node i or an ancestor
 
@@ -120,8 +139,10 @@ class TreeCache:
         self.visible = visible
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.context_keys is None:
-            self.context_keys, self.context_values = k, v
+        if self._context_open:
+            self._context_open = False
+            kept = None if self.context_keys is None else (self.context_keys, self.context_values)
+            self.context_keys, self.context_values = _after(kept, k, v)
         elif self.node_keys is None:
             self.node_keys, self.node_values = k, v
         else:
@@ -143,6 +164,9 @@ class TreeCache:
         seen[:, T0:] = self.visible[-Tq:].to(q.device)  # the queries are the newest nodes
         scores = (torch.matmul(q, k.transpose(-1, -2)) * scale).masked_fill(~seen, float("-inf"))
         return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+
+    def context_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.context_keys, self.context_values
 
 
 DraftCache = TTTCache | TreeCache

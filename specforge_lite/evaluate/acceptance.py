@@ -19,8 +19,8 @@ from ..draft.ttt import TreeCache
 from ..targets.teacher import Teacher
 from .heldout import heldout_accuracy
 from .prompts import PromptSet, load_prompt_sets
-from .spec_decode import (Generation, _new_cache, acceptance_summary, greedy_generate, speculative_generate,
-                          speculative_sample)
+from .spec_decode import (Generation, _new_cache, acceptance_by_context_length, acceptance_summary, greedy_generate,
+                          speculative_generate, speculative_sample)
 from .tree import check_tree_support, tree_generate
 
 DRAFTING = ("chain", "tree")
@@ -46,7 +46,7 @@ def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, s
     then the same prompts (or the first eval.baseline_prompts) with the target alone, timed in the same
     process."""
     images = target.image_inputs
-    prompts, prompt_images, outputs, accepted, per_prompt = [], [], [], [], []
+    prompts, prompt_images, outputs, accepted, contexts, per_prompt = [], [], [], [], [], []
 
     def inputs_of(paths):
         return {k: v.to(target.device) for k, v in images.pixels(paths).items()} if paths else None
@@ -63,6 +63,7 @@ def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, s
             gen = decode(ids, inputs_of(item.images))
             prompts.append(ids), prompt_images.append(item.images), outputs.append(gen.tokens)
             accepted += gen.accepted
+            contexts += gen.contexts
             per_prompt.append(1 + sum(gen.accepted) / max(len(gen.accepted), 1))
             if turn is not None:
                 answer = tokenizer.decode(gen.tokens, skip_special_tokens=True)
@@ -76,6 +77,8 @@ def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, s
     alone_tps = alone_tokens / max(time.perf_counter() - t0, 1e-9)
     new_tokens = sum(len(o) for o in outputs)
     summary = acceptance_summary(accepted, ev.num_draft_tokens)
+    summary["by_context_length"] = acceptance_by_context_length(accepted, contexts, ev.num_draft_tokens,
+                                                                ev.context_length_edges)
     log(f"[eval] {prompt_set.name}: {len(prompts)} prompts, mean acceptance length "
         f"{summary['mean_acceptance_length']:.3f}")
     return {"source": prompt_set.source, "skipped_rows": prompt_set.skipped, "conversations": len(prompt_set.items),
@@ -83,16 +86,16 @@ def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, s
             "target_alone_tokens_per_s": alone_tps, "target_alone_prompts": len(alone),
             "speedup_vs_target_alone": new_tokens / max(elapsed, 1e-9) / alone_tps,
             **summary, "per_prompt_mean_acceptance_length": per_prompt,
-            "_accepted": accepted, "_prompts": prompts, "_images": prompt_images, "_outputs": outputs}
+            "_accepted": accepted, "_contexts": contexts, "_prompts": prompts, "_images": prompt_images,
+            "_outputs": outputs}
 
 
 @torch.no_grad()
 def measure_step_costs(target, draft, prompt: list[int], ev: EvalConfig, repeats: int = 5) -> dict:
     """Median seconds of one target decode step (1 token), one verification forward (the chain's k+1 or
     the tree's budget+1 tokens) and one round of drafting (depth steps of the draft, width 1 for a chain,
-    tree_topk for a tree), each with the prompt as context. A server drafts with an incremental KV cache,
-    which is what these steps time; the evaluation's own decoding re-runs the draft over the context each
-    round, so its measured speed-up is the pessimistic one."""
+    tree_topk for a tree), each with the prompt as context and its draft keys cached, as in the decoding
+    (spec_decode.DraftContext) and in a server."""
     tree = ev.drafting == "tree"
     width, verify_len = (ev.tree_topk, ev.tree_budget + 1) if tree else (1, ev.num_draft_tokens + 1)
     device = target.device
@@ -171,6 +174,8 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
     held = heldout_accuracy(Eagle3Objective.from_config(config.draft), teacher, draft, data.heldout,
                             pad_id(tokenizer), ev.heldout_batches, target.image_inputs)
     pooled = acceptance_summary(every("_accepted"), ev.num_draft_tokens)
+    pooled["by_context_length"] = acceptance_by_context_length(every("_accepted"), every("_contexts"),
+                                                               ev.num_draft_tokens, ev.context_length_edges)
     tokens = sum(s["generated_tokens"] for s in sets.values())
     spec_time = sum(s["generated_tokens"] / s["tokens_per_s"] for s in sets.values())
     alone_time = sum(s["generated_tokens"] / s["target_alone_tokens_per_s"] for s in sets.values())
@@ -195,7 +200,9 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
         "heldout_sim_accept_len": held["sim_accept_len"],
         "heldout_tokens": held["tokens"],
         "note": "mean_acceptance_length = 1 + accepted draft tokens per verification round, pooled over the prompt "
-                "sets (per set under 'sets'); greedy at temperature 0, speculative sampling above. "
+                "sets (per set under 'sets'), and per context-length bucket (by_context_length: the tokens before "
+                "the drafted position, eval.context_length_edges); greedy at temperature 0, speculative sampling "
+                "above. "
                 "speedup_vs_target_alone: measured here, the target decoding the same prompts alone (each set's "
                 "first eval.baseline_prompts when set); estimated_speedup: acceptance length x target decode "
                 "step / (draft round + verification), from step_costs. heldout_acc is teacher-forced accuracy per TTT "

@@ -25,6 +25,7 @@ def eval_markdown(result: dict) -> str:
         lines.append(f"| {name} | {r['prompts']} | {_f(r['mean_acceptance_length'], 3)} | {per_pos} | "
                      f"{_f(r['tokens_per_s'], 1)} | {_f(r['target_alone_tokens_per_s'], 1)} | "
                      f"{_f(r['speedup_vs_target_alone'])}x | {_f(r.get('estimated_speedup'))}x |")
+    lines += _by_context_table(rows)
     costs = result.get("step_costs")
     if costs:
         lines += ["", f"Step costs (median): target decode {costs['target_decode_s'] * 1e3:.1f} ms, verification of "
@@ -36,9 +37,23 @@ def eval_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _by_context_table(rows: list[tuple[str, dict]]) -> list[str]:
+    """Mean acceptance length (rounds) per context-length bucket, one line per prompt set."""
+    buckets = list(rows[-1][1].get("by_context_length", {}))
+    if not buckets:
+        return []
+    lines = ["", "Mean acceptance length by context length (tokens before the drafted position; rounds in brackets):",
+             "", "| prompt set | " + " | ".join(buckets) + " |", "|---" * (len(buckets) + 1) + "|"]
+    for name, r in rows:
+        by = r.get("by_context_length", {})
+        cells = [f"{_f(by[b]['mean_acceptance_length'], 3)} ({by[b]['rounds']})" if b in by else "-" for b in buckets]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def plot_eval(result: dict, path: Path) -> Path | None:
-    """Acceptance per position (the share of rounds that accept a draft token there) per prompt set, and the
-    mean acceptance length per set."""
+    """Acceptance per position (the share of rounds that accept a draft token there) per prompt set, the
+    mean acceptance length per set, and the mean acceptance length per context-length bucket."""
     try:
         import matplotlib
 
@@ -47,7 +62,7 @@ def plot_eval(result: dict, path: Path) -> Path | None:
     except ImportError:
         return None
     sets = result.get("sets", {})
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right, by_length) = plt.subplots(1, 3, figsize=(16, 4))
     for name, r in sets.items():
         per_pos = r.get("per_position_acceptance", [])
         left.plot(range(1, len(per_pos) + 1), per_pos, marker="o", label=name)
@@ -58,6 +73,13 @@ def plot_eval(result: dict, path: Path) -> Path | None:
     right.bar(names, [sets[n]["mean_acceptance_length"] for n in names])
     right.set(ylabel="mean acceptance length", title="per prompt set")
     right.tick_params(axis="x", rotation=20)
+    buckets = list(result.get("by_context_length", {}))
+    for name, r in [*sets.items(), ("all", result)]:
+        means = [r.get("by_context_length", {}).get(b, {}).get("mean_acceptance_length") for b in buckets]
+        by_length.plot(buckets, [float("nan") if m is None else m for m in means], marker="o", label=name,
+                       **({"color": "black", "linewidth": 2} if name == "all" else {}))
+    by_length.set(xlabel="context length (tokens)", ylabel="mean acceptance length", title="by context length")
+    by_length.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -3,6 +3,10 @@
 Each round the draft proposes k tokens from the target's aux states of the committed context, the
 target verifies them in one cached forward, and the longest agreeing prefix plus the target's own next
 token are committed. With greedy verification the output equals the target's greedy decoding.
+
+Both models keep a KV cache across rounds, as servers do: the target its own, the draft the step-0 keys
+of the committed context (``DraftContext``), so a round costs the draft only the rows committed since
+the last one.
 """
 
 from __future__ import annotations
@@ -19,6 +23,37 @@ from ..draft.ttt import TTTCache
 class Generation:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per verification round
+    contexts: list[int] = field(default_factory=list)  # context length (tokens) each round drafted after
+
+
+class DraftContext:
+    """The draft's step-0 keys and values of the committed context, kept across rounds (a server's draft KV
+    cache). A round runs the draft's first step only over the rows committed since the last round, their
+    queries attending to the kept keys, so drafting costs (new rows x context) per round instead of
+    (context x context). Rows are added only after the target verified them: nothing is rolled back.
+
+    Row t of the first step reads the target's aux states at position t and the token at t + 1; the row
+    of the newest committed position reads the token the target just chose (``next_token``)."""
+
+    def __init__(self, draft):
+        self.draft = draft
+        self.kept: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rows = 0
+
+    def open_round(self, aux_new: list[torch.Tensor], context: list[int], next_token: int, cache_type=TTTCache):
+        """The round's draft cache (holding every committed row's step-0 keys) and the draft state of the
+        last committed row [1, 1, H]. ``aux_new``: the aux states of the rows ``self.rows .. len(context)-1``."""
+        first, n = self.rows, len(context)
+        if aux_new[0].shape[1] != n - first:
+            raise ValueError(f"DraftContext holds {first} rows and the context has {n}: expected the aux states of "
+                             f"{n - first} new rows, got {aux_new[0].shape[1]}")
+        device = aux_new[0].device
+        tokens = torch.tensor([(context + [next_token])[first + 1:]], device=device)
+        cache = cache_type(context=self.kept)
+        h = self.draft.step(tokens, self.draft.project_aux(aux_new), torch.arange(first, n, device=device)[None],
+                            cache, q_offset=first)[:, -1:]
+        self.kept, self.rows = cache.context_kv(), n
+        return cache, h
 
 
 def _new_cache(target):
@@ -78,14 +113,12 @@ def greedy_generate(target, prompt: list[int], max_new_tokens: int, stop_ids: se
 
 
 @torch.no_grad()
-def draft_chain(draft, aux_ctx: list[torch.Tensor], context: list[int], next_token: int, k: int) -> list[int]:
-    """k greedy draft tokens after ``context + [next_token]`` (target ids)."""
-    device = aux_ctx[0].device
-    n = len(context)
-    hidden = draft.project_aux(aux_ctx)  # row t: the target's state at position t
-    tokens = torch.tensor([context[1:] + [next_token]], device=device)  # row t: token t + 1
-    cache = TTTCache()
-    h = draft.step(tokens, hidden, torch.arange(n, device=device)[None], cache)[:, -1:]
+def draft_chain(drafted: DraftContext, aux_new: list[torch.Tensor], context: list[int], next_token: int,
+                k: int) -> list[int]:
+    """k greedy draft tokens after ``context + [next_token]`` (target ids); ``aux_new``: the aux states of
+    the context rows ``drafted`` does not hold yet."""
+    draft, device, n = drafted.draft, aux_new[0].device, len(context)
+    cache, h = drafted.open_round(aux_new, context, next_token)
     proposals = []
     for j in range(k):
         d = int(draft.draft_to_target(draft.compute_logits(h)[0, -1].argmax()))
@@ -101,28 +134,29 @@ def speculative_generate(target, draft, prompt: list[int], max_new_tokens: int, 
                          inputs: dict | None = None) -> Generation:
     """``inputs``: the prompt's modality inputs, taken by the prefill (images sit in the prompt only)."""
     cache = _new_cache(target)
-    aux_ctx, logits = target.forward_cached(torch.tensor([prompt], device=target.device), cache, **(inputs or {}))
-    context = list(prompt)
+    aux_new, logits = target.forward_cached(torch.tensor([prompt], device=target.device), cache, **(inputs or {}))
+    context, drafted = list(prompt), DraftContext(draft)
     next_token = int(logits[0, -1].argmax())
-    out = [next_token]
-    accepted: list[int] = []
-    while len(out) < max_new_tokens and next_token not in stop_ids:
-        proposals = draft_chain(draft, aux_ctx, context, next_token, k)
+    gen = Generation([next_token])
+    while len(gen.tokens) < max_new_tokens and next_token not in stop_ids:
+        proposals = draft_chain(drafted, aux_new, context, next_token, k)
         verify = torch.tensor([[next_token] + proposals], device=target.device)
-        aux_new, vlogits, snapshot = _verify(target, cache, verify)
+        aux_verified, vlogits, snapshot = _verify(target, cache, verify)
         greedy = vlogits[0].argmax(-1).tolist()  # greedy[i]: the target's token after verify[:i+1]
         a = 0
         while a < k and proposals[a] == greedy[a]:
             a += 1
-        accepted.append(a)
+        gen.accepted.append(a)
+        gen.contexts.append(len(context))
         context += [next_token] + proposals[:a]
-        aux_ctx = [torch.cat([c, new[:, : a + 1]], dim=1) for c, new in zip(aux_ctx, aux_new)]
+        aux_new = [new[:, : a + 1] for new in aux_verified]
         cache = _keep(target, cache, snapshot, verify, a + 1, len(context))
         next_token = greedy[a]
-        out += proposals[:a] + [next_token]
+        gen.tokens += proposals[:a] + [next_token]
         if any(t in stop_ids for t in proposals[:a]):
             break
-    return Generation(_cut(out, max_new_tokens, stop_ids), accepted)
+    gen.tokens = _cut(gen.tokens, max_new_tokens, stop_ids)
+    return gen
 
 
 @torch.no_grad()
@@ -148,17 +182,14 @@ def speculative_sample(target, draft, prompt: list[int], max_new_tokens: int, k:
         return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
     cache = _new_cache(target)
-    aux_ctx, logits = target.forward_cached(torch.tensor([prompt], device=device), cache, **(inputs or {}))
+    aux_new, logits = target.forward_cached(torch.tensor([prompt], device=device), cache, **(inputs or {}))
     V = logits.shape[-1]
-    context = list(prompt)
+    context, drafted = list(prompt), DraftContext(draft)
     next_token = sample(torch.softmax(logits[0, -1].float() / temperature, -1))
-    out, accepted = [next_token], []
-    while len(out) < max_new_tokens and next_token not in stop_ids:
+    gen = Generation([next_token])
+    while len(gen.tokens) < max_new_tokens and next_token not in stop_ids:
         n = len(context)
-        hidden = draft.project_aux(aux_ctx)
-        dcache = TTTCache()
-        h = draft.step(torch.tensor([context[1:] + [next_token]], device=device), hidden,
-                       torch.arange(n, device=device)[None], dcache)[:, -1:]
+        dcache, h = drafted.open_round(aux_new, context, next_token)
         proposals, qs = [], []
         for j in range(k):
             q = _draft_probs(draft, h, V, temperature)
@@ -169,7 +200,7 @@ def speculative_sample(target, draft, prompt: list[int], max_new_tokens: int, k:
                 h = draft.step(torch.tensor([[d]], device=device), h, torch.tensor([[n + j]], device=device), dcache,
                                q_offset=n - 1)
         verify = torch.tensor([[next_token] + proposals], device=device)
-        aux_new, vlogits, snapshot = _verify(target, cache, verify)
+        aux_verified, vlogits, snapshot = _verify(target, cache, verify)
         ps = torch.softmax(vlogits[0].float() / temperature, -1)  # ps[i]: the target after verify[:i+1]
         a, replacement = 0, None
         while a < k:
@@ -180,15 +211,17 @@ def speculative_sample(target, draft, prompt: list[int], max_new_tokens: int, k:
             residual = (ps[a] - qs[a]).clamp(min=0)
             replacement = sample(residual / residual.sum() if float(residual.sum()) > 0 else ps[a])
             break
-        accepted.append(a)
+        gen.accepted.append(a)
+        gen.contexts.append(n)
         context += [next_token] + proposals[:a]
-        aux_ctx = [torch.cat([c, new[:, : a + 1]], dim=1) for c, new in zip(aux_ctx, aux_new)]
+        aux_new = [new[:, : a + 1] for new in aux_verified]
         cache = _keep(target, cache, snapshot, verify, a + 1, len(context))
         next_token = replacement if replacement is not None else sample(ps[k])
-        out += proposals[:a] + [next_token]
+        gen.tokens += proposals[:a] + [next_token]
         if any(t in stop_ids for t in proposals[:a]):
             break
-    return Generation(_cut(out, max_new_tokens, stop_ids), accepted)
+    gen.tokens = _cut(gen.tokens, max_new_tokens, stop_ids)
+    return gen
 
 
 def acceptance_summary(accepted_per_round: list[int], k: int) -> dict:
@@ -202,3 +235,29 @@ def acceptance_summary(accepted_per_round: list[int], k: int) -> dict:
     return {"mean_acceptance_length": 1.0 + sum(accepted_per_round) / rounds,
             "per_position_acceptance": per_pos, "per_position_conditional_acceptance": conditional,
             "rounds": rounds}
+
+
+def _length_label(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def context_buckets(edges: list[int]) -> list[tuple[str, int, float]]:
+    """(label, lowest, highest exclusive) per context-length bucket split at ``edges``: [1024, 4096] gives
+    <1k, 1k-4k, >=4k."""
+    edges = sorted(set(int(e) for e in edges))
+    bounds = [0, *edges, float("inf")]
+    labels = ([f"<{_length_label(edges[0])}"] if edges else ["all"]) + \
+        [f"{_length_label(lo)}-{_length_label(hi)}" for lo, hi in zip(edges, edges[1:])] + \
+        ([f">={_length_label(edges[-1])}"] if edges else [])
+    return [(label, lo, hi) for label, lo, hi in zip(labels, bounds, bounds[1:])]
+
+
+def acceptance_by_context_length(accepted_per_round: list[int], contexts: list[int], k: int,
+                                 edges: list[int]) -> dict[str, dict]:
+    """``acceptance_summary`` of the rounds in each context-length bucket (every bucket listed, empty ones
+    with 0 rounds), so a draft's acceptance at the lengths it is served at can be read off."""
+    out = {}
+    for label, lo, hi in context_buckets(edges):
+        rounds = [a for a, n in zip(accepted_per_round, contexts) if lo <= n < hi]
+        out[label] = acceptance_summary(rounds, k) if rounds else {"rounds": 0, "mean_acceptance_length": None}
+    return out

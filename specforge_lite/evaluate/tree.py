@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..draft.ttt import TreeCache
-from .spec_decode import Generation, _croppable, _cut, _new_cache
+from .spec_decode import DraftContext, Generation, _croppable, _cut, _new_cache
 
 
 @dataclass
@@ -57,14 +57,12 @@ class DraftTree:
 
 
 @torch.no_grad()
-def draft_tree(draft, aux_ctx: list[torch.Tensor], context: list[int], next_token: int, depth: int, topk: int,
-               budget: int) -> DraftTree:
-    """The draft's tree after ``context + [next_token]`` (target ids)."""
-    device = aux_ctx[0].device
-    n = len(context)
-    cache = TreeCache()
-    h = draft.step(torch.tensor([context[1:] + [next_token]], device=device), draft.project_aux(aux_ctx),
-                   torch.arange(n, device=device)[None], cache)[:, -1:]
+def draft_tree(drafted: DraftContext, aux_new: list[torch.Tensor], context: list[int], next_token: int, depth: int,
+               topk: int, budget: int) -> DraftTree:
+    """The draft's tree after ``context + [next_token]`` (target ids); ``aux_new``: the aux states of the
+    context rows ``drafted`` does not hold yet."""
+    draft, device, n = drafted.draft, aux_new[0].device, len(context)
+    cache, h = drafted.open_round(aux_new, context, next_token, TreeCache)
     logp = torch.log_softmax(draft.compute_logits(h)[0, -1].float(), -1)
     best = logp.topk(min(topk, logp.numel()))
     # Every candidate node: token, parent candidate, depth, score, and the draft state it was predicted from.
@@ -164,7 +162,7 @@ def tree_generate(target, draft, prompt: list[int], max_new_tokens: int, depth: 
     check_tree_support(target)
     device = target.device
     cache = _new_cache(target)
-    aux_ctx, logits = target.forward_cached(torch.tensor([prompt], device=device), cache, **(inputs or {}))
+    aux_new, logits = target.forward_cached(torch.tensor([prompt], device=device), cache, **(inputs or {}))
     if not _croppable(cache):
         raise ValueError(f"the {target.family.name} target keeps sliding-window or recurrent cache layers, which "
                          "cannot drop a tree's rejected branches; use eval.drafting=chain")
@@ -173,19 +171,21 @@ def tree_generate(target, draft, prompt: list[int], max_new_tokens: int, depth: 
                                            generator=generator))
     else:
         next_token = int(logits[0, -1].argmax())
-    context, out, accepted = list(prompt), [next_token], []
-    while len(out) < max_new_tokens and next_token not in stop_ids:
-        tree = draft_tree(draft, aux_ctx, context, next_token, depth, topk, budget)
-        aux_new, vlogits = _verify_tree(target, cache, next_token, tree, len(context))
+    context, drafted, gen = list(prompt), DraftContext(draft), Generation([next_token])
+    while len(gen.tokens) < max_new_tokens and next_token not in stop_ids:
+        tree = draft_tree(drafted, aux_new, context, next_token, depth, topk, budget)
+        aux_verified, vlogits = _verify_tree(target, cache, next_token, tree, len(context))
         path, following = _walk(vlogits[0], tree, tree.children(), temperature, generator)
         rows = torch.tensor([0] + [c + 1 for c in path])
         _keep_rows(cache, len(context), rows)
-        aux_ctx = [torch.cat([c, new[:, rows.to(new.device)]], dim=1) for c, new in zip(aux_ctx, aux_new)]
+        aux_new = [new[:, rows.to(new.device)] for new in aux_verified]
         accepted_tokens = [tree.tokens[c] for c in path]
-        accepted.append(len(path))
+        gen.accepted.append(len(path))
+        gen.contexts.append(len(context))
         context += [next_token] + accepted_tokens
         next_token = following
-        out += accepted_tokens + [next_token]
+        gen.tokens += accepted_tokens + [next_token]
         if any(t in stop_ids for t in accepted_tokens):
             break
-    return Generation(_cut(out, max_new_tokens, stop_ids), accepted)
+    gen.tokens = _cut(gen.tokens, max_new_tokens, stop_ids)
+    return gen

@@ -9,7 +9,7 @@ trainer config, so batch sizes, accumulation, clipping and precision are written
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,10 +23,34 @@ class DistributedContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    # Ulysses sequence parallelism: consecutive groups of sp_size ranks share each row (sp_group: theirs)
+    sp_size: int = 1
+    sp_group: Any = field(default=None, compare=False)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp_size
+
+    @property
+    def data_rank(self) -> int:
+        """Which data-parallel replica this rank belongs to (the ranks of one replica read the same rows)."""
+        return self.rank // self.sp_size
+
+    @property
+    def data_world_size(self) -> int:
+        return self.world_size // self.sp_size
+
+    def sequence_shard(self):
+        """This rank's share of every row (draft/sequence_parallel.py), or None without sequence parallelism."""
+        if self.sp_size == 1:
+            return None
+        from ..draft.sequence_parallel import SequenceShard
+
+        return SequenceShard(self.sp_group, self.sp_rank, self.sp_size)
 
     @property
     def enabled(self) -> bool:
@@ -66,6 +90,9 @@ def launcher_env() -> DistributedContext:
 def init_distributed(cfg: TrainerConfig) -> DistributedContext:
     """Join the process group when launched with several processes (gloo on CPU, nccl on GPU)."""
     ctx = launcher_env()
+    if cfg.deepspeed.sequence_parallel != 1 and not cfg.deepspeed.enabled:
+        raise ValueError("trainer.deepspeed.sequence_parallel needs DeepSpeed: choose trainer=zero0|zero1|zero2|zero3 "
+                         "and launch as many processes as it says (torchrun --nproc_per_node N)")
     if not ctx.enabled and not cfg.deepspeed.enabled:
         return ctx
     if not cfg.deepspeed.enabled:
@@ -80,7 +107,34 @@ def init_distributed(cfg: TrainerConfig) -> DistributedContext:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    return ctx
+    return with_sequence_parallel(ctx, cfg.deepspeed.sequence_parallel)
+
+
+def with_sequence_parallel(ctx: DistributedContext, size: int) -> DistributedContext:
+    """The context with DeepSpeed's sequence-parallel groups (consecutive ranks) built, when asked for."""
+    if size == 1:
+        return ctx
+    if size < 1 or ctx.world_size % size:
+        raise ValueError(f"trainer.deepspeed.sequence_parallel={size} must divide the {ctx.world_size} launched ranks "
+                         f"(launch a multiple of {size} processes, or lower it)")
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.utils import groups
+
+    parallel_state_sp.initialize_sequence_parallel(size)
+    # DeepSpeed's all-to-all reads this rank's place in the group from its registered mpu when the heads do
+    # not split evenly (SmolLM2: 3 KV heads over 2 ranks); deepspeed.initialize registers the same one later.
+    groups.mpu = parallel_state_sp
+    return replace(ctx, sp_size=size, sp_group=parallel_state_sp.get_sequence_parallel_group())
+
+
+def sequence_parallel_mpu(ctx: DistributedContext):
+    """What ``deepspeed.initialize(mpu=...)`` takes so that ZeRO sums gradients within a sequence-parallel
+    group and averages them across replicas (None without sequence parallelism)."""
+    if ctx.sp_size == 1:
+        return None
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    return parallel_state_sp
 
 
 def _free_port() -> int:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..config import TrainerConfig
-from .distributed import DistributedContext, deepspeed_config, use_bf16
+from .distributed import DistributedContext, deepspeed_config, sequence_parallel_mpu, use_bf16
 from .optim import build_optimizer, build_scheduler
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -86,7 +86,8 @@ class DeepSpeedEngine:
         optimizer = build_optimizer(draft.parameters(), cfg)
         scheduler = build_scheduler(optimizer, cfg)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=draft, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, ctx.world_size))
+            model=draft, optimizer=optimizer, lr_scheduler=scheduler, mpu=sequence_parallel_mpu(ctx),
+            config=deepspeed_config(cfg, ctx.data_world_size))
         self.module = self.engine.module
         self.zero_stage = cfg.deepspeed.zero_stage
         self._norm = float("nan")

@@ -54,7 +54,8 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
                 batch = next(stream).to(teacher.device)
                 out = objective(engine.forward, teacher, batch)
                 engine.backward(out.loss)
-                tally.add(out, batch.num_tokens, loss_divisor=cfg.grad_accum_steps)
+                # a row shared by a sequence-parallel group counts its tokens once
+                tally.add(out, batch.num_tokens if ctx.sp_rank == 0 else 0, loss_divisor=cfg.grad_accum_steps)
             grad_norm = engine.step()
             ctx.all_reduce_sum(tally.sums)
             step += 1
@@ -63,7 +64,7 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
 
             if ctx.is_main and (step % cfg.log_every == 0 or step == stop_at):
                 elapsed = time.perf_counter() - t_window
-                scores = tally.metrics(ranks=ctx.world_size)
+                scores = tally.metrics(ranks=ctx.data_world_size)
                 metrics = {"step": step, "loss": scores.pop("loss"), "lr": engine.lr, "grad_norm": grad_norm,
                            "tokens_seen": tokens_seen, "tokens_per_s": tok_window / max(elapsed, 1e-9), **scores}
                 tracker.log(metrics)
