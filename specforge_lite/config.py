@@ -103,8 +103,8 @@ class DraftConfig:
     init_lm_head_from_target: bool = True
     # Long rows: blockwise holds no [T, T] scores (memory linear in T); dense is the reference that does.
     ttt_attention: str = "blockwise"
-    # Rows per chunk of the lm_head + loss, recomputed in backward: no [N, draft_vocab] logits of a whole
-    # step are kept (0: one chunk).
+    # Rows per chunk of the lm_head + loss: no [N, draft_vocab] logits of a whole step are kept (soft_ce:
+    # fused, gradients made in the forward; acceptance: recomputed in backward). 0: one chunk.
     loss_chunk_rows: int = 512
     # Recompute each TTT step's draft layer in backward instead of keeping its activations.
     checkpointing: bool = False
@@ -124,8 +124,13 @@ class GenerationConfig:
     max_new_tokens: int = 256
     # lean: continuous batching over our lean forward (a finished answer's row is refilled at once; Llama
     # layout and Gemma 3). hf: transformers' generate (every family; a batch runs until its longest answer
-    # ends). auto: lean where the family has a lean forward.
+    # ends). auto: lean where the family has a lean forward. openai: a serving engine's OpenAI-compatible
+    # completions endpoint (vLLM, SGLang), server_url, or vLLM started from the serving environment.
     engine: str = "auto"
+    server_url: Optional[str] = None  # openai: e.g. http://127.0.0.1:8000/v1 (null: start vLLM, stop it after)
+    server_model: Optional[str] = None  # openai: the model name the server serves (null: the target's path)
+    concurrency: int = 64  # openai: completion requests in flight
+    server_memory_fraction: float = 0.25  # openai, vLLM started here: its gpu_memory_utilization (CPU: of RAM)
     batch_size: int = 32  # answers generated at once (lean: KV-cache slots; hf: conversations per generate())
     dtype: str = "auto"  # auto: the target's dtype (itself bf16 only where native); float32 | bfloat16
     seed: int = 0

@@ -91,7 +91,7 @@ def stop_ids(tokenizer, target: HFTarget) -> set[int]:
     return {i for i in ids if i is not None}
 
 
-GENERATION_ENGINES = ("auto", "lean", "hf")
+GENERATION_ENGINES = ("auto", "lean", "hf", "openai")
 
 
 class LazyGenerator:
@@ -100,12 +100,13 @@ class LazyGenerator:
     second copy is loaded in it. ``generation.engine``: lean (continuous batching over our lean forward),
     hf (transformers' generate), auto (lean where the family has a lean forward)."""
 
-    def __init__(self, config: Config, target: HFTarget, tokenizer, **overrides):
+    def __init__(self, config: Config, target: HFTarget, tokenizer, server=None, **overrides):
         """``overrides``: generation settings that differ from data.generation's (sampling of self-generated
-        requests: temperature, top_p, max_new_tokens, seed)."""
+        requests: temperature, top_p, max_new_tokens, seed). ``server``: engine openai without a server_url,
+        the VLLMServer (serving.py) to start on first use."""
         from dataclasses import replace
 
-        self.config, self.target, self.tokenizer = config, target, tokenizer
+        self.config, self.target, self.tokenizer, self.server = config, target, tokenizer, server
         self.settings = replace(config.data.generation, **overrides)
         self._impl = None
 
@@ -129,7 +130,8 @@ class LazyGenerator:
     def fingerprint(self) -> str:
         import hashlib
 
-        blob = f"{self.target.location}|{self.target.config.to_json_string()}|{self._dtype()}|{self.engine}"
+        served = f"|{self.settings.server_model or self.target.location}" if self.engine == "openai" else ""
+        blob = f"{self.target.location}|{self.target.config.to_json_string()}|{self._dtype()}|{self.engine}{served}"
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def _dtype(self) -> torch.dtype:
@@ -139,10 +141,16 @@ class LazyGenerator:
         return self.target.dtype if name == "auto" else resolve_dtype(name, self.target.device)
 
     def _build(self):
+        gen, stops = self.settings, stop_ids(self.tokenizer, self.target)
+        if self.engine == "openai":
+            from .targets.generate import ServedAnswers
+
+            url = gen.server_url or self.server.start
+            return ServedAnswers(url, gen.server_model or str(self.target.location), self.tokenizer,
+                                 gen.max_new_tokens, gen.temperature, gen.top_p, stops, gen.concurrency)
         model = self.target.model
         if self._dtype() != self.target.dtype:
             model = self.target.family.load(self.target.location, dtype=self._dtype()).to(self.target.device).eval()
-        gen, stops = self.settings, stop_ids(self.tokenizer, self.target)
         if self.engine == "hf":
             from .targets.generate import HFGenerator
 
@@ -180,12 +188,32 @@ def prepare(config: Config, target: HFTarget, tokenizer, log=print):
     """The data stage, with the target as the answer generator when data.regenerate is on."""
     from .data import prepare_data
 
-    generator = LazyGenerator(config, target, tokenizer)
+    server = vllm_server(config, target, log)  # (engine openai with no server_url; started on first use)
+    generator = LazyGenerator(config, target, tokenizer, server)
     sg = config.data.self_generated
-    writer = LazyGenerator(config, target, tokenizer, temperature=sg.temperature, top_p=sg.top_p,
+    writer = LazyGenerator(config, target, tokenizer, server, temperature=sg.temperature, top_p=sg.top_p,
                            max_new_tokens=sg.max_new_tokens, seed=sg.seed)
-    return prepare_data(config.data, tokenizer, generate=generator, model_fingerprint=generator.fingerprint(), log=log,
-                        images=target.image_inputs, request_writer=writer)
+    try:
+        return prepare_data(config.data, tokenizer, generate=generator, model_fingerprint=generator.fingerprint(),
+                            log=log, images=target.image_inputs, request_writer=writer)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def vllm_server(config: Config, target: HFTarget, log=print):
+    """The vLLM server the openai engine starts from the serving environment, when no server_url is given:
+    the target's own folder, its generation dtype, a context of the target's positions (at most 32k)."""
+    gen = config.data.generation
+    if gen.engine != "openai" or gen.server_url:
+        return None
+    from .device import dtype_name, resolve_dtype
+    from .serving import VLLMServer
+
+    positions = getattr(target.config, "max_position_embeddings", None) or 32768
+    dtype = target.dtype if gen.dtype == "auto" else resolve_dtype(gen.dtype, target.device)
+    return VLLMServer(str(target.location), min(positions, 32768), dtype_name(dtype), gen.server_memory_fraction,
+                      log=log)
 
 
 def packing_length(config: Config, target: Target) -> int | None:

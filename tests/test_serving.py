@@ -267,3 +267,49 @@ def test_the_served_check_says_what_is_missing(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECFORGE_LITE_SERVING_PYTHON", str(tmp_path / "no-python"))
     with pytest.raises(FileNotFoundError, match="bash scripts/setup_serving.sh"):
         serve([tmp_path])
+
+
+PROMPTS = ["Name three fruits.", "What is the capital of France?", "Write one sentence about the sea.",
+           "How do I boil an egg?", "Give me a synonym for happy.", "What is 12 times 12?",
+           "Suggest a name for a cat.", "Why is the sky blue? Answer in one sentence."]
+
+
+def test_regeneration_through_vllms_own_server_agrees_with_the_hf_engine(serving_python, smollm2, tmp_path,
+                                                                         monkeypatch):
+    """data.generation.engine=openai with no server_url: vLLM's OpenAI-compatible server is started from the
+    serving environment on 127.0.0.1, answers the same chat-templated prompts greedily through the same
+    regeneration (shards, cache) and is stopped afterwards. Its answers are compared with transformers'
+    greedy generate (engine hf) on the real SmolLM2: fp32 on both sides, but different kernels, so an
+    answer may part ways where two tokens' logits nearly tie; at least 6 of 8 must agree whole."""
+    from dataclasses import replace
+
+    from specforge_lite.data.regenerate import regenerate
+    from specforge_lite.pipeline import LazyGenerator, vllm_server
+
+    monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECFORGE_LITE_SERVING_PYTHON", str(serving_python))
+    config, target, tok = smollm2
+    convs = [[{"role": "user", "content": p}, {"role": "assistant", "content": "-"}] for p in PROMPTS]
+    answers, servers, settings = {}, {}, {}
+    for engine in ("openai", "hf"):
+        gen = replace(config.data.generation, engine=engine, max_new_tokens=32, batch_size=4, concurrency=8)
+        cfg = replace(config, data=replace(config.data, generation=gen))
+        server = servers[engine] = vllm_server(cfg, target, log=lambda m: None)
+        settings[engine] = gen
+        assert (server is None) == (engine == "hf")
+        generator = LazyGenerator(cfg, target, tok, server)
+        try:
+            out, stats = regenerate(convs, generator, gen, f"key-{engine}", log=lambda m: None)
+        finally:
+            if server is not None:
+                server.stop()
+        assert stats["regenerated"] == len(PROMPTS) and stats["empty_answers"] == 0
+        answers[engine] = [c[1]["content"] for c in out]
+    assert servers["openai"].proc is None  # stopped
+    agree = sum(a == b for a, b in zip(answers["openai"], answers["hf"]))
+    print(f"vLLM server vs HF greedy: {agree}/{len(PROMPTS)} answers equal")
+    assert agree >= 6, list(zip(answers["openai"], answers["hf"]))
+    # the shards are the cache: the same key reads them back without a server
+    cached, _ = regenerate(convs, lambda batch: pytest.fail("regenerated again"), settings["openai"], "key-openai",
+                           log=lambda m: None)
+    assert [c[1]["content"] for c in cached] == answers["openai"]

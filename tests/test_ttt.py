@@ -226,9 +226,10 @@ def test_blockwise_ttt_attention_equals_the_naive_one_with_gradients(monkeypatch
 
 def test_checkpointed_steps_and_chunked_loss_give_the_same_loss_and_gradients():
     """draft.checkpointing (each step recomputed in backward, the key cache cut back for it) and
-    draft.loss_chunk_rows (lm_head + loss in row chunks, recomputed) and draft.ttt_attention=dense change
-    memory, not results: the same loss, step statistics and gradients as the plain unroll (tolerance 1e-5
-    of each gradient's largest entry), on packed rows."""
+    draft.loss_chunk_rows (lm_head + loss in row chunks: fused for soft_ce, recomputed for the acceptance
+    loss) and draft.ttt_attention=dense change memory, not results: the same loss, step statistics and
+    gradients as the plain unroll (tolerance 1e-5 of each gradient's largest entry), on packed rows, for
+    both losses."""
     target = tiny_target()
     draft = tiny_draft(target, draft_vocab_size=target.vocab_size)
     g = torch.Generator().manual_seed(1)
@@ -244,13 +245,49 @@ def test_checkpointed_steps_and_chunked_loss_give_the_same_loss_and_gradients():
         out.loss.backward()
         return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 
-    ref, ref_grads = run()
-    for options in ({"checkpointing": True}, {"loss_chunk_rows": 5}, {"attention": "dense"},
-                    {"checkpointing": True, "loss_chunk_rows": 4}):
-        out, grads = run(**options)
-        assert torch.allclose(out.loss, ref.loss, rtol=1e-5, atol=1e-6), options
-        counts = [(int(s.correct), int(s.valid)) for s in out.steps]
-        assert counts == [(int(s.correct), int(s.valid)) for s in ref.steps]
-        for name, grad in ref_grads.items():
-            gap = float((grads[name] - grad).abs().max()) / float(grad.abs().max())
-            assert gap <= 1e-5, (options, name, gap)  # of the gradient's largest entry: fp32 summation order
+    for loss, chunks in (("soft_ce", 5), ("acceptance", 4)):  # fused chunks; checkpointed chunks
+        ref, ref_grads = run(loss=loss)
+        for options in ({"checkpointing": True}, {"loss_chunk_rows": chunks}, {"attention": "dense"},
+                        {"checkpointing": True, "loss_chunk_rows": chunks}):
+            out, grads = run(loss=loss, **options)
+            assert torch.allclose(out.loss, ref.loss, rtol=1e-5, atol=1e-6), options
+            counts = [(int(s.correct), int(s.valid)) for s in out.steps]
+            assert counts == [(int(s.correct), int(s.valid)) for s in ref.steps]
+            for name, grad in ref_grads.items():
+                gap = float((grads[name] - grad).abs().max()) / float(grad.abs().max())
+                assert gap <= 1e-5, (options, name, gap)  # of the gradient's largest entry: fp32 summation order
+
+
+def test_fused_head_loss_equals_logits_then_log_softmax_with_gradients():
+    """draft/head_loss.py (lm_head + soft cross-entropy in row chunks, gradients made in the forward)
+    against the plain autograd computation: the weighted total, each row's loss and argmax agreement, and
+    the gradients of the rows and the weight (fp32: 1e-5 relative; bf16 weights and rows: 2e-2 of the
+    largest entry, the reference's own bf16 rounding), for one chunk and for chunks that do not divide the
+    rows, and with the weight frozen."""
+    from specforge_lite.draft.head_loss import head_soft_cross_entropy
+
+    g = torch.Generator().manual_seed(3)
+    N, H, V, R = 11, 16, 40, 30
+    teacher = torch.randn(R, V, generator=g) * 3
+    rows = torch.randint(0, R, (N,), generator=g)
+    top = teacher[rows].argmax(-1)
+    top[::3] = torch.randint(0, V, (len(top[::3]),), generator=g)  # some rows disagree with the teacher
+    weights = torch.rand(N, generator=g)
+    h0, w0 = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) * 0.3
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        h_ref, w_ref = h0.to(dtype).clone().requires_grad_(), w0.to(dtype).clone().requires_grad_()
+        logits = (h_ref @ w_ref.t()).float()
+        ref_rows = -(torch.softmax(teacher[rows].float(), -1) * torch.log_softmax(logits, -1)).sum(-1)
+        (2.5 * (ref_rows * weights).sum()).backward()
+        for chunk_rows, frozen in ((0, False), (4, False), (5, True)):
+            h, w = h0.to(dtype).clone().requires_grad_(), w0.to(dtype).clone().requires_grad_(not frozen)
+            total, row_loss, row_correct = head_soft_cross_entropy(h, w, teacher, rows, top, weights, chunk_rows)
+            (2.5 * total).backward()
+            torch.testing.assert_close(total, (ref_rows * weights).sum().detach(), rtol=tol, atol=tol)
+            torch.testing.assert_close(row_loss, ref_rows.detach(), rtol=tol, atol=tol)
+            assert torch.equal(row_correct, logits.argmax(-1) == top)
+            assert (w.grad is None) == frozen
+            for got, want in ((h.grad, h_ref.grad), (None if frozen else w.grad, w_ref.grad)):
+                if got is not None:
+                    gap = float((got.float() - want.float()).abs().max()) / float(want.float().abs().max())
+                    assert gap <= tol, (dtype, chunk_rows, gap)

@@ -1,7 +1,10 @@
 """Regeneration throughput: the answer engines side by side on the same prompts, in one process.
 
-    python -m specforge_lite.bench regenerate [--prompts 128] [--engines hf,lean] [--batch-size 64]
+    python -m specforge_lite.bench regenerate [--prompts 128] [--engines hf,lean,openai] [--batch-size 64]
                                               [--dtypes auto] [--max-new-tokens 128] [overrides]
+
+``openai``: vLLM's OpenAI-compatible server started from the serving environment (scripts/setup_serving.sh),
+``--batch-size`` requests in flight; its start-up is not timed.
 
 For each dtype and engine: useful answer tokens per second (answer tokens, stop token included, over the
 wall time), the share of decode compute spent on rows whose answer had already ended (HF generate runs a
@@ -31,7 +34,7 @@ def main(argv=None) -> None:
     from ..data.formats import MalformedRow, iter_rows, normalize_conversation
     from ..data.prepare import data_file
     from ..data.regenerate import compute_shares
-    from ..pipeline import LazyGenerator, build_target, load_tokenizer
+    from ..pipeline import LazyGenerator, build_target, load_tokenizer, vllm_server
 
     config = load_config(["tracker=none", *a.overrides])
     target = build_target(config)
@@ -50,19 +53,25 @@ def main(argv=None) -> None:
         if len(prompts) == a.prompts:
             break
     gen = config.data.generation
-    gen.batch_size, gen.max_new_tokens = a.batch_size, a.max_new_tokens
+    gen.batch_size = gen.concurrency = a.batch_size
+    gen.max_new_tokens = a.max_new_tokens
     print(f"{config.model.name}: {len(prompts)} first-turn prompts, up to {a.max_new_tokens} new tokens, greedy, "
           f"{a.batch_size} answers at once")
     rates, reference = {}, None
     for dtype in a.dtypes.split(","):
         for engine in a.engines.split(","):
             gen.dtype, gen.engine = dtype, engine
-            generator = LazyGenerator(config, target, tok)
-            generator(prompts[:1])  # build (and load a copy in another dtype) before timing
-            before = generator.counters()
-            t0 = time.perf_counter()
-            answers = generator(prompts)
-            seconds = time.perf_counter() - t0
+            server = vllm_server(config, target)
+            generator = LazyGenerator(config, target, tok, server)
+            try:
+                generator(prompts[:1])  # build (load a copy in another dtype, start the server) before timing
+                before = generator.counters()
+                t0 = time.perf_counter()
+                answers = generator(prompts)
+                seconds = time.perf_counter() - t0
+            finally:
+                if server is not None:
+                    server.stop()
             after = generator.counters()
             shares = compute_shares({k: after[k] - before.get(k, 0) for k in after})
             rate = shares["generated_tokens"] / seconds

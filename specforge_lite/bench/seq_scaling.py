@@ -6,9 +6,9 @@
 
 One step = the TTT unroll, its loss and the backward, on one row of T tokens with random aux states and
 teacher logits (the target is not run). Three ways, measured side by side in one process:
-"dense" (every step's [T, T] scores held, the whole step's logits kept: the implementation before
+"dense" (every step's [T, T] scores held, the lm_head + loss in one chunk: the attention before
 draft.ttt_attention=blockwise), "blockwise" (the defaults: attention in query blocks merged through the
-log-sum-exp, lm_head + loss in recomputed row chunks) and "blockwise+ckpt" (draft.checkpointing=true as
+log-sum-exp, the fused lm_head + loss in row chunks) and "blockwise+ckpt" (draft.checkpointing=true as
 well). A way whose estimated memory exceeds --max-gib is skipped and says so. The growth per 4x of T
 is printed per way; the last line names the memory ratio of the two longest rows 4x apart.
 
@@ -16,10 +16,13 @@ is printed per way; the last line names the memory ratio of the two longest rows
 row (draft/sequence_parallel.py, DeepSpeed's all-to-all); the memory printed is rank 0's, the tokens/s
 the group's.
 
-``--peers NAME=PYTHON ...`` (e.g. ``specforge=/tmp/peers/bin/python``): after the table, one training
-step of each peer's own EAGLE3 draft (scripts/peers/NAME_step.py, run by that interpreter, its own
-TTT loop and loss) against ours (the defaults) on the same shapes, at ``--peer-seq-lens``: tokens/s,
-medians of ``--repeats`` steps after a warm-up, side by side, and our ratio to the faster peer.
+``--peers NAME=PYTHON ...``: after the table, one training step of each peer's own EAGLE3 draft
+(scripts/peers/NAME_step.py, run by that interpreter: its own TTT loop and loss) against ours (the
+defaults) on the same shapes, at ``--peer-seq-lens``: tokens/s, medians of ``--repeats`` steps after a
+warm-up, side by side, and our ratio to the faster peer. The peers live in a throwaway venv:
+
+    peers=$(scripts/setup_peers.sh | tail -1)
+    python -m specforge_lite.bench seq_scaling --peers specforge=$peers speculators=$peers
 """
 
 from __future__ import annotations
@@ -115,10 +118,10 @@ def main(argv=None) -> None:
                 say(f"{way}: memory x{ratio:.2f} from T={lo} to T={hi} (linear: x4, quadratic: x16)")
                 if way != "dense":
                     last = (way, lo, hi, ratio)
-    if last:
-        say(f"memory ratio {last[2]}/{last[1]} ({last[0]}): {last[3]:.2f}")
     if a.peers:
         _against_peers(draft, shape, a, say)
+    if last:  # the last line, after any peer comparison
+        say(f"memory ratio {last[2]}/{last[1]} ({last[0]}): {last[3]:.2f}")
 
 
 def _row(shape: dict, T: int, Vd: int):
@@ -161,7 +164,8 @@ def _against_peers(draft, shape: dict, a, say) -> None:
         theirs, notes = {}, []
         for name, python in peers.items():
             cmd = [python, str(PEER_DRIVERS / f"{name}_step.py"), "--seq-len", str(T), "--ttt", str(a.ttt),
-                   "--draft-vocab", str(a.draft_vocab), "--repeats", str(a.repeats)]
+                   "--draft-vocab", str(a.draft_vocab), "--repeats", str(a.repeats), "--shape", json.dumps(shape),
+                   "--threads", str(torch.get_num_threads())]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 notes.append(f"{name} failed: {proc.stderr.strip().splitlines()[-1:]}")

@@ -20,6 +20,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from .head_loss import DraftHead
 from .ttt import DraftCache
 
 
@@ -171,7 +172,7 @@ class Eagle3Draft(nn.Module):
                                          for _ in range(n_aux))
         self.midlayer = DraftDecoderLayer(spec)
         self.norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
+        self.lm_head = DraftHead(spec.hidden_size, spec.draft_vocab_size)
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(spec.llama_config())
@@ -251,3 +252,10 @@ class Eagle3Draft(nn.Module):
     def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits from the pre-norm output."""
         return self.lm_head(self.norm(prenorm))
+
+    def soft_cross_entropy(self, prenorm: torch.Tensor, teacher_logits: torch.Tensor, teacher_rows: torch.Tensor,
+                           teacher_top: torch.Tensor, row_weights: torch.Tensor, chunk_rows: int):
+        """The weighted soft cross-entropy of pre-norm rows [N, H] against their rows of ``teacher_logits``
+        [R, Vd], without their [N, Vd] logits ever held whole (draft/head_loss.py: what it returns)."""
+        return self.lm_head(self.norm(prenorm), teacher=(teacher_logits, teacher_rows, teacher_top, row_weights,
+                                                         chunk_rows))

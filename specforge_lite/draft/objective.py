@@ -140,8 +140,8 @@ class Eagle3Objective:
                  else self.sequence.cache(segments, self.attention))
         input_ids, loss_mask, in_vocab = (padded_rows(t, Tp) for t in (x.input_ids, x.loss_mask, x.in_vocab))
         hidden = draft.project_aux([padded_rows(a, Tp)[:, lo:hi] for a in x.aux])
-        total = hidden.new_zeros((), dtype=torch.float32)
-        steps = []
+        scored: list[tuple[torch.Tensor, ...]] = []  # per step: its valid rows, their teacher rows, weight
+        counts = []  # per step: (valid over whole rows, this rank's valid)
         for k in range(self.ttt_length):
             hidden = self._step(draft, shift_left(input_ids, 1 + k)[:, lo:hi], hidden, (positions + k)[:, lo:hi],
                                 cache)
@@ -150,21 +150,24 @@ class Eagle3Objective:
                 valid &= shift_left(segments, 2 + k) == segments
             n = valid.sum()  # over whole rows: every rank of a sequence-parallel group divides by the same count
             mine = valid[:, lo:hi]
+            counts.append((n, mine.sum().detach()))
             rows = mine.nonzero(as_tuple=True)
-            t_rows = (rows[0], rows[1] + lo + 1 + k)  # teacher rows for the valid positions
-            if int(n) == 0:
-                zero = total.new_zeros(())
-                steps.append(StepStats(zero, zero, zero))
-                continue
-            loss_sum, correct = self._scored(draft, hidden[rows], x.teacher_logits, t_rows, teacher_top[t_rows])
-            step_loss = loss_sum / n
-            total = total + (self.decay ** k) * step_loss
-            steps.append(StepStats(step_loss.detach(), correct.detach(), mine.sum().detach()))
-        if not total.requires_grad:
+            t_rows = rows[0] * T + rows[1] + lo + 1 + k  # teacher rows (of the [B * T] flattened teacher)
+            weight = (self.decay ** k) / n.clamp(min=1).float()
+            scored.append((hidden[rows], t_rows, weight.expand(len(t_rows))))
+        h, t_rows, weights = (torch.cat(parts) for parts in zip(*scored))
+        teacher = x.teacher_logits.flatten(0, 1)
+        total, row_loss, row_correct = self._scored(draft, h, teacher, t_rows, teacher_top.flatten()[t_rows], weights)
+        steps, start = [], 0
+        for (n, mine), (rows_h, _, _) in zip(counts, scored):
+            end = start + rows_h.shape[0]
+            steps.append(StepStats(row_loss[start:end].sum() / n.clamp(min=1), row_correct[start:end].sum(), mine))
+            start = end
+        if h.shape[0] == 0:
             # No token to score in this micro-batch (e.g. the target's answers all fall outside the draft
             # vocabulary): a zero loss that still reaches every trainable weight, so backward() runs and,
             # under data parallelism, every rank takes part in the gradient reduction.
-            total = total + sum((p * 0).sum() for p in draft.parameters() if p.requires_grad)
+            total = total.detach() + sum((p * 0).sum() for p in draft.parameters() if p.requires_grad)
         return TTTOutput(total, steps)
 
     def _step(self, draft, input_ids, hidden, positions, cache: TTTCache) -> torch.Tensor:
@@ -181,27 +184,30 @@ class Eagle3Objective:
 
         return checkpoint(run, input_ids, hidden, positions, use_reentrant=False)
 
-    def _scored(self, draft, hidden: torch.Tensor, teacher_logits: torch.Tensor, t_rows: tuple[torch.Tensor, ...],
-                teacher_top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed loss, correct count) of valid rows [N, H] against their teacher rows (``t_rows`` of
-        ``teacher_logits``), in chunks of ``loss_chunk_rows`` rows whose [chunk, draft_vocab] logits and
-        teacher rows are gathered and computed inside the chunk and recomputed in backward, not kept."""
+    def _scored(self, draft, hidden: torch.Tensor, teacher_logits: torch.Tensor, teacher_rows: torch.Tensor,
+                teacher_top: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(weighted loss total, each row's loss, each row's draft argmax == teacher's) for the pre-norm rows
+        [N, H] of all steps against their rows of the flattened teacher logits [B * T, Vd], in chunks of
+        ``loss_chunk_rows`` rows whose [chunk, draft_vocab] logits are never kept for all N: soft_ce through
+        the fused lm_head + loss (draft/head_loss.py), the other losses in checkpointed chunks (recomputed
+        in backward)."""
+        size = self.loss_chunk_rows or max(hidden.shape[0], 1)
+        if self.loss == "soft_ce":
+            return draft.soft_cross_entropy(hidden, teacher_logits, teacher_rows, teacher_top, weights, size)
 
-        def chunk(h, where, top):
+        def chunk(h, rows, top, w):
             logits = draft.compute_logits(h).float()
-            target_p = torch.softmax(teacher_logits[where].float(), dim=-1)
-            return token_loss(self.loss, target_p, logits).sum(), (logits.argmax(-1) == top).sum()
+            target_p = torch.softmax(teacher_logits.index_select(0, rows).float(), dim=-1)
+            row_loss = token_loss(self.loss, target_p, logits)
+            return (row_loss * w).sum(), row_loss.detach(), logits.argmax(-1) == top
 
-        size = self.loss_chunk_rows or hidden.shape[0]
-        if hidden.shape[0] <= size:
-            return chunk(hidden, t_rows, teacher_top)
-        loss, correct = hidden.new_zeros((), dtype=torch.float32), teacher_top.new_zeros(())
+        parts = []
         for s in range(0, hidden.shape[0], size):
-            part = (hidden[s : s + size], tuple(i[s : s + size] for i in t_rows), teacher_top[s : s + size])
-            part_loss, part_correct = (checkpoint(chunk, *part, use_reentrant=False) if torch.is_grad_enabled()
-                                       else chunk(*part))
-            loss, correct = loss + part_loss, correct + part_correct
-        return loss, correct
+            part = (hidden[s : s + size], teacher_rows[s : s + size], teacher_top[s : s + size], weights[s : s + size])
+            parts.append(checkpoint(chunk, *part, use_reentrant=False) if torch.is_grad_enabled() else chunk(*part))
+        if not parts:
+            return hidden.new_zeros((), dtype=torch.float32), hidden.new_zeros(0), hidden.new_zeros(0, dtype=torch.bool)
+        return sum(p[0] for p in parts), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
 
     # ---- metrics ------------------------------------------------------------------------------
     def tally(self) -> "Tally":

@@ -79,7 +79,8 @@ def _evaluate(run: Run, summary: dict, result, run_dir: Path, log) -> None:
 
 def served_check(run_dir: Path, log) -> str:
     """eval.serve=vllm: vLLM serves the export; 'failed: why' when its outputs differ from greedy."""
-    from .served import ServedMismatch, serve, serving_python
+    from ..serving import serving_python
+    from .served import ServedMismatch, serve
 
     if serving_python() is None:  # asked for, not possible here: say how, keep the run's results
         log("[serve] skipped: no serving environment. Build it (bash scripts/setup_serving.sh), then "

@@ -14,22 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from ..serving import ROOT, serving_python
 SCRIPT = ROOT / "eval" / "vllm_acceptance.py"
 
 
 class ServedMismatch(RuntimeError):
     """vLLM refused the export, or served outputs other than the target's greedy output."""
-
-
-def serving_python() -> Path | None:
-    """The serving environment's interpreter (SPECFORGE_LITE_SERVING_PYTHON, else .serving/bin/python)."""
-    path = Path(os.environ.get("SPECFORGE_LITE_SERVING_PYTHON") or ROOT / ".serving" / "bin" / "python")
-    return path if path.is_file() else None
 
 
 def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None, timeout: float = 1800,

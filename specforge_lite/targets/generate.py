@@ -1,15 +1,22 @@
-"""The target's answers for regenerated training data, from two engines (``data.generation.engine``):
+"""The target's answers for regenerated training data, from three engines (``data.generation.engine``):
 
 * ``lean``: continuous batching over our lean forward (targets/lean/decode.py). A finished row leaves
   the batch at once and a waiting prompt takes its slot, so no compute goes to rows that already stopped.
 * ``hf``: transformers' ``generate`` on batches of prompts (left padding, KV cache): every family, but a
   batch runs until its longest answer ends and the rows that stopped earlier keep computing.
+* ``openai``: a serving engine (vLLM, SGLang) through its OpenAI-compatible completions endpoint, with
+  ``concurrency`` requests in flight. The prompt goes as token ids rendered here with the same chat
+  template as the other engines, so the server sees exactly the prompt they would.
 
 Both count what they computed, so the share spent on padding or past the end of an answer is reported.
 """
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator
 
 import torch
@@ -109,3 +116,52 @@ class _Encoded:
     def pop(self) -> tuple[Any, list[int], int]:
         key, messages, seed = self.queue.pop()
         return key, self.encode(messages), seed
+
+
+class ServedAnswers:
+    """An OpenAI-compatible server as an answer stream: ``stream(queue)`` keeps up to ``concurrency``
+    completion requests in flight (token-id prompts, the server's own continuous batching does the rest)
+    and yields ``(key, answer text)`` as they finish. ``base_url``: ``http://host:port/v1``, or a callable
+    giving it (a server started on first use)."""
+
+    def __init__(self, base_url: str | Callable[[], str], model: str, tokenizer: Any, max_new_tokens: int,
+                 temperature: float, top_p: float, stop_ids: set[int], concurrency: int, timeout: float = 3600):
+        self.base_url, self.model, self.tokenizer = base_url, model, tokenizer
+        self.sampling = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                         "stop_token_ids": sorted(stop_ids), "skip_special_tokens": True}
+        self.concurrency, self.timeout = concurrency, timeout
+        self.tokens_generated = self.prompt_tokens = self.prompt_pad_tokens = 0  # (prompts are never padded)
+
+    def stream(self, queue) -> Iterator[tuple[Any, str]]:
+        url = (self.base_url() if callable(self.base_url) else self.base_url).rstrip("/") + "/completions"
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            pending: dict = {}
+            while len(queue) or pending:
+                while len(queue) and len(pending) < self.concurrency:
+                    key, prompt, seed = queue.pop()
+                    ids = encode_prompt(self.tokenizer, prompt)
+                    self.prompt_tokens += len(ids)
+                    pending[pool.submit(self._complete, url, ids, seed)] = key
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    text, tokens = future.result()
+                    self.tokens_generated += tokens
+                    yield pending.pop(future), text.strip()
+
+    def _complete(self, url: str, ids: list[int], seed: int) -> tuple[str, int]:
+        body = json.dumps({"model": self.model, "prompt": ids, "seed": seed, **self.sampling}).encode()
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                reply = json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")
+            if e.code == 400 and "context length" in detail:
+                return "", 0  # a prompt longer than the server's context: an empty answer, counted as one
+            raise RuntimeError(f"the server at {url} refused a completion ({e.code}: "
+                               f"{detail[:500]}); check data.generation.server_url and "
+                               f"server_model (the name the server serves)") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise RuntimeError(f"no answer from {url} ({e}): is the server running? (data.generation.server_url)"
+                               ) from None
+        return reply["choices"][0]["text"], int(reply.get("usage", {}).get("completion_tokens", 0))

