@@ -172,11 +172,18 @@ class DataConfig:
     self_generated: SelfGeneratedConfig = field(default_factory=SelfGeneratedConfig)
     # data.source=offline: train from a hidden-state store (python -m specforge_lite.offline dump|ingest)
     store: Optional[str] = None
+    # data.source=offline: global (one shuffle over all samples: the online order) | shard (shards in a
+    # shuffled order, each one's samples shuffled: reads stay in one file at a time, for stores larger than
+    # the page cache).
+    store_order: str = "global"
     max_length: int = 2048
     # Pack each micro-batch's conversations into as few rows of max_length tokens as they fit: no compute on
     # padding, same loss (attention and the TTT targets stay inside each conversation). Text targets only
     # (not Qwen3-VL, not the recurrent Qwen3-Next/3.5), read online. Raise trainer.micro_batch_size to fill rows.
     packing: bool = False
+    # Which assistant turns carry the loss: all | last (only each conversation's last answer, the rest of the
+    # conversation its context: multi-turn data trained the way the last turn is served).
+    loss_turns: str = "all"
     max_samples: Optional[int] = None  # cap on training conversations after the held-out split
     heldout_samples: int = 64  # conversations held out from training for evaluation
     # A run stops with an error when more than this share of rows is malformed.

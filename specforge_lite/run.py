@@ -79,7 +79,16 @@ class Run:
         pad = pad_id(self.tokenizer) if self.tokenizer is not None else 0  # pads are masked; never read
         return BatchStream(self.train_data, t.micro_batch_size, pad, t.seed, images=self.target.image_inputs,
                            rank=self.ctx.data_rank, world_size=self.ctx.data_world_size,
-                           pack_length=packing_length(self.config, self.target))
+                           pack_length=packing_length(self.config, self.target), blocks=self._blocks())
+
+    def _blocks(self) -> list[range] | None:
+        """A store's shards, when data.store_order=shard asks to read them one at a time."""
+        order = self.config.data.store_order
+        if order not in ("global", "shard"):
+            raise ValueError(f"data.store_order={order!r}: use global or shard")
+        if order == "global" or not hasattr(self.train_data, "shard_ranges"):
+            return None
+        return self.train_data.shard_ranges()
 
     def tracker(self, run_dir: Path, step: int):
         from omegaconf import OmegaConf

@@ -197,3 +197,25 @@ def test_a_text_only_target_skips_image_rows_and_counts_them(tmp_path, smollm2):
     data = prepare_data(cfg, smollm2[2], log=lambda m: None)
     assert data.stats["skipped"] == {"a turn holds images but the target takes text only": 1}
     assert len(data.train) + len(data.heldout) == 12
+
+
+@pytest.mark.parametrize("template", ["prefix-stable", "thinking"])
+def test_last_turn_only_puts_the_loss_on_the_last_answer_with_the_rest_as_context(smollm2, template):
+    """data.loss_turns=last: one sample per conversation, the loss on exactly the last answer's tokens (and its
+    end token), the earlier turns present as context, rendered as the server renders history (the thinking
+    template drops the earlier answer's reasoning); compared with the text the template itself renders."""
+    import copy
+
+    from specforge_lite.data.chat import tokenize_samples
+
+    tok = copy.deepcopy(smollm2[2])
+    if template == "thinking":
+        tok.chat_template = THINKING_TEMPLATE
+    msgs = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "<think>r1</think>A1"},
+            {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "<think>r2</think>A2"}]
+    [(ids, mask, _)] = tokenize_samples(tok, msgs, 256, loss_turns="last")
+    assert tok.decode([t for t, m in zip(ids, mask) if m]) == "<think>r2</think>A2<|im_end|>"
+    assert tok.decode(ids) == tok.apply_chat_template(msgs, tokenize=False)
+    assert ("r1" in tok.decode(ids)) == (template == "prefix-stable")
+    with pytest.raises(ValueError, match="data.loss_turns='first': use one of"):
+        tokenize_samples(tok, msgs, 256, loss_turns="first")

@@ -102,6 +102,32 @@ def test_a_killed_dump_resumes_to_the_same_store(tmp_path, tiny_store, monkeypat
             assert torch.equal(g[k], w[k]), k
 
 
+def test_a_dump_split_across_two_ranks_merges_to_the_one_process_store(tmp_path, tiny_store):
+    """torchrun --nproc_per_node 2 -m specforge_lite.offline dump: each rank captures its half of the samples
+    into its own part and rank 0 merges them. The merged store holds the one-process dump's samples
+    (tiny_store, same settings) in the same order: ids, masks and flags equal, states within 1e-5 (the
+    ranks batch other rows together, so the padded shapes differ), and the target's parts are equal."""
+    import subprocess
+
+    folder = tmp_path / "split"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "specforge_lite.offline", "dump", *TINY, f"store={folder}", "store.dtype=float32",
+           "store.samples_per_shard=10"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert {s["file"].split("/")[0] for s in manifest["shards"]} == {"rank-000-of-002", "rank-001-of-002"}
+    one, two = _store_tensors(tiny_store), _store_tensors(folder)
+    assert len(one) == len(two) == manifest["num_samples"]
+    for a, b in zip(one, two):
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-5, msg=key)
+    parts_one, parts_two = StoreReader(tiny_store).parts(), StoreReader(folder).parts()
+    assert parts_one.keys() == parts_two.keys() and all(torch.equal(parts_one[k], parts_two[k]) for k in parts_one)
+
+
 def test_bad_stores_are_named(tmp_path, tiny_store):
     import shutil
 
@@ -200,3 +226,30 @@ def test_a_topk_store_is_smaller_and_keeps_the_teachers_argmax(tmp_path, tiny_st
     assert offline[0]["loss"] == pytest.approx(online[0]["loss"], rel=0.2)
     with pytest.raises(StoreError, match="other settings"):  # the same folder cannot switch teacher kind
         dump(load_config([*TINY, f"store.path={topk}", "store.dtype=float32"]), log=lambda m: None)
+
+
+def test_shard_order_reads_one_shard_at_a_time_and_resumes(tiny_store):
+    """data.store_order=shard: an epoch is every sample once, each shard's samples together (one shard
+    switch per shard boundary, shards and rows in a seeded shuffled order that changes per epoch), and a
+    stream restored from its state_dict continues with the same batches."""
+    from specforge_lite.data.loader import BatchStream
+
+    reader = StoreReader(tiny_store)
+    blocks = reader.shard_ranges()
+    assert [len(b) for b in blocks] == [s["samples"] for s in reader.manifest.shards] and len(blocks) > 1
+    shard_of = {i: k for k, b in enumerate(blocks) for i in b}
+
+    stream = BatchStream(reader, 2, 0, seed=3, blocks=blocks)
+    first = list(stream._order)
+    assert sorted(first) == list(range(len(reader)))
+    switches = sum(shard_of[a] != shard_of[b] for a, b in zip(first, first[1:]))
+    assert switches == len(blocks) - 1
+    assert first != list(range(len(reader)))  # shuffled inside the shards
+    for _ in range(len(reader) // 2 + 1):  # through the epoch, into the next
+        next(stream)
+    assert stream.epoch == 1 and stream._order != first and sorted(stream._order) == sorted(first)
+    state = stream.state_dict()
+    resumed = BatchStream(reader, 2, 0, seed=3, blocks=blocks)
+    resumed.load_state_dict(state)
+    for _ in range(3):
+        assert torch.equal(next(resumed).input_ids, next(stream).input_ids)

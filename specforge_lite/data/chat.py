@@ -84,11 +84,26 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]], max_le
                    images, conversation_images(messages))
 
 
+LOSS_TURNS = ("all", "last")
+
+
 def tokenize_samples(tokenizer: Any, messages: list[dict[str, str]], max_length: int,
-                     images: ImageInputs | None = None) -> list[Sample]:
+                     images: ImageInputs | None = None, loss_turns: str = "all") -> list[Sample]:
     """The training samples of a conversation: one for a prefix-stable template, else one per assistant
     turn (see the module docstring). Turns cut off by max_length are dropped; none left is a MalformedRow.
-    ``images``: how the (vision) target takes the conversation's images; None for text-only targets."""
+    ``images``: how the (vision) target takes the conversation's images; None for text-only targets.
+    ``loss_turns=last``: one sample, the conversation up to its last answer, with the loss on that answer
+    only (rendered as the live turn, the earlier ones as the template renders history)."""
+    if loss_turns not in LOSS_TURNS:
+        raise ValueError(f"data.loss_turns={loss_turns!r}: use one of {LOSS_TURNS}")
+    if loss_turns == "last":
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        if last is None:
+            raise MalformedRow("no assistant turn")
+        _check_images(messages[: last + 1], images)
+        prefix, upto = _turn_span(tokenizer, messages, last, images)
+        return [_encode(tokenizer, upto, [(len(prefix), len(upto.rstrip()))], max_length, images,
+                        conversation_images(messages[: last + 1]))]
     messages = _within_budget(messages, max_length)
     try:
         return [tokenize_conversation(tokenizer, messages, max_length, images)]

@@ -96,11 +96,14 @@ class BatchStream:
     as many accumulation steps) would see. The position is world-independent, so it resumes anywhere."""
 
     def __init__(self, dataset, batch_size: int, pad_id: int, seed: int, shuffle: bool = True, images: Any = None,
-                 rank: int = 0, world_size: int = 1, pack_length: int | None = None):
+                 rank: int = 0, world_size: int = 1, pack_length: int | None = None, blocks: list[range] | None = None):
         """``pack_length``: pack each micro-batch's conversations into rows of at most this many tokens
-        (data.packing); the conversations, their order and the checkpointed position stay the same."""
+        (data.packing); the conversations, their order and the checkpointed position stay the same.
+        ``blocks`` (a store's shards, data.store_order=shard): each epoch visits the blocks in a shuffled
+        order and the rows of each block shuffled, so reads stay inside one shard at a time."""
         self.dataset, self.batch_size, self.pad_id, self.seed, self.shuffle = dataset, batch_size, pad_id, seed, shuffle
         self.images, self.rank, self.world_size, self.pack_length = images, rank, world_size, pack_length
+        self.blocks = blocks
         if len(dataset) < world_size:
             raise ValueError(f"{len(dataset)} training samples cannot feed {world_size} data-parallel ranks")
         self.epoch, self.cursor = 0, 0
@@ -111,7 +114,13 @@ class BatchStream:
         if not self.shuffle:
             return list(range(n))
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return torch.randperm(n, generator=g).tolist()
+        if self.blocks is None:
+            return torch.randperm(n, generator=g).tolist()
+        order = []
+        for b in torch.randperm(len(self.blocks), generator=g).tolist():
+            block = self.blocks[b]
+            order += [block[i] for i in torch.randperm(len(block), generator=g).tolist()]
+        return order
 
     def __iter__(self):
         return self

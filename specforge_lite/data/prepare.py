@@ -12,7 +12,7 @@ from typing import Any
 
 from ..config import DataConfig, MixSource, cache_dir
 from .builtin import chitchat_path, shapes_path
-from .chat import prompt_ids, tokenize_samples
+from .chat import LOSS_TURNS, prompt_ids, tokenize_samples
 from .formats import MalformedRow, conversation_images, iter_rows, normalize_conversation
 from .images import ImageInputs
 from .regenerate import regenerate, regeneration_key
@@ -104,6 +104,8 @@ def _fingerprint(paths: list[Path], tokenizer: Any, cfg: DataConfig, images: Ima
                             tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), 4096))))])
     h.update(tok_state.encode())
     h.update(json.dumps([_PREP_VERSION, cfg.max_length, cfg.heldout_samples, cfg.max_samples]).encode())
+    if cfg.loss_turns != "all":  # (keys made before the option existed stay valid)
+        h.update(f"loss_turns={cfg.loss_turns}".encode())
     if cfg.source == "mix":  # the mix's composition, and how self-generated requests are sampled
         h.update(json.dumps([[m.source, m.path, m.weight] for m in cfg.mix], sort_keys=True).encode())
         h.update(json.dumps(vars(cfg.self_generated), sort_keys=True).encode())
@@ -129,6 +131,8 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     """
     import datasets
 
+    if cfg.loss_turns not in LOSS_TURNS:
+        raise DataError(f"data.loss_turns={cfg.loss_turns!r}: use one of {LOSS_TURNS}")
     sources = mix_sources(cfg)
     files = {i: data_file(src) for i, src in enumerate(sources) if src.source != SELF_GENERATED}
     source_key = _fingerprint(list(files.values()), tokenizer, cfg, images)
@@ -209,7 +213,8 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
         out = {"input_ids": [], "loss_mask": [], "images": [], "error": []}
         for messages in batch["messages"]:
             try:
-                for ids, mask, paths in tokenize_samples(tokenizer, messages, cfg.max_length, images):
+                for ids, mask, paths in tokenize_samples(tokenizer, messages, cfg.max_length, images,
+                                                         cfg.loss_turns):
                     out["input_ids"].append(ids), out["loss_mask"].append(mask), out["images"].append(paths)
                     out["error"].append("")
             except MalformedRow as e:

@@ -1,4 +1,5 @@
 """python -m specforge_lite.offline dump [hydra overrides] store=DIR
+torchrun --nproc_per_node N -m specforge_lite.offline dump [hydra overrides] store=DIR   (each rank 1/N, merged)
 python -m specforge_lite.offline ingest --from vllm|speculators SRC [--layer-ids 2,14,27,30] [hydra overrides] store=DIR
 
 ``store=DIR`` is short for ``store.path=DIR``; the other overrides are the ones train.py takes (model,
@@ -39,7 +40,9 @@ def main(argv=None) -> None:
     if a.command == "dump":
         from .dump import dump
 
-        dump(Run.online(config))
+        from ..training.distributed import join_launched_group
+
+        dump(Run.online(config, join_launched_group()))
     else:
         from pathlib import Path
 

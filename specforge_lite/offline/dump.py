@@ -47,9 +47,10 @@ def store_bytes(tokens: int, n_aux: int, hidden: int, dtype: str, topk: int = 0)
 
 
 def open_or_create(folder: Path, target: HFTarget, vocab, aux_ids: list[int], store_cfg, source: dict,
-                   log=print) -> Manifest:
-    """A new store with the target's parts written once, or the existing one made with the same settings
-    (a killed dump or ingest resumes after its last complete shard)."""
+                   log=print, parts: bool = True) -> Manifest:
+    """A new store with the target's parts written once (``parts``; a rank's part of a store has none: the
+    merged store keeps them), or the existing one made with the same settings (a killed dump or ingest
+    resumes after its last complete shard)."""
     manifest = Manifest(convention=CONVENTION, aux_layer_ids=list(aux_ids), num_layers=target.num_layers,
                         hidden_size=target.hidden_size, vocab_size=target.vocab_size, family=target.family.name,
                         target_config=target.config.to_dict(), dtype=store_cfg.dtype, draft_vocab_size=vocab.size,
@@ -67,9 +68,10 @@ def open_or_create(folder: Path, target: HFTarget, vocab, aux_ids: list[int], st
         manifest = old
     else:
         folder.mkdir(parents=True, exist_ok=True)
-        rows, bias = target.head_rows(vocab.draft_to_target)
-        final_norm = target.family.final_norm(target.model).state_dict()
-        save_parts(folder, target.embedding_weight(), final_norm, rows, vocab.d2t, bias)
+        if parts:
+            rows, bias = target.head_rows(vocab.draft_to_target)
+            final_norm = target.family.final_norm(target.model).state_dict()
+            save_parts(folder, target.embedding_weight(), final_norm, rows, vocab.d2t, bias)
         manifest.save(folder)
     for stale in folder.glob("*.tmp"):  # a shard a killed run was writing
         stale.unlink()
@@ -89,40 +91,80 @@ def store_folder(config: Config, command: str) -> Path:
     return Path(sc.path).expanduser()
 
 
+def rank_folder(rank: int, world_size: int) -> str:
+    return f"rank-{rank:03d}-of-{world_size:03d}"
+
+
 def dump(run, log=print) -> Path:
     """``run``: the online run (run.Run) whose prepared training data, draft vocabulary and teacher the
-    store records."""
-    folder = store_folder(run.config, "dump")
+    store records. Under a launcher with N processes each rank captures its contiguous 1/N of the samples
+    into ``DIR/rank-RRR-of-NNN/`` (resumable on its own), and rank 0 then merges them into one store in
+    DIR whose manifest lists the ranks' shards in sample order: nothing is copied."""
+    folder, ctx = store_folder(run.config, "dump"), run.ctx
+    n = len(run.data.train)
     target = with_final_state(run.target)
     try:
-        return _write(run, target, folder, log)
+        if not ctx.enabled or ctx.world_size == 1:
+            return _write(run, target, folder, range(n), log)
+        lo, hi = n * ctx.rank // ctx.world_size, n * (ctx.rank + 1) // ctx.world_size
+        _write(run, target, folder / rank_folder(ctx.rank, ctx.world_size), range(lo, hi), log, parts=False)
+        ctx.barrier()
+        if ctx.is_main:
+            merge(run, target, folder, ctx.world_size, log)
+        ctx.barrier()
+        return folder
     finally:
         target.close()
 
 
-def _write(run, target: HFTarget, folder: Path, log) -> Path:
-    """The store of ``run``'s training data, captured by ``target`` (the run's aux ids plus id L)."""
+def _source(run, target: HFTarget, samples: range | None = None) -> dict:
+    source = {"kind": "dump", "model": run.config.model.name, "location": str(target.location),
+              "train_samples": len(run.data.train), "data": data_settings(run.config)}
+    return source if samples is None else {**source, "samples": [samples.start, samples.stop]}
+
+
+def merge(run, target: HFTarget, folder: Path, world_size: int, log=print) -> Manifest:
+    """The store in ``folder`` made of the ranks' parts (each complete), in sample order."""
+    aux_ids = list(run.target.aux_layer_ids)
+    manifest = open_or_create(folder, target, run.vocab, aux_ids, run.config.store, _source(run, target), log)
+    shards, samples = [], 0
+    for rank in range(world_size):
+        part = Manifest.load(folder / rank_folder(rank, world_size))
+        lo, hi = part.source["samples"]
+        if lo != samples or part.num_samples != hi - lo:
+            raise StoreError(f"{folder / rank_folder(rank, world_size)} holds {part.num_samples} of its samples "
+                             f"{lo}..{hi}: that rank did not finish; re-run the dump with the same launcher")
+        shards += [{**shard, "file": f"{rank_folder(rank, world_size)}/{shard['file']}"} for shard in part.shards]
+        samples = hi
+    manifest.shards, manifest.num_samples = shards, samples
+    manifest.save(folder)
+    log(f"[store] merged {world_size} ranks' parts into {folder}: {samples} samples in {len(shards)} shards")
+    return manifest
+
+
+def _write(run, target: HFTarget, folder: Path, samples: range, log, parts: bool = True) -> Path:
+    """The store of ``run``'s training ``samples``, captured by ``target`` (the run's aux ids plus id L)."""
     from ..pipeline import pad_id
 
     config, data, teacher, aux_ids = run.config, run.data, run.teacher, list(run.target.aux_layer_ids)
     sc = config.store
-    source = {"kind": "dump", "model": config.model.name, "location": str(target.location),
-              "train_samples": len(data.train), "data": data_settings(config)}
-    manifest = open_or_create(folder, target, run.vocab, aux_ids, sc, source, log)
-    tokens = sum(len(x) for x in data.train["input_ids"])
+    whole = samples == range(len(data.train))
+    manifest = open_or_create(folder, target, run.vocab, aux_ids, sc, _source(run, target, None if whole else samples),
+                              log, parts)
+    tokens = sum(len(x) for x in data.train[samples.start : samples.stop]["input_ids"])
     need = store_bytes(tokens, len(aux_ids), target.hidden_size, sc.dtype, sc.topk if sc.teacher == "topk" else 0)
     free = shutil.disk_usage(folder).free
-    log(f"[store] {len(data.train)} samples, {tokens} tokens -> about {need / 2**30:.2f} GiB in {sc.dtype} "
+    log(f"[store] {len(samples)} samples, {tokens} tokens -> about {need / 2**30:.2f} GiB in {sc.dtype} "
         f"({free / 2**30:.1f} GiB free at {folder})")
     if need > free:
         raise StoreError(f"the store needs about {need / 2**30:.1f} GiB and {folder} has {free / 2**30:.1f} GiB free; "
                          "free space, choose another store=DIR, or store.dtype=bfloat16")
 
     writer = ShardWriter(folder, manifest, sc.samples_per_shard)
-    n = len(data.train)
+    n = samples.stop
     pad = pad_id(run.tokenizer)
     with torch.no_grad():
-        for start in range(manifest.num_samples, n, sc.batch_size):
+        for start in range(samples.start + manifest.num_samples, n, sc.batch_size):
             rows = [data.train[i] for i in range(start, min(start + sc.batch_size, n))]
             batch = collate(rows, pad, target.image_inputs).to(target.device)
             captured = target.capture(batch.input_ids, batch.attention_mask, **batch.inputs)
@@ -133,8 +175,8 @@ def _write(run, target: HFTarget, folder: Path, log) -> Path:
                 record = teacher_record(sc.teacher, sc.topk, captured.aux[-1][r, :k],
                                         lambda: teacher.logits(captured.final_hidden[r, :k]))
                 writer.add(batch.input_ids[r, :k], batch.loss_mask[r, :k], aux, record, in_vocab[r, :k])
-            if (start // sc.batch_size) % 20 == 0:
-                log(f"[store] {min(start + sc.batch_size, n)}/{n} samples")
+            if ((start - samples.start) // sc.batch_size) % 20 == 0:
+                log(f"[store] {min(start + sc.batch_size, n) - samples.start}/{len(samples)} samples")
         writer.flush()
     log(f"[store] {folder}: {manifest.num_samples} samples, {manifest.tokens} tokens in {len(manifest.shards)} shards")
     return folder

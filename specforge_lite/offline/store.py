@@ -170,6 +170,13 @@ class StoreReader:
     def __len__(self) -> int:
         return len(self._index)
 
+    def shard_ranges(self) -> list[range]:
+        """The sample indices of each shard."""
+        starts = [0]
+        for shard in self.manifest.shards:
+            starts.append(starts[-1] + shard["samples"])
+        return [range(a, b) for a, b in zip(starts, starts[1:])]
+
     def _shard(self, s: int):
         if s not in self._open:
             info = self.manifest.shards[s]

@@ -87,6 +87,17 @@ def launcher_env() -> DistributedContext:
                               local_rank=int(os.environ.get("LOCAL_RANK", 0)))
 
 
+def join_launched_group() -> DistributedContext:
+    """The ranks a launcher started, in a plain torch process group (gloo on CPU, nccl on GPU), for work
+    that needs only barriers (a store dump split across ranks); one process: no group."""
+    ctx = launcher_env()
+    if ctx.enabled and not torch.distributed.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(ctx.local_rank)
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return ctx
+
+
 def init_distributed(cfg: TrainerConfig) -> DistributedContext:
     """Join the process group when launched with several processes (gloo on CPU, nccl on GPU)."""
     ctx = launcher_env()
