@@ -14,9 +14,10 @@ from .targets.hf import BACKENDS
 from .targets.families import get_family
 
 
-def build_target(config: Config, aux_layer_ids=None, ctx=None) -> HFTarget:
+def build_target(config: Config, aux_layer_ids=None, ctx=None, parts_only: bool = False) -> HFTarget:
     """The frozen target on the configured backend (``target.backend``: hf | lean), replicated on every
-    rank or, with ``target.shard=zero3`` in a distributed run (``ctx``), partitioned across the ranks."""
+    rank or, with ``target.shard=zero3`` in a distributed run (``ctx``), partitioned across the ranks.
+    ``parts_only``: only the embedding, final norm and lm_head read from the checkpoint (a store's ingest)."""
     get_family(config.model.family)  # an unknown family fails before any download
     ids = aux_layer_ids if aux_layer_ids is not None else config.draft.aux_layer_ids
     backend, shard = config.target.backend, config.target.shard
@@ -32,8 +33,8 @@ def build_target(config: Config, aux_layer_ids=None, ctx=None) -> HFTarget:
         if backend != "hf":
             raise ValueError("target.shard=zero3 runs the transformers modules (target.backend=hf): the lean "
                              "forward reads whole weights, which ZeRO-3 keeps partitioned")
-    target = HFTarget.from_config(config.model, ids, backend)
-    if shard == "zero3":
+    target = HFTarget.from_config(config.model, ids, backend, parts_only)
+    if shard == "zero3" and not parts_only:
         from .targets.sharding import shard_target_zero3
 
         shard_target_zero3(target.model, ctx.world_size)
@@ -142,6 +143,10 @@ class LazyGenerator:
 
     def _build(self):
         gen, stops = self.settings, stop_ids(self.tokenizer, self.target)
+        if self.target.parts_only and self.engine != "openai":
+            raise ValueError("the data needs regenerating, and this target holds only its parts (an ingest reads "
+                             "no more): prepare the data first with the same overrides (python train.py ... or "
+                             "offline dump), or regenerate through a server (data.generation.engine=openai)")
         if self.engine == "openai":
             from .targets.generate import ServedAnswers
 

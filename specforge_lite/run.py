@@ -41,13 +41,15 @@ class Run:
     # ---- constructors -------------------------------------------------------------------------
     @classmethod
     def online(cls, config: Config, ctx: DistributedContext | None = None, log=print,
-               aux_layer_ids: list[int] | None = None, vocab: DraftVocab | None = None) -> "Run":
+               aux_layer_ids: list[int] | None = None, vocab: DraftVocab | None = None,
+               parts_only: bool = False) -> "Run":
         """The live target, its tokenizer, the prepared data and the draft vocabulary (``vocab``: one
-        given, e.g. an export's; else built from the training data)."""
+        given, e.g. an export's; else built from the training data). ``parts_only``: the target's
+        embedding, final norm and lm_head only, read from its safetensors (what a store's ingest needs)."""
         from .pipeline import build_target, build_vocab, describe_precision, load_tokenizer, prepare
 
         ctx = ctx or DistributedContext()
-        target = build_target(config, aux_layer_ids=aux_layer_ids, ctx=ctx)
+        target = build_target(config, aux_layer_ids=aux_layer_ids, ctx=ctx, parts_only=parts_only)
         tokenizer = load_tokenizer(target, config.model.chat_template)
         log(f"[target] {config.model.name} from {target.location}: {target.num_layers} layers, hidden "
             f"{target.hidden_size}, vocab {target.vocab_size}, aux ids {target.aux_layer_ids} ({target.convention}) on "

@@ -183,7 +183,12 @@ def test_an_extraction_ingests_to_what_our_dump_stores(kind, tmp_path, tiny_stor
     unknown = torch.randint(0, 1000, (12,))
     save_file({"hidden_states": _reference_states(target, unknown, layer_ids), "token_ids": unknown},
               str(src / ("zzz-unknown.safetensors" if kind == "vllm" else "hs_999.safetensors")))
-    ingest(run, kind, src, layer_ids, log=lambda m: None)
+    # as python -m specforge_lite.offline ingest runs it: the target's embedding, final norm and lm_head
+    # read from its safetensors, every layer left unread on the meta device
+    parts = Run.online(config, log=lambda m: None, parts_only=True)
+    assert all(p.is_meta for p in parts.target.family.layers(parts.target.model).parameters())
+    assert not parts.target.family.embedding(parts.target.model).weight.is_meta
+    ingest(parts, kind, src, layer_ids, log=lambda m: None)
     got, want = _store_tensors(tmp_path / "store"), _store_tensors(tiny_store)
     assert len(got) == len(want)
     for g, w in zip(got, want):

@@ -50,7 +50,7 @@ def main(argv=None) -> None:
 
         extraction_files(a.kind, Path(a.src))  # a missing or empty folder is said before the target loads
         ids = [int(x) for x in a.layer_ids.split(",")] if a.layer_ids else None
-        ingest(Run.online(config), a.kind, a.src, ids)
+        ingest(Run.online(config, parts_only=True), a.kind, a.src, ids)  # (the target's weights it needs, no more)
 
 
 if __name__ == "__main__":

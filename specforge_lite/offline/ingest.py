@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fcntl
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -43,28 +44,49 @@ def extraction_files(kind: str, src: Path) -> list[Path]:
     return files
 
 
-def read_extraction(path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(token_ids [T], hidden_states [T, n_ids, H]), or None while its writer holds the lock."""
+@contextmanager
+def _readable(path: Path):
+    """Yields False while the file's writer holds its ``.lock``, else True (holding a shared lock)."""
     lock = Path(str(path) + ".lock")
-    handle = None
-    if lock.exists():
-        handle = open(lock, "rb")
+    if not lock.exists():
+        yield True
+        return
+    with open(lock, "rb") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            handle.close()
-            return None
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            keys = set(f.keys())
-            ids_key = "token_ids" if "token_ids" in keys else "input_ids"
-            if "hidden_states" not in keys or ids_key not in keys:
-                raise StoreError(f"{path} lacks hidden_states/token_ids (keys: {sorted(keys)})")
-            ids, hs = f.get_tensor(ids_key).long().flatten(), f.get_tensor("hidden_states")
-    finally:
-        if handle is not None:
+            yield False
+            return
+        try:
+            yield True
+        finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-            handle.close()
+
+
+def _ids_key(path: Path, keys: set[str]) -> str:
+    ids_key = "token_ids" if "token_ids" in keys else "input_ids"
+    if "hidden_states" not in keys or ids_key not in keys:
+        raise StoreError(f"{path} lacks hidden_states/token_ids (keys: {sorted(keys)})")
+    return ids_key
+
+
+def read_token_ids(path: Path) -> torch.Tensor | None:
+    """The file's token ids [T] (its states left unread), or None while its writer holds the lock."""
+    with _readable(path) as ok:
+        if not ok:
+            return None
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(_ids_key(path, set(f.keys()))).long().flatten()
+
+
+def read_extraction(path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(token_ids [T], hidden_states [T, n_ids, H]), or None while its writer holds the lock."""
+    with _readable(path) as ok:
+        if not ok:
+            return None
+        with safe_open(str(path), framework="pt") as f:
+            ids_key = _ids_key(path, set(f.keys()))
+            ids, hs = f.get_tensor(ids_key).long().flatten(), f.get_tensor("hidden_states")
     if hs.dim() != 3:
         raise StoreError(f"{path}: hidden_states has shape {tuple(hs.shape)}, expected [T, n_ids, H]")
     if hs.shape[0] != ids.numel() and hs.shape[1] == ids.numel():
@@ -93,23 +115,21 @@ def ingest(run, kind: str, src: str | Path, layer_ids: list[int] | None = None, 
     final_at = given.index(L)
     final_norm = live.family.final_norm(live.model)
 
+    # First only the token ids, to match every file to its prepared sample; the states are then read one
+    # file at a time as the store is written (an extraction can be far larger than memory).
     by_tokens = {tuple(ids): i for i, ids in enumerate(data.train["input_ids"])}
-    found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    found: dict[int, Path] = {}
     skipped = Counter()
     for path in files:
-        got = read_extraction(path)
-        if got is None:
+        ids = read_token_ids(path)
+        if ids is None:
             skipped["being written (lock held)"] += 1
             continue
-        ids, hs = got
-        if hs.shape[1] != len(given) or hs.shape[2] != live.hidden_size:
-            raise StoreError(f"{path}: hidden_states {tuple(hs.shape)}; expected [T, {len(given)} ids, "
-                             f"{live.hidden_size}] for --layer-ids {given} and this target's hidden size")
         index = by_tokens.get(tuple(ids.tolist()))
         if index is None:
             skipped["no prepared training sample with these tokens"] += 1
             continue
-        found[index] = (ids, hs)
+        found[index] = path
     if not found:
         raise StoreError(f"none of the {len(files)} files in {src} matched a prepared training sample "
                          f"({dict(skipped)}); "
@@ -122,7 +142,15 @@ def ingest(run, kind: str, src: str | Path, layer_ids: list[int] | None = None, 
     writer = ShardWriter(folder, manifest, sc.samples_per_shard)
     with torch.no_grad():
         for index in order[manifest.num_samples:]:
-            ids, hs = found[index]
+            path = found[index]
+            got = read_extraction(path)
+            if got is None:
+                raise StoreError(f"{path} was locked again by a writer while the store was written; re-run the "
+                                 "ingest when the extraction has finished (it resumes)")
+            ids, hs = got
+            if hs.shape[1] != len(given) or hs.shape[2] != live.hidden_size:
+                raise StoreError(f"{path}: hidden_states {tuple(hs.shape)}; expected [T, {len(given)} ids, "
+                                 f"{live.hidden_size}] for --layer-ids {given} and this target's hidden size")
             hs = hs.to(live.device, live.dtype)
             final = hs[:, final_at]
             normed = final_norm(final)

@@ -28,7 +28,9 @@ BACKENDS = ("hf", "lean")
 
 class HFTarget:
     def __init__(self, model: nn.Module, family: TargetFamily, aux_layer_ids: Sequence[int] | None,
-                 location: str = "", backend: str = "hf"):
+                 location: str = "", backend: str = "hf", parts_only: bool = False):
+        """``parts_only``: the model holds only its embedding, final norm and lm_head (family.load_parts);
+        it gives a store its parts and the teacher its head, and cannot run a forward."""
         if backend not in BACKENDS:
             raise ValueError(f"target.backend={backend!r}: use hf (transformers modules) or lean (our lean forward)")
         self.model = model.eval().requires_grad_(False)
@@ -39,13 +41,18 @@ class HFTarget:
         self.aux_layer_ids = self.capture_hooks.aux_layer_ids
         self.convention = CONVENTION
         self.lean = build_lean_forward(family, model) if backend == "lean" else None
+        self.parts_only = parts_only
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, aux_layer_ids: Sequence[int] | None, backend: str = "hf") -> "HFTarget":
+    def from_config(cls, cfg: ModelConfig, aux_layer_ids: Sequence[int] | None, backend: str = "hf",
+                    parts_only: bool = False) -> "HFTarget":
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
         family = get_family(cfg.family)
         location = resolve_model_dir(cfg)
+        if parts_only:
+            model = family.load_parts(location, dtype, device, trust_remote_code=cfg.trust_remote_code)
+            return cls(model, family, aux_layer_ids, location, "hf", parts_only=True)
         try:
             model = family.load(location, dtype=dtype, attn_implementation=cfg.attn_implementation,
                                 trust_remote_code=cfg.trust_remote_code)
@@ -62,7 +69,7 @@ class HFTarget:
     def with_aux_layer_ids(self, aux_layer_ids: Sequence[int]) -> "HFTarget":
         """The same model and backend capturing other states (this target's hooks are removed)."""
         self.close()
-        return HFTarget(self.model, self.family, aux_layer_ids, self.location, self.backend)
+        return HFTarget(self.model, self.family, aux_layer_ids, self.location, self.backend, self.parts_only)
 
     # ---- facts about the target -------------------------------------------------------------
     @property

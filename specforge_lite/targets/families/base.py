@@ -30,15 +30,32 @@ class TargetFamily:
     # ---- loading -----------------------------------------------------------------------------
     def load(self, location: str, **kwargs: Any) -> nn.Module:
         """The checkpoint's own architecture class (multimodal wrappers included), else AutoModelForCausalLM."""
-        import transformers
-        from transformers import AutoConfig, AutoModelForCausalLM
+        cls, _ = _architecture(location, kwargs.get("trust_remote_code", False))
+        return cls.from_pretrained(location, **kwargs)
 
-        config = AutoConfig.from_pretrained(location, trust_remote_code=kwargs.get("trust_remote_code", False))
-        for arch in getattr(config, "architectures", None) or []:
-            cls = getattr(transformers, arch, None)
-            if cls is not None:
-                return cls.from_pretrained(location, **kwargs)
-        return AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    def load_parts(self, location: str, dtype: torch.dtype, device: torch.device | str = "cpu",
+                   trust_remote_code: bool = False) -> nn.Module:
+        """The model with only the weights a store keeps read from the checkpoint's safetensors: the
+        embedding, the final norm and the lm_head. Every other weight stays on the meta device, never read
+        nor allocated (a 70B target's parts are a few GB), so the model cannot run a forward."""
+        from .parts import load_named_tensors
+
+        cls, config = _architecture(location, trust_remote_code)
+        with torch.device("meta"):
+            model = cls._from_config(config, dtype=dtype)
+        head = model.get_output_embeddings()
+        tied = head.weight is self.embedding(model).weight  # (a tied checkpoint has no lm_head tensor)
+        modules = [self.embedding(model), self.final_norm(model), *([] if tied else [head])]
+        names = {id(p): n for n, p in model.named_parameters()}
+        tensors = load_named_tensors(location, [names[id(p)] for m in modules for p in m.parameters()])
+        for module in modules:
+            for key, param in list(module.named_parameters()):
+                owner, _, leaf = key.rpartition(".")
+                value = nn.Parameter(tensors[names[id(param)]].to(device, dtype), requires_grad=False)
+                setattr(module.get_submodule(owner) if owner else module, leaf, value)
+        if tied:
+            head.weight = self.embedding(model).weight
+        return model
 
     # ---- parts -------------------------------------------------------------------------------
     def text_config(self, config: Any) -> Any:
@@ -115,3 +132,16 @@ class TargetFamily:
             raise ValueError(f"the {self.name} family has recurrent (linear-attention) layers: a left-padded or "
                              "packed row would carry state from pads or other samples into a sample. "
                              "Batch rows must be right-padded (the data loader does this).")
+
+
+def _architecture(location: str, trust_remote_code: bool) -> tuple[type, Any]:
+    """(the checkpoint's own architecture class, else AutoModelForCausalLM; its config)."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls, config
+    return AutoModelForCausalLM, config
