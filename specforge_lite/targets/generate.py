@@ -8,7 +8,7 @@
   ``concurrency`` requests in flight. The prompt goes as token ids rendered here with the same chat
   template as the other engines, so the server sees exactly the prompt they would.
 
-Both count what they computed, so the share spent on padding or past the end of an answer is reported.
+Each counts what it computed, so the share spent on padding or past the end of an answer is reported.
 """
 
 from __future__ import annotations
