@@ -13,7 +13,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from specforge_lite.config import Config, available_presets, register_configs, to_config
+from specforge_lite.config import Config, available_presets, check_settings, register_configs, to_config
 
 register_configs()
 
@@ -27,6 +27,7 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
     from specforge_lite.training.distributed import init_distributed
     from specforge_lite.training.loop import train
 
+    check_settings(config)
     check_served_setting(config)
     ctx = init_distributed(config.trainer)
     if not ctx.is_main:

@@ -351,6 +351,17 @@ def model_preset(name: str) -> ModelConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path)))
 
 
+def check_settings(config: Config) -> None:
+    """Refuse, before anything is built, settings with which no run can do its job (each with the fix)."""
+    problems = []
+    if config.draft.ttt_length < 1:
+        problems.append(f"draft.ttt_length={config.draft.ttt_length}: unroll at least 1 step (EAGLE3 trains with 7)")
+    if config.trainer.max_steps < 1:
+        problems.append(f"trainer.max_steps={config.trainer.max_steps}: train at least 1 step")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def load_config(overrides: list[str] | None = None, config_name: str = "config") -> Config:
     """Compose the Hydra config from Python (tests, eval, export) exactly as train.py would."""
     from hydra import compose, initialize_config_dir

@@ -219,3 +219,27 @@ def test_last_turn_only_puts_the_loss_on_the_last_answer_with_the_rest_as_contex
     assert ("r1" in tok.decode(ids)) == (template == "prefix-stable")
     with pytest.raises(ValueError, match="data.loss_turns='first': use one of"):
         tokenize_samples(tok, msgs, 256, loss_turns="first")
+
+
+def test_byte_order_marks_are_read_and_non_utf8_bytes_are_named_by_file_and_line(tmp_path):
+    """A UTF-8 file that starts with a byte-order mark (Windows tools write one) is read as it is; bytes
+    that are not UTF-8 make that row a counted malformed row whose message names the file, the line and
+    the fix, never a UnicodeDecodeError."""
+    from specforge_lite.data.formats import iter_rows
+
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    line = json.dumps(row).encode()
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + line + b"\n" + line + b"\n")
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps([row]).encode())
+    for name, count in (("bom.jsonl", 2), ("bom.json", 1)):
+        rows = [r for _, _, r in iter_rows(tmp_path / name)]
+        assert rows == [row] * count, name
+    (tmp_path / "latin1.jsonl").write_bytes(line + b"\n" + '{"messages": "caf\xe9"}'.encode("latin-1") + b"\n" + line)
+    got = list(iter_rows(tmp_path / "latin1.jsonl"))
+    assert [r for _, _, r in got][0::2] == [row, row]
+    where, bad = got[1][1], got[1][2]
+    assert isinstance(bad, MalformedRow) and where.endswith("latin1.jsonl:2")
+    assert "not UTF-8" in str(bad) and "save the file as UTF-8" in str(bad)
+    (tmp_path / "latin1.json").write_bytes(b'[\n{"a": 1},\n{"b": "caf\xe9"}\n]')
+    [(_, where, bad)] = list(iter_rows(tmp_path / "latin1.json"))
+    assert isinstance(bad, MalformedRow) and where.endswith("latin1.json:3") and "not UTF-8" in str(bad)

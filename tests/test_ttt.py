@@ -291,3 +291,26 @@ def test_fused_head_loss_equals_logits_then_log_softmax_with_gradients():
                 if got is not None:
                     gap = float((got.float() - want.float()).abs().max()) / float(want.float().abs().max())
                     assert gap <= tol, (dtype, chunk_rows, gap)
+
+
+def test_settings_no_run_can_use_are_refused_before_anything_is_built(tmp_path):
+    """draft.ttt_length=0 once ended in 'stack expects a non-empty TensorList'; trainer.max_steps=-1 trained
+    nothing, exited 0 and exported an untrained draft. Both are refused, naming the setting, before the run
+    folder or the target exist."""
+    import sys
+
+    import pytest
+
+    from conftest import ROOT
+    from specforge_lite.config import load_config
+
+    sys.path.insert(0, str(ROOT))
+    from train import run
+
+    for override, message in (("draft.ttt_length=0", "draft.ttt_length=0: unroll at least 1 step"),
+                              ("trainer.max_steps=-1", "trainer.max_steps=-1: train at least 1 step")):
+        with pytest.raises(ValueError, match=message):
+            run(load_config(["model=llama3_tiny", "tracker=none", override]), tmp_path / "run", log=lambda m: None)
+        assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="ttt_length=0"):
+        Eagle3Objective(ttt_length=0)

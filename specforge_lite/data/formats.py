@@ -132,7 +132,12 @@ def iter_rows(path: str | Path) -> Iterator[tuple[Path, str, Any]]:
     for f in files:
         if f.suffix == ".json":
             try:
-                rows = json.loads(f.read_text())
+                rows = json.loads(_utf8(f.read_bytes()))
+            except UnicodeDecodeError as e:
+                before = e.object[: e.start]
+                line = before.count(b"\n") + 1
+                yield f, f"{f}:{line}", _not_utf8(e, e.start - before.rfind(b"\n"))
+                continue
             except json.JSONDecodeError as e:
                 yield f, f"{f}", MalformedRow(f"invalid JSON: {e}")
                 continue
@@ -141,11 +146,26 @@ def iter_rows(path: str | Path) -> Iterator[tuple[Path, str, Any]]:
             for i, row in enumerate(rows):
                 yield f, f"{f}[{i}]", row
         else:
-            with open(f, encoding="utf-8") as fh:
-                for n, line in enumerate(fh, 1):
+            with open(f, "rb") as fh:
+                for n, raw in enumerate(fh, 1):
+                    try:
+                        line = _utf8(raw) if n == 1 else raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        yield f, f"{f}:{n}", _not_utf8(e, e.start + 1)
+                        continue
                     if not line.strip():
                         continue
                     try:
                         yield f, f"{f}:{n}", json.loads(line)
                     except json.JSONDecodeError as e:
                         yield f, f"{f}:{n}", MalformedRow(f"invalid JSON: {e.msg}")
+
+
+def _utf8(data: bytes) -> str:
+    """UTF-8 text, a leading byte-order mark (Windows tools write one) dropped."""
+    return data.decode("utf-8-sig")
+
+
+def _not_utf8(e: UnicodeDecodeError, column: int) -> MalformedRow:
+    return MalformedRow(f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at column {column}): save the file as "
+                        f"UTF-8")

@@ -81,6 +81,8 @@ class Eagle3Objective:
                  loss_chunk_rows: int = 512, checkpointing: bool = False, sequence: SequenceShard | None = None):
         """``sequence``: this rank's share of every row under sequence parallelism (draft/sequence_parallel.py);
         None: whole rows."""
+        if ttt_length < 1:
+            raise ValueError(f"draft.ttt_length={ttt_length}: unroll at least 1 step")
         if loss not in LOSSES:
             raise ValueError(f"draft.loss={loss!r}: use one of {LOSSES}")
         if attention not in TTT_ATTENTION:
