@@ -12,9 +12,9 @@ stamp=.venv/.specforge_lite_installed
 want="$(sha256sum pyproject.toml | cut -d' ' -f1) $TORCH_SPEC"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log=.venv/setup.log
-  if ! { .venv/bin/python -m pip install -q --upgrade pip &&
-         .venv/bin/python -m pip install -q "$TORCH_SPEC" &&
-         .venv/bin/python -m pip install -q -e ".[dev]"; } >"$log" 2>&1; then
+  if ! { .venv/bin/python -m pip install -q --no-cache-dir --upgrade pip &&
+         .venv/bin/python -m pip install -q --no-cache-dir "$TORCH_SPEC" &&
+         .venv/bin/python -m pip install -q --no-cache-dir -e ".[dev]"; } >"$log" 2>&1; then
     cat "$log"
     echo "set-up failed (log above, also in $log)" >&2
     exit 1

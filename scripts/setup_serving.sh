@@ -15,8 +15,8 @@ fi
 [ -x .serving/bin/python ] || "$PY" -m venv .serving
 log=.serving/setup.log
 {
-  .serving/bin/python -m pip install -q --upgrade pip &&
-  .serving/bin/python -m pip install -q "$VLLM_SPEC" "$SPECULATORS_SPEC" &&
+  .serving/bin/python -m pip install -q --no-cache-dir --upgrade pip &&
+  .serving/bin/python -m pip install -q --no-cache-dir "$VLLM_SPEC" "$SPECULATORS_SPEC" &&
   # their PyPI builds link CUDA and break the import on CPU machines (environment.md)
   .serving/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec &&
   .serving/bin/python -c "import vllm, speculators"

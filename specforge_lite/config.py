@@ -212,6 +212,10 @@ class DeepSpeedConfig:
     # draft on its share of the row with attention split by heads across them (draft/sequence_parallel.py);
     # the ranks divide into world_size / sequence_parallel data-parallel replicas. 1: off.
     sequence_parallel: int = 1
+    # Also write DeepSpeed's own sharded checkpoint (``deepspeed/`` in each checkpoint folder) for its tools
+    # (zero_to_fp32, universal checkpoints). Never read back: resume uses the consolidated state, which loads
+    # on any number of ranks and holds no pickles.
+    native_checkpoint: bool = False
 
 
 @dataclass

@@ -3,6 +3,7 @@ SmolLM2-135M-Instruct (fetched from the package registry once, then cached)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+# The parity tests compare with fp32 references (HF's own forward, naive computations in the tests, vLLM's
+# extraction), so the suite takes the fp32 path on every kind of CPU: on one with native bf16, ``auto`` would
+# pick bf16 for targets and training (device.py) and the same tests would compare bf16 with fp32. The bf16
+# paths are tested where a test asks for them (test_precision.py). Processes the tests start inherit this.
+os.environ.setdefault("SPECFORGE_LITE_NATIVE_BF16", "0")
 
 from specforge_lite.config import DraftConfig, load_config  # noqa: E402
 from specforge_lite.data.vocab import DraftVocab  # noqa: E402

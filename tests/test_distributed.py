@@ -90,7 +90,7 @@ def test_zero2_on_two_ranks_follows_the_one_process_trajectory(zero2_two_ranks, 
 
 def test_zero3_killed_and_resumed_equals_an_uninterrupted_run_and_exports_the_engine_weights(tmp_path):
     steps = ["trainer.max_steps=12", "trainer.save_every=4", "trainer=zero3"]
-    launch([*COMMON, *steps, f"output_dir={tmp_path / 'straight'}"], 2)
+    launch([*COMMON, *steps, "trainer.deepspeed.native_checkpoint=true", f"output_dir={tmp_path / 'straight'}"], 2)
 
     killed = tmp_path / "killed"
     proc = launch([*COMMON, *steps, f"output_dir={killed}"], 2, background=True)
@@ -119,9 +119,10 @@ def test_zero3_killed_and_resumed_equals_an_uninterrupted_run_and_exports_the_en
 
 
 def test_resuming_with_another_number_of_ranks(tmp_path, one_process_reference, zero2_two_ranks):
-    """ZeRO-0 (replicated state): 2 ranks x 1 row, stopped at step 2, resumed on 1 rank accumulating 2
-    rows: the same global batches, so all 4 steps match the one-process run of the same global batches
-    (within 1e-5, as above). Partitioned state (ZeRO-1/2/3) is refused with a message naming the way out."""
+    """2 ranks x 1 row stopped at step 2, resumed on 1 rank accumulating 2 rows: the same global batches, so
+    all 4 steps match the one-process run of the same global batches (within 1e-5, as above). ZeRO-0
+    (replicated state) and ZeRO-2 (optimizer state and gradients partitioned over the 2 ranks, consolidated
+    in the checkpoint and re-split for 1 rank)."""
     run = tmp_path / "switch"
     launch([*COMMON, "trainer.max_steps=4", "trainer=zero0", "trainer.stop_at_step=2", f"output_dir={run}"], 2)
     out = launch([*COMMON, "trainer.max_steps=4", "trainer=zero0", "trainer.grad_accum_steps=2",
@@ -129,10 +130,14 @@ def test_resuming_with_another_number_of_ranks(tmp_path, one_process_reference, 
     assert "written by 2 ranks, now 1" in out.stdout + out.stderr
     assert_same_trajectory(metrics(run), one_process_reference)
 
-    zero2 = tmp_path / "zero2"  # (a copy: the 2-rank ZeRO-2 run, continued to 6 steps on 1 rank)
+    zero2 = tmp_path / "zero2"  # the 2-rank ZeRO-2 run, taken back to its step-2 checkpoint
     shutil.copytree(zero2_two_ranks, zero2)
-    with pytest.raises(AssertionError, match="cannot be re-split on load"):
-        launch([*COMMON, "trainer.max_steps=6", "trainer=zero2", f"output_dir={zero2}"], 1)
+    shutil.rmtree(zero2 / "checkpoints" / "step_00000004")
+    shutil.rmtree(zero2 / "final")
+    out = launch([*COMMON, "trainer.max_steps=4", "trainer=zero2", "trainer.grad_accum_steps=2",
+                  f"output_dir={zero2}"], 1)
+    assert "written by 2 ranks, now 1" in out.stdout + out.stderr
+    assert_same_trajectory(metrics(zero2), one_process_reference)
 
 
 @pytest.mark.parametrize("preset", ["gemma3_tiny"])  # tied lm_head = embedding: the weight read twice

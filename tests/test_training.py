@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from pathlib import Path
 
 import datasets
 import pytest
@@ -11,6 +14,7 @@ import torch
 from conftest import tiny_draft, tiny_target, tiny_teacher
 from specforge_lite.config import DraftConfig, TrackerConfig, TrainerConfig
 from specforge_lite.data import BatchStream
+from specforge_lite.data.vocab import DraftVocab
 from specforge_lite.draft import Eagle3Objective
 from specforge_lite.training import checkpoint as ckpt_mod
 from specforge_lite.training.loop import train
@@ -29,11 +33,16 @@ def synthetic_dataset(n=24, vocab=256, seed=0):
     return datasets.Dataset.from_dict(rows)
 
 
-def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2):
+def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, resume="auto", draft_vocab=None,
+                 vocab_offset=0):
     target = tiny_target()
-    draft = tiny_draft(target, draft_vocab_size=target.vocab_size, seed=seed)
+    draft = tiny_draft(target, draft_vocab_size=draft_vocab or target.vocab_size, seed=seed)
+    if vocab_offset:  # another mapping of the same size
+        ids = (draft.draft_vocab_ids() + vocab_offset) % target.vocab_size
+        vocab = DraftVocab(ids.sort().values, target.vocab_size, float("nan"))
+        draft.set_vocab(vocab.d2t, vocab.t2d)
     cfg = TrainerConfig(max_steps=max_steps, micro_batch_size=2, grad_accum_steps=accum, lr=lr, save_every=2,
-                        stop_at_step=stop_at, progress_bar=False, precision="fp32", warmup_ratio=0.1)
+                        stop_at_step=stop_at, progress_bar=False, precision="fp32", warmup_ratio=0.1, resume=resume)
     stream = BatchStream(synthetic_dataset(), cfg.micro_batch_size, pad_id=0, seed=seed)
     result = train(cfg, Eagle3Objective.from_config(DraftConfig(ttt_length=3)), tiny_teacher(target, draft), draft,
                    stream, run_dir,
@@ -77,20 +86,103 @@ def test_killed_save_leaves_previous_checkpoint_usable(tmp_path, monkeypatch):
     good = ckpt_mod.latest_checkpoint(tmp_path)
     assert good.name == "step_00000002"
 
-    real_save = torch.save
+    real_save = ckpt_mod.save_file
 
-    def dying_save(obj, path, *a, **kw):  # the process "dies" after part of the checkpoint is on disk
-        real_save(obj, path, *a, **kw)
+    def dying_save(tensors, path, *a, **kw):  # the process "dies" after part of the checkpoint is on disk
+        real_save(tensors, path, *a, **kw)
         raise KeyboardInterrupt("killed mid-save")
 
-    monkeypatch.setattr(ckpt_mod.torch, "save", dying_save)
+    monkeypatch.setattr(ckpt_mod, "save_file", dying_save)
     with pytest.raises(KeyboardInterrupt):
         run_training(tmp_path, max_steps=8, stop_at=4)
-    monkeypatch.setattr(ckpt_mod.torch, "save", real_save)
+    monkeypatch.setattr(ckpt_mod, "save_file", real_save)
     assert ckpt_mod.latest_checkpoint(tmp_path) == good  # the half-written step 4 is invisible
     assert list((tmp_path / "checkpoints").glob(".tmp-*"))  # ... and it really was partly written
     result, _ = run_training(tmp_path, max_steps=8)
     assert result.step == 8 and not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_killed_resave_of_a_step_keeps_a_loadable_copy_of_it(tmp_path, monkeypatch):
+    """keep_checkpoints=1 and the same step saved again (the final save after a periodic one): a kill
+    between taking the old folder away and putting the new one in place must not leave the run without
+    a checkpoint (resume=auto would silently start again from step 0)."""
+    run_training(tmp_path, max_steps=8, stop_at=2)
+    state = json.loads((tmp_path / "checkpoints" / "step_00000002" / ckpt_mod.STATE).read_text())
+    real_replace = ckpt_mod.os.replace
+    calls = []
+
+    def dying_replace(src, dst):
+        calls.append(Path(dst).name)
+        if Path(dst).name == "step_00000002" and len(calls) > 1:  # the old folder already moved (or deleted)
+            raise KeyboardInterrupt("killed mid-rename")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt_mod.os, "replace", dying_replace)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt_mod.save_checkpoint(tmp_path, 2, tiny_draft(tiny_target()).trainable_state_dict(), state, {}, keep=1)
+    monkeypatch.setattr(ckpt_mod.os, "replace", real_replace)
+    found = ckpt_mod.latest_checkpoint(tmp_path)
+    assert found is not None, "no checkpoint left on disk"
+    weights, loaded, _ = ckpt_mod.load_checkpoint(found)
+    assert loaded["step"] == 2 and weights
+    result, _ = run_training(tmp_path, max_steps=4)  # resumes from it, and the next save tidies up
+    assert result.step == 4 and [p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()] == [
+        "step_00000004"]
+
+
+def test_every_file_and_folder_is_on_disk_before_a_checkpoint_is_published(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = ckpt_mod.os.fsync, ckpt_mod.os.replace
+    monkeypatch.setattr(ckpt_mod.os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                          real_fsync(fd))[1])
+    monkeypatch.setattr(ckpt_mod.os, "replace", lambda a, b: (events.append(("replace", str(a))),
+                                                              real_replace(a, b))[1])
+    run_training(tmp_path, max_steps=2)
+    tmp = str(tmp_path / "checkpoints" / ".tmp-step_00000002")
+    publish = events.index(("replace", tmp))
+    synced = {path for kind, path in events[:publish] if kind == "fsync"}
+    written = {str(Path(tmp) / p.name) for p in (tmp_path / "checkpoints" / "step_00000002").iterdir()}
+    assert written and written <= synced and tmp in synced
+    assert ("fsync", str(tmp_path / "checkpoints")) in events[publish:]  # the rename itself made durable
+
+
+class _Payload:
+    """Unpickling this creates a file: proof that loading ran code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("pickled", ["trainer_state.pt", "optimizer.pt", "rng_rank0.pt"])
+def test_a_pickled_checkpoint_is_refused_without_running_it(tmp_path, pickled):
+    """A checkpoint folder someone else made: resuming from it (and exporting it, the same loader) must not
+    unpickle anything."""
+    run_training(tmp_path / "mine", max_steps=4, stop_at=2)
+    crafted = tmp_path / "crafted"
+    shutil.copytree(tmp_path / "mine" / "checkpoints" / "step_00000002", crafted)
+    for name in ("trainer_state", "optimizer", "rng_rank0"):
+        for old in crafted.glob(f"{name}.*"):
+            old.unlink()
+    marker = tmp_path / "payload_ran"
+    torch.save({"step": 2, "evil": _Payload(marker)}, crafted / pickled)
+    for name in {"trainer_state.pt", "optimizer.pt", "rng_rank0.pt"} - {pickled}:
+        torch.save({"step": 2}, crafted / name)
+    with pytest.raises(ckpt_mod.CheckpointError, match="pickles"):
+        run_training(tmp_path / "other", max_steps=4, resume=str(crafted))
+    with pytest.raises(ckpt_mod.CheckpointError, match="pickles"):
+        ckpt_mod.load_checkpoint(crafted)
+    assert not marker.exists(), "the checkpoint's payload ran"
+
+
+def test_resume_refuses_a_checkpoint_trained_on_another_draft_vocabulary(tmp_path):
+    """Same sizes, same number of samples, another mapping (the data changed): the saved lm_head rows
+    would train against other target tokens."""
+    run_training(tmp_path, max_steps=4, stop_at=2, draft_vocab=64)
+    with pytest.raises(ckpt_mod.CheckpointError, match="another draft vocabulary"):
+        run_training(tmp_path, max_steps=4, draft_vocab=64, vocab_offset=1)
 
 
 def test_resume_refuses_a_checkpoint_from_another_draft(tmp_path):

@@ -1,16 +1,21 @@
-"""Checkpoints written atomically, and exact resume.
+"""Checkpoints written atomically and durably, read without unpickling anything, and exact resume.
 
 A checkpoint is a folder ``checkpoints/step_XXXXXXXX`` holding the draft's full trainable weights
-(safetensors, consolidated from ZeRO shards), the training engine's state (optimizer and schedule:
-``optimizer.pt`` in one process, DeepSpeed's sharded layout under ``deepspeed/`` otherwise), the data
-position, step and world size, and every rank's RNG state. It is written under a temporary name and
-renamed into place once every rank has written its part, so a run killed at any moment leaves either
-the previous checkpoint or the new one, never half of one; ``latest`` names the newest complete folder.
-``CheckpointManager`` is what the loop sees: the stateful parts saved and restored together.
+(safetensors, consolidated from ZeRO shards), the optimizer and schedule consolidated the same way
+(optimizer_state.py), the data position, step and world size (JSON), and every rank's RNG state (JSON).
+Nothing in it is a pickle, so resuming from or exporting a folder someone else made runs no code.
+
+It is written under a temporary name, flushed to disk (every file, then the folder), and renamed into
+place once every rank has written its part, so a run killed at any moment, or a machine losing power,
+leaves either the previous checkpoint or the new one, never half of one. Re-saving a step that exists
+moves the old folder aside until the new one is in place: some complete copy is always on disk.
+``latest`` names the newest complete folder. ``CheckpointManager`` is what the loop sees: the stateful
+parts saved and restored together.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -23,8 +28,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 WEIGHTS = "draft.safetensors"
-STATE = "trainer_state.pt"
+STATE = "trainer_state.json"
 SPEC = "spec.json"
+# files of checkpoints written by earlier versions: Python pickles, never read (they could run code)
+PICKLED = ("trainer_state.pt", "optimizer.pt", "rng_rank0.pt")
+REPLACED = ".replaced-"
+VOCAB_MAPS = ("d2t", "t2d")  # the draft's vocabulary mapping, saved with its weights  # a step's previous folder, kept until its re-save is in place
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder that cannot be resumed or exported, with the reason and the way out."""
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -32,28 +45,55 @@ def checkpoint_root(run_dir: Path) -> Path:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every generator's state as JSON: plain numbers and lists."""
+    version, keys, gauss = random.getstate()
+    kind, mt, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(keys), gauss], "numpy": [kind, mt.tolist(), int(pos), int(has_gauss),
+                                                                float(cached)],
+             "torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    kind, mt, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(mt, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Every file under ``folder``, then the folders themselves (deepest first), on disk."""
+    paths = sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True)
+    for path in [p for p in paths if p.is_file()] + [p for p in paths if p.is_dir()] + [folder]:
+        _fsync(path)
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
+    _fsync(tmp)
     os.replace(tmp, path)
 
 
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.cpu().contiguous().numpy().tobytes()).hexdigest()[:12]
+
+
 def rng_file(rank: int) -> str:
-    return f"rng_rank{rank}.pt"
+    return f"rng_rank{rank}.json"
 
 
 def save_checkpoint(run_dir: Path, step: int, weights: dict[str, torch.Tensor], trainer_state: dict[str, Any],
@@ -72,20 +112,32 @@ def save_checkpoint(run_dir: Path, step: int, weights: dict[str, torch.Tensor], 
     barrier()
     if save_engine is not None:
         save_engine(tmp)
-    torch.save(rng_state(), tmp / rng_file(rank))
+    (tmp / rng_file(rank)).write_text(json.dumps(rng_state()))
     if is_main:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
-        torch.save(trainer_state, tmp / STATE)
+        (tmp / STATE).write_text(json.dumps(trainer_state, indent=1))
         (tmp / SPEC).write_text(json.dumps(spec, indent=1))
     barrier()
     if is_main:
-        if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        _fsync_tree(tmp)
+        _publish(tmp, final)
         _write_text_atomic(root / "latest", final.name)
         _prune(root, keep)
     barrier()
     return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished folder into place; a folder already there (the same step saved again) is moved
+    aside first and removed only once the new one is on disk, so a kill in between loses neither."""
+    root = final.parent
+    replaced = root / f"{REPLACED}{final.name}"
+    if final.exists():
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final, replaced)
+    os.replace(tmp, final)
+    _fsync(root)
+    shutil.rmtree(replaced, ignore_errors=True)
 
 
 def load_rng(path: Path, rank: int) -> bool:
@@ -93,7 +145,7 @@ def load_rng(path: Path, rank: int) -> bool:
     f = Path(path) / rng_file(rank)
     if not f.is_file():
         return False
-    set_rng_state(torch.load(f, weights_only=False))
+    set_rng_state(json.loads(f.read_text()))
     return True
 
 
@@ -101,27 +153,41 @@ def _prune(root: Path, keep: int) -> None:
     done = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in done[: max(0, len(done) - max(keep, 1))]:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-step_*"):  # left by a killed save
+    for stale in [*root.glob(".tmp-step_*"), *root.glob(f"{REPLACED}step_*")]:  # left by a killed save
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def is_complete(path: Path) -> bool:
+    return all((path / name).is_file() for name in (WEIGHTS, STATE, SPEC))
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint; a step's previous folder counts where a kill during its re-save
+    left that step without its published folder."""
     root = checkpoint_root(run_dir)
-    pointer = root / "latest"
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / STATE).is_file():
-            return candidate
-    done = sorted(p for p in root.glob("step_*") if (p / STATE).is_file())
-    return done[-1] if done else None
+    found = {p.name.removeprefix(REPLACED): p for p in root.glob(f"{REPLACED}step_*") if is_complete(p)}
+    found.update({p.name: p for p in root.glob("step_*") if is_complete(p)})
+    return found[max(found)] if found else None
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict]:
+    """(weights, trainer state, spec): safetensors and JSON only; nothing is unpickled."""
     path = Path(path)
-    if not (path / STATE).is_file() or not (path / WEIGHTS).is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (needs {WEIGHTS} and {STATE})")
-    state = torch.load(path / STATE, weights_only=False)
-    return load_file(str(path / WEIGHTS)), state, json.loads((path / SPEC).read_text())
+    if not is_complete(path):
+        pickled = [name for name in PICKLED if (path / name).exists()]
+        if pickled:
+            raise CheckpointError(
+                f"{path} holds Python pickles ({', '.join(pickled)}) instead of {STATE}: it was written by an "
+                "earlier specforge_lite, or by someone else. Loading a pickle can run any code, so it is not read. "
+                "Resume or export it with the version that wrote it, or start this run anew (trainer.resume=never)")
+        missing = [name for name in (WEIGHTS, STATE, SPEC) if not (path / name).is_file()]
+        raise CheckpointError(f"{path} is not a complete checkpoint (missing {', '.join(missing)}): point "
+                              "trainer.resume at a checkpoints/step_* folder, or use trainer.resume=auto")
+    try:
+        state, spec = json.loads((path / STATE).read_text()), json.loads((path / SPEC).read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {STATE} or {SPEC} is not valid JSON ({e})") from None
+    return load_file(str(path / WEIGHTS)), state, spec
 
 
 class CheckpointManager:
@@ -146,24 +212,28 @@ class CheckpointManager:
         weights, state, saved_spec = load_checkpoint(path)
         changed = {k: (saved_spec.get(k), v) for k, v in self.spec.items() if saved_spec.get(k) != v}
         if changed:
-            raise RuntimeError(f"checkpoint {path} does not fit this draft (saved vs now: {changed}); "
-                               "resume with the same model and draft settings, or use a new output_dir")
+            raise CheckpointError(f"checkpoint {path} does not fit this draft (saved vs now: {changed}); "
+                                  "resume with the same model and draft settings, or use a new output_dir")
+        self._check_vocabulary(path, weights)
         saved_world = state.get("world_size", 1)
-        if saved_world != ctx.world_size and cfg.deepspeed.enabled and cfg.deepspeed.zero_stage > 0:
-            # DeepSpeed 0.19 refuses ZeRO-1/2/3 optimizer partitions from another data-parallel size, and its
-            # universal-checkpoint converter does not take a plain torch optimizer's state.
-            raise RuntimeError(
-                f"checkpoint {path} was written by {saved_world} ranks under ZeRO-{cfg.deepspeed.zero_stage} "
-                f"and this run has {ctx.world_size}: partitioned optimizer state cannot be re-split on load. Resume "
-                f"with {saved_world} ranks (the global batch is micro_batch_size x grad_accum_steps x ranks), or "
-                "train with trainer=zero0, whose replicated state resumes on any number of ranks")
         self.engine.load(path, weights, ctx)
         self.stream.load_state_dict(state["data"])
-        if not load_rng(path, ctx.rank) and "rng" in state:
-            set_rng_state(state["rng"])  # checkpoints written before per-rank RNG files
+        load_rng(path, ctx.rank)  # (none for a rank the writing run did not have)
         log(f"[train] resumed from {path} at step {state['step']}"
             + (f" (written by {saved_world} ranks, now {ctx.world_size})" if saved_world != ctx.world_size else ""))
         return state["step"], state["tokens_seen"]
+
+    def _check_vocabulary(self, path: Path, weights: dict[str, torch.Tensor]) -> None:
+        """The draft vocabulary comes from the data: changed data of the same size can map draft ids to other
+        target tokens, and the saved lm_head rows would then train against another teacher's tokens."""
+        now = self.engine.module.state_dict()
+        for name in VOCAB_MAPS:
+            if name in weights and name in now and not torch.equal(weights[name].cpu(), now[name].cpu()):
+                raise CheckpointError(
+                    f"checkpoint {path} was trained with another draft vocabulary ({name} sha256 "
+                    f"{_sha(weights[name])}, this run's data gives {_sha(now[name])}): the training data changed "
+                    "since. Resume with the data it was trained on, or start anew (a new output_dir, or "
+                    "trainer.resume=never)")
 
     def save(self, step: int, tokens_seen: int) -> Path:
         state = {"data": self.stream.state_dict(), "step": step, "tokens_seen": tokens_seen,

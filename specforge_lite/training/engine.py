@@ -3,7 +3,8 @@
 Both take the same AdamW and warmup + cosine schedule (optim.py), and offer the loop the same five
 things: run the draft's training forward, backward a micro-batch, step after the accumulation, save
 and load their state inside a checkpoint folder, and the full trainable weights (gathered from ZeRO-3
-shards where needed) for checkpoints and exports.
+shards where needed) for checkpoints and exports. Both save the optimizer in one consolidated layout
+(optimizer_state.py), so either resumes what the other wrote, on any number of ranks.
 """
 
 from __future__ import annotations
@@ -17,9 +18,21 @@ import torch
 from ..config import TrainerConfig
 from .distributed import DistributedContext, deepspeed_config, sequence_parallel_mpu, use_bf16
 from .optim import build_optimizer, build_scheduler
+from .optimizer_state import (MASTER, MOMENTS, OptimizerState, adam_state, adam_step, ensure_adam_state,
+                              set_adam_step, set_lrs)
 
-OPTIMIZER_FILE = "optimizer.pt"
-DEEPSPEED_DIR = "deepspeed"
+DEEPSPEED_DIR = "deepspeed"  # DeepSpeed's own layout, written only with trainer.deepspeed.native_checkpoint
+
+
+def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+
+
+def saved_moments(saved: OptimizerState, name: str, where: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    moments = [saved.get(kind, name) for kind in MOMENTS]
+    if any(m is None for m in moments):
+        raise RuntimeError(f"checkpoint {where} has no optimizer state for {name}: it does not fit this draft")
+    return moments[0], moments[1]
 
 
 class PlainEngine:
@@ -58,17 +71,21 @@ class PlainEngine:
         return self.module.trainable_state_dict()
 
     def save(self, folder: Path, ctx: DistributedContext) -> None:
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                   folder / OPTIMIZER_FILE)
+        tensors = {f"{kind}/{name}": state[kind] for name, p in trainable(self.module)
+                   for state in [self.optimizer.state.get(p, {})] for kind in MOMENTS if kind in state}
+        OptimizerState(tensors, adam_step(self.optimizer), [g["lr"] for g in self.optimizer.param_groups],
+                       self.scheduler.state_dict()).save(folder)
 
     def load(self, folder: Path, weights: dict[str, torch.Tensor], ctx: DistributedContext) -> None:
-        if not (folder / OPTIMIZER_FILE).is_file():
-            raise FileNotFoundError(f"{folder} holds no {OPTIMIZER_FILE}: it was written by a DeepSpeed run; resume it "
-                                    "with the same trainer=zero* setting")
-        load_weights(self.module, weights, folder)
-        state = torch.load(folder / OPTIMIZER_FILE, weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        saved = OptimizerState.load(folder)
+        # a DeepSpeed run's fp32 master copies are the exact weights where its modules held bf16
+        masters = {name: saved.get(MASTER, name) for name, _ in trainable(self.module)}
+        load_weights(self.module, {**weights, **{k: v for k, v in masters.items() if v is not None}}, folder)
+        for name, p in trainable(self.module):
+            exp_avg, exp_avg_sq = saved_moments(saved, name, folder)
+            self.optimizer.state[p] = adam_state(saved.step, exp_avg.to(p.device), exp_avg_sq.to(p.device))
+        set_lrs(self.optimizer, saved.lrs)
+        self.scheduler.load_state_dict(saved.scheduler)
 
 
 class DeepSpeedEngine:
@@ -124,18 +141,74 @@ class DeepSpeedEngine:
             return {k: v.detach().clone().float() if v.is_floating_point() else v.clone()
                     for k, v in self.module.trainable_state_dict().items()}
 
+    @property
+    def _adam(self) -> torch.optim.Optimizer:
+        """The torch AdamW itself (under ZeRO it steps this rank's flat fp32 partitions)."""
+        return getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+
+    def _full(self, p: torch.nn.Parameter, kind: str) -> torch.Tensor | None:
+        """One weight's whole fp32 master copy or moment; every rank calls it (ZeRO gathers the slices)."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        if _partitioned(p):
+            return safe_get_full_fp32_param(p) if kind == MASTER else safe_get_full_optimizer_state(p, kind)
+        return p.detach() if kind == MASTER else self._adam.state.get(p, {}).get(kind)
+
     def save(self, folder: Path, ctx: DistributedContext) -> None:
-        """Every rank writes its shards of weights and optimizer state (DeepSpeed's own layout)."""
-        self.engine.save_checkpoint(str(folder / DEEPSPEED_DIR), tag="state", save_latest=False)
+        """Every rank takes part in gathering, one weight at a time; rank 0 keeps and writes the whole state."""
+        tensors = {}
+        for name, p in trainable(self.module):
+            for kind in (MASTER, *MOMENTS):
+                value = self._full(p, kind)
+                if value is not None and ctx.is_main:
+                    tensors[f"{kind}/{name}"] = value.detach().float().cpu().clone()
+        if ctx.is_main:
+            OptimizerState(tensors, adam_step(self._adam), [g["lr"] for g in self._adam.param_groups],
+                           self.scheduler.state_dict()).save(folder)
+        if self.cfg.deepspeed.native_checkpoint:
+            self.engine.save_checkpoint(str(folder / DEEPSPEED_DIR), tag="state", save_latest=False)
 
     def load(self, folder: Path, weights: dict[str, torch.Tensor], ctx: DistributedContext) -> None:
-        if not (folder / DEEPSPEED_DIR).is_dir():
-            raise FileNotFoundError(f"{folder} holds no DeepSpeed state: it was written by a single-process run "
-                                    "(trainer without zero*); resume it the same way")
-        path, _ = self.engine.load_checkpoint(str(folder / DEEPSPEED_DIR), tag="state", load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
-        if path is None:
-            raise RuntimeError(f"DeepSpeed could not load {folder / DEEPSPEED_DIR}")
+        """Every rank reads the consolidated state and keeps its own slice: any world size, any ZeRO stage."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        saved = OptimizerState.load(folder)
+        named = trainable(self.module)
+        masters = {name: saved.get(MASTER, name) for name, _ in named}
+        masters = {name: m if m is not None else weights[name].float() for name, m in masters.items()}
+        self._load_module_weights({**weights, **masters}, folder)
+        # ZeRO-3 hands its flat fp32 partitions to AdamW only while stepping: they are not in param_groups
+        partitions = getattr(self.engine.optimizer, "fp32_partitioned_groups_flat", [])
+        ensure_adam_state(self._adam, [p for g in self._adam.param_groups for p in g["params"]] + list(partitions))
+        link = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:  # ZeRO-1/2 and bf16 tie each weight to its slice of the state at the first step
+            link()
+        for name, p in named:
+            exp_avg, exp_avg_sq = saved_moments(saved, name, folder)
+            if _partitioned(p):
+                safe_set_full_fp32_param(p, masters[name].to(p.device))
+                safe_set_full_optimizer_state(p, exp_avg.to(p.device), "exp_avg")
+                safe_set_full_optimizer_state(p, exp_avg_sq.to(p.device), "exp_avg_sq")
+            else:
+                self._adam.state[p] = adam_state(saved.step, exp_avg.to(p.device), exp_avg_sq.to(p.device))
+        set_adam_step(self._adam, saved.step)
+        set_lrs(self._adam, saved.lrs)
+        self.scheduler.load_state_dict(saved.scheduler)
+
+    def _load_module_weights(self, weights: dict[str, torch.Tensor], folder: Path) -> None:
+        """The module's own (possibly bf16) copies; under ZeRO-3 gathered, set, and re-partitioned."""
+        if self.zero_stage < 3:
+            load_weights(self.module, weights, folder)
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=0):
+            load_weights(self.module, weights, folder)
+
+
+def _partitioned(p: torch.nn.Parameter) -> bool:
+    """Whether DeepSpeed keeps this weight's fp32 copy and optimizer state in partitions (ZeRO-1/2/3, bf16)."""
+    return hasattr(p, "_hp_mapping") or hasattr(p, "ds_id")
 
 
 def load_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor], where: Path) -> None:
