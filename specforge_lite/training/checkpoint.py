@@ -32,8 +32,8 @@ STATE = "trainer_state.json"
 SPEC = "spec.json"
 # files of checkpoints written by earlier versions: Python pickles, never read (they could run code)
 PICKLED = ("trainer_state.pt", "optimizer.pt", "rng_rank0.pt")
-REPLACED = ".replaced-"
-VOCAB_MAPS = ("d2t", "t2d")  # the draft's vocabulary mapping, saved with its weights  # a step's previous folder, kept until its re-save is in place
+REPLACED = ".replaced-"  # a step's previous folder, kept until its re-save is in place
+VOCAB_MAPS = ("d2t", "t2d")  # the draft's vocabulary mapping, saved with its weights
 
 
 class CheckpointError(RuntimeError):
