@@ -188,6 +188,9 @@ class DataConfig:
     heldout_samples: int = 64  # conversations held out from training for evaluation
     # A run stops with an error when more than this share of rows is malformed.
     max_malformed_fraction: float = 0.1
+    # Image paths in a data file must lie inside that file's folder (else the row is skipped and counted):
+    # a data file from elsewhere cannot make training read other files of the machine. true: read anywhere.
+    images_outside_folder: bool = False
     num_proc: int = 1  # tokenisation workers
     # Replace the assistant turns with the target's own answers (cached on disk, resumable), and build
     # the draft vocabulary from them: the draft learns what the served model says, not what people say.

@@ -48,7 +48,7 @@ def load_tokenizer(target: Target, chat_template: str | None = None) -> Any:
 
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(target.location)
+    tok = AutoTokenizer.from_pretrained(target.location, trust_remote_code=getattr(target, "trust_remote_code", False))
     if chat_template:
         path = Path(chat_template).expanduser()
         if not path.is_file():
@@ -155,7 +155,9 @@ class LazyGenerator:
                                  gen.max_new_tokens, gen.temperature, gen.top_p, stops, gen.concurrency)
         model = self.target.model
         if self._dtype() != self.target.dtype:
-            model = self.target.family.load(self.target.location, dtype=self._dtype()).to(self.target.device).eval()
+            model = self.target.family.load(self.target.location, dtype=self._dtype(),
+                                            trust_remote_code=self.target.trust_remote_code)
+            model = model.to(self.target.device).eval()
         if self.engine == "hf":
             from .targets.generate import HFGenerator
 

@@ -243,3 +243,55 @@ def test_byte_order_marks_are_read_and_non_utf8_bytes_are_named_by_file_and_line
     (tmp_path / "latin1.json").write_bytes(b'[\n{"a": 1},\n{"b": "caf\xe9"}\n]')
     [(_, where, bad)] = list(iter_rows(tmp_path / "latin1.json"))
     assert isinstance(bad, MalformedRow) and where.endswith("latin1.json:3") and "not UTF-8" in str(bad)
+
+
+def test_rows_lost_at_tokenisation_count_against_the_malformed_threshold(tmp_path, smollm2, monkeypatch):
+    """Rows that parse but yield no sample (here: prompts longer than data.max_length) are bad rows too: a
+    wrong template or length must not silently drop most of the data."""
+    monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
+    _, _, tok = smollm2
+    too_long = [{"messages": [{"role": "user", "content": f"Topic {i}: " + "word " * 100},
+                              {"role": "assistant", "content": "An answer."}]} for i in range(8)]
+    _write(tmp_path / "d.jsonl", distinct(4) + too_long)
+    with pytest.raises(DataError, match="8 of 12 rows .* could not be used .*max_malformed_fraction"):
+        prepare_data(DataConfig(source="path", path=str(tmp_path / "d.jsonl"), max_length=64, heldout_samples=1), tok,
+                     log=lambda m: None)
+
+
+@pytest.mark.parametrize("conversations, heldout", [(1, 4), (6, 0)])
+def test_data_without_a_held_out_split_prepares_and_reads_back_from_the_cache(tmp_path, smollm2, monkeypatch,
+                                                                              conversations, heldout):
+    """A single usable conversation, or data.heldout_samples=0: an empty held-out split, written and read back."""
+    monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
+    _, _, tok = smollm2
+    _write(tmp_path / "d.jsonl", distinct(conversations))
+    cfg = DataConfig(source="path", path=str(tmp_path / "d.jsonl"), heldout_samples=heldout)
+    for _ in range(2):  # prepared, then from the cache
+        data = prepare_data(cfg, tok, log=lambda m: None)
+        assert len(data.train) == conversations and len(data.heldout) == 0 and data.heldout_prompts == []
+
+
+def test_image_paths_stay_inside_the_data_files_folder_and_non_images_are_named(tmp_path):
+    """A data file from elsewhere must not make training read other files of the machine."""
+    from PIL import Image
+
+    from specforge_lite.data.images import ImageInputs
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    Image.new("RGB", (8, 8)).save(folder / "inside.png")
+    Image.new("RGB", (8, 8)).save(tmp_path / "outside.png")
+
+    def row(ref):
+        return {"image": ref, "conversations": [{"from": "human", "value": "what?"}, {"from": "gpt", "value": "dark"}]}
+
+    assert normalize_conversation(row("inside.png"), folder)[0]["images"] == [str(folder / "inside.png")]
+    for ref in ["../outside.png", str(tmp_path / "outside.png"), "../../../../../etc/hostname"]:
+        with pytest.raises(MalformedRow, match="outside the data file's folder"):
+            normalize_conversation(row(ref), folder)
+    allowed = normalize_conversation(row("../outside.png"), folder, confine_images=False)  # the user's choice
+    assert allowed[0]["images"] == [str(tmp_path / "outside.png")]
+
+    (folder / "notes.png").write_text("not an image")
+    with pytest.raises(MalformedRow, match="notes.png is not an image file"):
+        ImageInputs(None, "<img>", 0, 2).open(str(folder / "notes.png"))

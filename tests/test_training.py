@@ -21,7 +21,7 @@ from specforge_lite.training.loop import train
 from specforge_lite.training.tracking import Tracker
 
 
-def synthetic_dataset(n=24, vocab=256, seed=0):
+def synthetic_dataset(n=24, vocab=256, seed=0, answers=True):
     g = torch.Generator().manual_seed(seed)
     rows = {"input_ids": [], "loss_mask": []}
     for _ in range(n):
@@ -29,12 +29,12 @@ def synthetic_dataset(n=24, vocab=256, seed=0):
         # a learnable pattern: the sequence counts upwards from a random start
         start = int(torch.randint(0, vocab, (1,), generator=g))
         rows["input_ids"].append([(start + i) % vocab for i in range(T)])
-        rows["loss_mask"].append([0] * 4 + [1] * (T - 4))
+        rows["loss_mask"].append([0] * 4 + [int(answers)] * (T - 4))
     return datasets.Dataset.from_dict(rows)
 
 
 def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, resume="auto", draft_vocab=None,
-                 vocab_offset=0):
+                 vocab_offset=0, answers=True, log=lambda m: None):
     target = tiny_target()
     draft = tiny_draft(target, draft_vocab_size=draft_vocab or target.vocab_size, seed=seed)
     if vocab_offset:  # another mapping of the same size
@@ -43,11 +43,11 @@ def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, res
         draft.set_vocab(vocab.d2t, vocab.t2d)
     cfg = TrainerConfig(max_steps=max_steps, micro_batch_size=2, grad_accum_steps=accum, lr=lr, save_every=2,
                         stop_at_step=stop_at, progress_bar=False, precision="fp32", warmup_ratio=0.1, resume=resume)
-    stream = BatchStream(synthetic_dataset(), cfg.micro_batch_size, pad_id=0, seed=seed)
+    stream = BatchStream(synthetic_dataset(answers=answers), cfg.micro_batch_size, pad_id=0, seed=seed)
     result = train(cfg, Eagle3Objective.from_config(DraftConfig(ttt_length=3)), tiny_teacher(target, draft), draft,
                    stream, run_dir,
                    lambda step: Tracker(TrackerConfig(kind="none"), run_dir, {}, resume_step=step),
-                   draft.spec.to_dict(), log=lambda m: None)
+                   draft.spec.to_dict(), log=log)
     return result, draft
 
 
@@ -227,3 +227,26 @@ def test_training_with_the_acceptance_loss_learns(tmp_path):
           log=lambda m: None)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["loss"] < 0.5 * lines[0]["loss"] and lines[-1]["acc_0"] > lines[0]["acc_0"]
+
+
+def test_a_run_that_scores_no_token_warns_and_then_stops(tmp_path):
+    """Batches whose loss mask or draft vocabulary leaves nothing to score train nothing (loss 0, grad 0):
+    each such step is a warning, and several in a row end the run with the reason and the fix."""
+    from specforge_lite.training.loop import UNSCORED_STEPS_LIMIT, NothingScored
+
+    lines = []
+    with pytest.raises(NothingScored, match="scored no token.*draft.draft_vocab_size"):
+        run_training(tmp_path, max_steps=UNSCORED_STEPS_LIMIT + 3, answers=False, log=lines.append)
+    warnings = [line for line in lines if "warning" in line and "scored no token" in line]
+    assert len(warnings) == UNSCORED_STEPS_LIMIT - 1
+
+
+def test_sigkilled_at_random_moments_and_resumed_ends_bit_equal_to_an_uninterrupted_run(tmp_path):
+    """The kill torture (python -m specforge_lite.bench kill_resume), short: train.py killed with SIGKILL
+    inside a checkpoint write and at a random moment, resumed each time, every listing loadable."""
+    from specforge_lite.bench.kill_resume import torture
+
+    result = torture(kills=2, steps=6, seed=0, out=tmp_path, overrides=[], log=lambda m: None)
+    assert result["kills"] == 2 and result["inside_checkpoint_writes"] >= 1
+    assert result["unloadable_listings"] == []
+    assert result["final_steps"] == ["step_00000006", "step_00000006"] and result["differing_tensors"] == []

@@ -1,6 +1,6 @@
 """python -m specforge_lite.bench <benchmark> [options]
 
-Benchmarks: train_step, regenerate, capture, memory, store, packing, seq_scaling, draft_cache."""
+Benchmarks: train_step, regenerate, capture, memory, store, packing, seq_scaling, draft_cache, kill_resume."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import sys
 BENCHMARKS = {"train_step": "specforge_lite.bench.train_step", "regenerate": "specforge_lite.bench.regenerate",
               "capture": "specforge_lite.bench.capture", "memory": "specforge_lite.bench.zero_memory",
               "store": "specforge_lite.bench.store", "packing": "specforge_lite.bench.packing",
-              "seq_scaling": "specforge_lite.bench.seq_scaling", "draft_cache": "specforge_lite.bench.draft_cache"}
+              "seq_scaling": "specforge_lite.bench.seq_scaling", "draft_cache": "specforge_lite.bench.draft_cache",
+              "kill_resume": "specforge_lite.bench.kill_resume"}
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from .errors import MalformedRow
 from .images import IMAGE_MARKER
 
 ROLES = {
@@ -25,11 +26,9 @@ ROLES = {
 }
 
 
-class MalformedRow(ValueError):
-    """A row that cannot be used; the loader counts these and skips them."""
-
-
-def _image_path(ref: Any, base_dir: Path | None) -> str:
+def _image_path(ref: Any, base_dir: Path | None, confine: bool) -> str:
+    """The image file a row names, resolved against its data file's folder; with ``confine`` it must lie
+    inside that folder (a data file from elsewhere must not make training read any file on the machine)."""
     if isinstance(ref, dict):  # OpenAI image_url: {"url": ...}
         ref = ref.get("url")
     if not isinstance(ref, str) or not ref:
@@ -39,12 +38,15 @@ def _image_path(ref: Any, base_dir: Path | None) -> str:
     path = Path(ref.removeprefix("file://")).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
+    if confine and base_dir is not None and not path.resolve().is_relative_to(Path(base_dir).resolve()):
+        raise MalformedRow(f"image {ref!r} lies outside the data file's folder {base_dir}: move it there, or set "
+                           "data.images_outside_folder=true to read images from anywhere")
     if not path.is_file():
         raise MalformedRow(f"image file not found: {path}")
     return str(path.resolve())
 
 
-def _content_parts(parts: list, base_dir: Path | None) -> tuple[str, list[str]]:
+def _content_parts(parts: list, base_dir: Path | None, confine: bool) -> tuple[str, list[str]]:
     """OpenAI content parts -> text with <image> markers, and the image paths in order."""
     text, images = [], []
     for part in parts:
@@ -52,14 +54,15 @@ def _content_parts(parts: list, base_dir: Path | None) -> tuple[str, list[str]]:
         if kind == "text":
             text.append(str(part.get("text", "")))
         elif kind in ("image", "image_url"):
-            images.append(_image_path(part.get(kind, part.get("path")), base_dir))
+            images.append(_image_path(part.get(kind, part.get("path")), base_dir, confine))
             text.append(IMAGE_MARKER)
         else:
             raise MalformedRow(f"unknown content part {kind!r} (text, image and image_url are read)")
     return "".join(text), images
 
 
-def normalize_conversation(row: Any, base_dir: Path | None = None) -> list[dict[str, Any]]:
+def normalize_conversation(row: Any, base_dir: Path | None = None, confine_images: bool = True
+                           ) -> list[dict[str, Any]]:
     if not isinstance(row, dict):
         raise MalformedRow(f"row is a {type(row).__name__}, not an object")
     if "messages" in row:
@@ -80,11 +83,11 @@ def normalize_conversation(row: Any, base_dir: Path | None = None) -> list[dict[
             raise MalformedRow(f"unknown role {role!r}")
         images: list[str] = []
         if isinstance(text, list):
-            text, images = _content_parts(text, base_dir)
+            text, images = _content_parts(text, base_dir, confine_images)
         if not isinstance(text, str):
             raise MalformedRow(f"turn content is {type(text).__name__}, not text")
         messages.append({"role": ROLES[role], "content": text, **({"images": images} if images else {})})
-    _attach_row_images(row, messages, base_dir)
+    _attach_row_images(row, messages, base_dir, confine_images)
     if any(m["role"] == "system" for m in messages[1:]):
         raise MalformedRow("a system message appears after the first turn")
     # A conversation that opens with the assistant has no prompt for it: drop those leading turns.
@@ -96,13 +99,13 @@ def normalize_conversation(row: Any, base_dir: Path | None = None) -> list[dict[
     return messages
 
 
-def _attach_row_images(row: dict, messages: list[dict[str, Any]], base_dir: Path | None) -> None:
+def _attach_row_images(row: dict, messages: list[dict[str, Any]], base_dir: Path | None, confine: bool) -> None:
     """LLaVA-style rows: images listed at the row, placed at the <image> markers in turn order (or all
     before the first user turn when the text has no markers, as LLaVA does)."""
     refs = row.get("images", row.get("image"))
     if refs is None:
         return
-    paths = [_image_path(r, base_dir) for r in (refs if isinstance(refs, list) else [refs])]
+    paths = [_image_path(r, base_dir, confine) for r in (refs if isinstance(refs, list) else [refs])]
     markers = sum(m["content"].count(IMAGE_MARKER) for m in messages)
     if markers == 0:
         first = next((m for m in messages if m["role"] == "user"), None)

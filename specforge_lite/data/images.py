@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .errors import MalformedRow
+
 IMAGE_MARKER = "<image>"
 
 
@@ -31,8 +33,11 @@ class ImageInputs:
     def open(self, path: str):
         from PIL import Image
 
-        with Image.open(path) as im:
-            return im.convert("RGB")
+        try:
+            with Image.open(path) as im:
+                return im.convert("RGB")
+        except OSError as e:  # (PIL's UnidentifiedImageError included)
+            raise MalformedRow(f"{path} is not an image file that can be read ({e})") from None
 
     def num_tokens(self, path: str) -> int:
         """Image tokens the model reads for this image (grid t*h*w / merge^2), as its processor computes."""

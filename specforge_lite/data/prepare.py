@@ -106,6 +106,8 @@ def _fingerprint(paths: list[Path], tokenizer: Any, cfg: DataConfig, images: Ima
     h.update(json.dumps([_PREP_VERSION, cfg.max_length, cfg.heldout_samples, cfg.max_samples]).encode())
     if cfg.loss_turns != "all":  # (keys made before the option existed stay valid)
         h.update(f"loss_turns={cfg.loss_turns}".encode())
+    if cfg.images_outside_folder:
+        h.update(b"images_outside_folder")
     if cfg.source == "mix":  # the mix's composition, and how self-generated requests are sampled
         h.update(json.dumps([[m.source, m.path, m.weight] for m in cfg.mix], sort_keys=True).encode())
         h.update(json.dumps(vars(cfg.self_generated), sort_keys=True).encode())
@@ -223,8 +225,9 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
         return out
 
     def build(convs):
-        if not convs:
-            return datasets.Dataset.from_dict({"input_ids": [], "loss_mask": [], "images": []}), Counter()
+        if not convs:  # (typed: an untyped empty dataset cannot be read back from disk)
+            return datasets.Dataset.from_dict({"input_ids": [], "loss_mask": [], "images": []},
+                                              features=_sample_features()), Counter()
         ds = datasets.Dataset.from_dict({"messages": convs})
         ds = ds.map(tokenize, batched=True, remove_columns=["messages"],
                     num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
@@ -236,6 +239,10 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     heldout, held_err = build(heldout_convs)
     reasons.update(train_err)
     reasons.update(held_err)
+    # rows lost after parsing (a prompt too long, no answer within max_length, a template that renders the
+    # turns otherwise) count against the same threshold as unparsable ones: a wrong template must not
+    # silently drop most of the data
+    _check_malformed(total, reasons, cfg, path, "could not be used")
     if len(train) == 0:
         raise DataError(
             f"no usable training conversations in {path} after filtering ({dict(reasons)}; {overlap} shared an "
@@ -247,11 +254,14 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
                   "train_loss_tokens": sum(sum(m) for m in train["loss_mask"]),
                   "train_images": sum(len(x) for x in train["images"]), "skipped": dict(reasons)})
     tmp = cached.with_name(cached.name + ".tmp")
-    train.save_to_disk(str(tmp / "train"))
-    heldout.save_to_disk(str(tmp / "heldout"))
+    for name, split in (("train", train), ("heldout", heldout)):
+        # datasets writes an empty split as no shard at all, which it then cannot read back: ask for one
+        split.save_to_disk(str(tmp / name), num_shards=1 if len(split) == 0 else None)
     (tmp / "heldout_prompts.json").write_text(json.dumps(prompts))
     (tmp / "heldout_prompt_images.json").write_text(json.dumps(prompt_images))
     (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
+    for split in ("train", "heldout"):  # only data that reads back is published to the cache
+        datasets.load_from_disk(str(tmp / split))
     try:
         tmp.rename(cached)
     except OSError:
@@ -265,6 +275,14 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
                         datasets.load_from_disk(str(cached / "heldout")), prompts, stats, prompt_images)
 
 
+def _sample_features():
+    """The columns of a tokenised sample."""
+    import datasets
+
+    ints, paths = datasets.Sequence(datasets.Value("int64")), datasets.Sequence(datasets.Value("string"))
+    return datasets.Features({"input_ids": ints, "loss_mask": ints, "images": paths})
+
+
 def _read_conversations(path: Path, cfg: DataConfig) -> tuple[list, Counter, int]:
     """A file source's conversations, the reasons of the rows skipped, and the number of rows."""
     conversations, reasons, total = [], Counter(), 0
@@ -273,7 +291,8 @@ def _read_conversations(path: Path, cfg: DataConfig) -> tuple[list, Counter, int
         try:
             if isinstance(row, Exception):
                 raise row
-            conversations.append(normalize_conversation(row, base_dir=file.parent))
+            conversations.append(normalize_conversation(row, base_dir=file.parent,
+                                                        confine_images=not cfg.images_outside_folder))
         except MalformedRow as e:
             reasons[str(e)] += 1
     _check_malformed(total, reasons, cfg, path)
@@ -340,13 +359,14 @@ def _text_first(convs: list) -> tuple[list, int]:
     return [c for c in convs if not conversation_images(c)] + with_images, len(with_images)
 
 
-def _check_malformed(total: int, reasons: Counter, cfg: DataConfig, path: Path) -> None:
+def _check_malformed(total: int, reasons: Counter, cfg: DataConfig, path: Path, what: str = "are malformed") -> None:
     bad = sum(reasons.values())
     if total == 0:
         raise DataError(f"{path} holds no rows")
     if bad / total > cfg.max_malformed_fraction:
         top = ", ".join(f"{n}x {r}" for r, n in reasons.most_common(3))
         raise DataError(
-            f"{bad} of {total} rows in {path} are malformed ({top}); above data.max_malformed_fraction="
-            f"{cfg.max_malformed_fraction}. Fix the file or raise the threshold to skip them."
+            f"{bad} of {total} rows in {path} {what} ({top}); above data.max_malformed_fraction="
+            f"{cfg.max_malformed_fraction}. Fix the file (or data.max_length, model.chat_template) or raise the "
+            "threshold to skip them."
         )

@@ -153,5 +153,7 @@ def load_prompt_sets(names: list[str], files: dict[str, str], data, limit: int |
     unknown = sorted(set(files) - set(FORMATS))
     if unknown:
         raise PromptSetError(f"eval.prompt_files names unknown sets {unknown}; file-backed sets: {sorted(FORMATS)}")
+    if not data.heldout_prompts and len(names) > 1:  # no held-out split (data.heldout_samples=0): the other sets
+        names = [name for name in names if name != "heldout"]
     return [heldout_set(data, limit) if name == "heldout" else load_file_set(name, files.get(name), limit)
             for name in names]

@@ -28,9 +28,11 @@ BACKENDS = ("hf", "lean")
 
 class HFTarget:
     def __init__(self, model: nn.Module, family: TargetFamily, aux_layer_ids: Sequence[int] | None,
-                 location: str = "", backend: str = "hf", parts_only: bool = False):
+                 location: str = "", backend: str = "hf", parts_only: bool = False, trust_remote_code: bool = False):
         """``parts_only``: the model holds only its embedding, final norm and lm_head (family.load_parts);
-        it gives a store its parts and the teacher its head, and cannot run a forward."""
+        it gives a store its parts and the teacher its head, and cannot run a forward. ``trust_remote_code``:
+        the user's consent to run the checkpoint's own code, given to every later load from ``location``
+        (its tokenizer, a generator's copy of the model)."""
         if backend not in BACKENDS:
             raise ValueError(f"target.backend={backend!r}: use hf (transformers modules) or lean (our lean forward)")
         self.model = model.eval().requires_grad_(False)
@@ -42,6 +44,7 @@ class HFTarget:
         self.convention = CONVENTION
         self.lean = build_lean_forward(family, model) if backend == "lean" else None
         self.parts_only = parts_only
+        self.trust_remote_code = trust_remote_code
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, aux_layer_ids: Sequence[int] | None, backend: str = "hf",
@@ -52,7 +55,8 @@ class HFTarget:
         location = resolve_model_dir(cfg)
         if parts_only:
             model = family.load_parts(location, dtype, device, trust_remote_code=cfg.trust_remote_code)
-            return cls(model, family, aux_layer_ids, location, "hf", parts_only=True)
+            return cls(model, family, aux_layer_ids, location, "hf", parts_only=True,
+                       trust_remote_code=cfg.trust_remote_code)
         try:
             model = family.load(location, dtype=dtype, attn_implementation=cfg.attn_implementation,
                                 trust_remote_code=cfg.trust_remote_code)
@@ -60,7 +64,7 @@ class HFTarget:
             raise unavailable_error(cfg, str(e).splitlines()[0]) from e
         model.to(device)
         model.config.use_cache = False
-        return cls(model, family, aux_layer_ids, location, backend)
+        return cls(model, family, aux_layer_ids, location, backend, trust_remote_code=cfg.trust_remote_code)
 
     def close(self) -> None:
         """Remove the capture hooks (the model stays usable, e.g. by another HFTarget)."""
@@ -69,7 +73,8 @@ class HFTarget:
     def with_aux_layer_ids(self, aux_layer_ids: Sequence[int]) -> "HFTarget":
         """The same model and backend capturing other states (this target's hooks are removed)."""
         self.close()
-        return HFTarget(self.model, self.family, aux_layer_ids, self.location, self.backend, self.parts_only)
+        return HFTarget(self.model, self.family, aux_layer_ids, self.location, self.backend, self.parts_only,
+                        self.trust_remote_code)
 
     # ---- facts about the target -------------------------------------------------------------
     @property

@@ -18,6 +18,29 @@ from .distributed import DistributedContext
 from .engine import build_engine
 
 
+# steps in a row that may score no token before the run stops: one such batch happens (a batch of short
+# answers, all outside the draft vocabulary); many in a row mean nothing is learned at all
+UNSCORED_STEPS_LIMIT = 5
+
+
+class NothingScored(RuntimeError):
+    """Training steps in a row whose batches held no position the loss counts."""
+
+
+def check_scored(step: int, scored: int, unscored: int, log) -> int:
+    """The count of steps in a row that scored nothing, after this one; loud when it is not 0."""
+    if scored:
+        return 0
+    unscored += 1
+    why = ("no position of the batch has both a loss-mask 1 and a target token inside the draft vocabulary, so the "
+           "loss, gradients and accuracies are 0 and nothing trains. Check the data's assistant turns (the loss "
+           "mask) and raise draft.draft_vocab_size (a random or tiny target's argmax can lie outside it)")
+    if unscored >= UNSCORED_STEPS_LIMIT:
+        raise NothingScored(f"{unscored} training steps in a row scored no token (up to step {step}): {why}")
+    log(f"[train] warning: step {step} scored no token: {why}")
+    return unscored
+
+
 @dataclass
 class TrainResult:
     step: int
@@ -46,6 +69,7 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
     engine.module.train()
     metrics: dict = {}
     last_ckpt = None
+    unscored = 0
     t_window, tok_window = time.perf_counter(), 0
     try:
         while step < stop_at:
@@ -59,6 +83,7 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
             grad_norm = engine.step()
             ctx.all_reduce_sum(tally.sums)
             step += 1
+            unscored = check_scored(step, tally.scored, unscored, log)
             tokens_seen += tally.tokens
             tok_window += tally.tokens
 

@@ -1,0 +1,148 @@
+"""Kill torture: a tiny training run killed with SIGKILL at random moments and resumed each time must end
+bit-equal to the same run left alone, and no listing of its checkpoints/ may ever show a folder that
+fails to load.
+
+    python -m specforge_lite.bench kill_resume [--kills 10] [--steps 12] [--seed 0] [--out DIR] [overrides]
+
+Every run is ``python train.py`` in its own process group (as a user's run is), with a checkpoint at
+every step and only the newest kept, so most moments of the run are spent inside a checkpoint write or
+a prune. Every other kill waits for a checkpoint write to begin (a ``.tmp-step_*`` folder) and lands
+inside it; the others land at a uniform random moment of the run. After each kill every folder under
+checkpoints/ is loaded (weights, state, optimizer), then the run is started again with resume=auto;
+after the last kill it runs to the end. Compared with the uninterrupted run: the final checkpoint's
+weights and optimizer state, tensor by tensor, for bit equality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ["model=llama3_tiny", "recipe=none", "tracker=none", "data.max_length=96", "data.max_samples=24",
+       "data.heldout_samples=4", "draft.draft_vocab_size=49152", "draft.ttt_length=3", "trainer.save_every=1",
+       "trainer.keep_checkpoints=1", "trainer.progress_bar=false", "trainer.precision=fp32", "trainer.lr=1e-3",
+       "trainer.micro_batch_size=2", "eval.enabled=false"]
+
+
+def _command(out: Path, steps: int, overrides: list[str]) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), *RUN, f"trainer.max_steps={steps}", *overrides, f"output_dir={out}"]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _finish(cmd: list[str]) -> float:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def check_listing(run_dir: Path) -> list[str]:
+    """Load every published checkpoint folder; the names of those that fail, with why."""
+    from ..training.checkpoint import checkpoint_root, load_checkpoint
+    from ..training.optimizer_state import OptimizerState
+
+    bad = []
+    for folder in sorted(checkpoint_root(run_dir).glob("step_*")):
+        try:
+            load_checkpoint(folder)
+            OptimizerState.load(folder)
+        except Exception as e:  # noqa: BLE001  (any failure is the finding)
+            bad.append(f"{folder.name}: {type(e).__name__}: {e}")
+    return bad
+
+
+def _kill_once(cmd: list[str], run_dir: Path, duration: float, during_write: bool, rng: random.Random) -> dict:
+    """Start the run, kill its process group at the chosen moment; what the kill hit."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    root = run_dir / "checkpoints"
+    deadline = time.perf_counter() + (2 * duration if during_write else rng.uniform(0.3, 1.0) * duration)
+    while time.perf_counter() < deadline and proc.poll() is None:
+        if during_write and any(root.glob(".tmp-step_*")):
+            time.sleep(rng.uniform(0, 0.02))
+            break
+        time.sleep(0.002)
+    writing = any(root.glob(".tmp-step_*"))
+    finished = proc.poll() is not None
+    if not finished:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return {"finished": finished, "during_write": writing and not finished}
+
+
+def torture(kills: int, steps: int, seed: int, out: Path, overrides: list[str], log=print) -> dict:
+    """The uninterrupted run, then the killed-and-resumed one; the comparison and what the kills hit."""
+    from safetensors.torch import load_file
+
+    from ..training.checkpoint import latest_checkpoint
+    from ..training.optimizer_state import TENSORS
+
+    rng = random.Random(seed)
+    straight, killed = out / "straight", out / "killed"
+    duration = _finish(_command(straight, steps, overrides))
+    log(f"[kill_resume] uninterrupted run: {steps} steps in {duration:.1f} s")
+    cmd = _command(killed, steps, overrides)
+    done, hit_writes, bad, finished_early = 0, 0, [], 0
+    while done < kills:
+        what = _kill_once(cmd, killed, duration, during_write=done % 2 == 0, rng=rng)
+        if what["finished"]:  # the run ended before the kill: start it over to keep killing
+            finished_early += 1
+            shutil.rmtree(killed)
+            continue
+        done += 1
+        hit_writes += what["during_write"]
+        bad += check_listing(killed)
+        latest = latest_checkpoint(killed)
+        log(f"[kill_resume] kill {done}/{kills}: {'inside a checkpoint write' if what['during_write'] else 'between'}"
+            f"; newest checkpoint {latest.name if latest else 'none'}")
+    _finish(cmd)
+    a, b = latest_checkpoint(straight), latest_checkpoint(killed)
+    differ = []
+    for name in ("draft.safetensors", TENSORS):
+        x, y = load_file(str(a / name)), load_file(str(b / name))
+        differ += [f"{name}:{k}" for k in x if k not in y or not bool((x[k] == y[k]).all())]
+        differ += [f"{name}:{k} (missing)" for k in y if k not in x]
+    return {"kills": done, "inside_checkpoint_writes": hit_writes, "unloadable_listings": bad,
+            "final_steps": [a.name, b.name], "differing_tensors": differ, "restarts_after_finishing": finished_early}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m specforge_lite.bench kill_resume", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kills", type=int, default=10)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="where the two runs go (default: a temporary folder, removed)")
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+    out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="kill_resume-"))
+    try:
+        result = torture(a.kills, a.steps, a.seed, out, a.overrides)
+    finally:
+        if not a.out:
+            shutil.rmtree(out, ignore_errors=True)
+    equal = not result["differing_tensors"] and result["final_steps"][0] == result["final_steps"][1]
+    print(f"[kill_resume] {result['kills']} SIGKILLs ({result['inside_checkpoint_writes']} inside a checkpoint "
+          f"write); listings with an unloadable folder: {len(result['unloadable_listings'])}; final weights and "
+          f"optimizer state {'bit-equal to' if equal else 'DIFFERENT from'} the uninterrupted run")
+    for line in result["unloadable_listings"] + result["differing_tensors"][:10]:
+        print(f"  {line}")
+    if not equal or result["unloadable_listings"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
