@@ -7,6 +7,7 @@ subpackage of specforge_lite; this file only wires them. `python train.py --help
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -17,10 +18,26 @@ from specforge_lite.config import Config, available_presets, check_settings, reg
 
 register_configs()
 
+# Errors about the user's input or settings, each raised with the reason and the fix: printed as that
+# message alone. Anything else is a defect and keeps its traceback.
+TRACEBACK_ENV = "SPECFORGE_LITE_TRACEBACK"
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from specforge_lite.data import DataError
+    from specforge_lite.offline.store import StoreError
+    from specforge_lite.targets.acquire import ModelUnavailableError
+    from specforge_lite.training.checkpoint import CheckpointError
+    from specforge_lite.training.loop import NothingScored
+
+    return (*USER_ERRORS, DataError, StoreError, ModelUnavailableError, CheckpointError, NothingScored)
+
 
 def run(config: Config, run_dir: Path, log=print) -> dict:
     import torch
 
+    from specforge_lite.data.prepare import check_data_sources
     from specforge_lite.evaluate.finish import check_served_setting, finish
     from specforge_lite.offline import store_run
     from specforge_lite.run import Run
@@ -29,6 +46,8 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
 
     check_settings(config)
     check_served_setting(config)
+    if config.data.source != "offline":
+        check_data_sources(config.data)
     ctx = init_distributed(config.trainer)
     if not ctx.is_main:
         log = lambda message: None  # noqa: E731  (rank 0 speaks for the run)
@@ -67,7 +86,13 @@ def main(cfg: DictConfig) -> None:
     if hc.mode == RunMode.MULTIRUN:  # one wandb group per sweep, each run named by its overrides
         config.tracker.group = config.tracker.group or Path(hc.sweep.dir).name
         config.tracker.name = config.tracker.name or (hc.job.override_dirname or f"job{hc.job.num}")
-    run(config, Path(hc.runtime.output_dir))
+    try:
+        run(config, Path(hc.runtime.output_dir))
+    except _user_errors() as e:
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        # what went wrong and the fix, as one message; a traceback only when asked for
+        sys.exit(f"error: {e}\n(set {TRACEBACK_ENV}=1 for the traceback)")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def test_run_directory_contract(default_run):
     ttt = run_config.draft.ttt_length
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == 40
-    for key in ["step", "loss", "sim_accept_len"] + [f"acc_{k}" for k in range(ttt)]:
+    for key in ["step", "loss", "sim_accepted_drafts"] + [f"acc_{k}" for k in range(ttt)]:
         assert key in lines[-1]
     assert f"acc_{ttt}" not in lines[-1]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000040"
@@ -147,6 +147,23 @@ def test_bad_aux_ids_and_unknown_key(tmp_path):
     assert proc.returncode != 0 and "ttt_lenght" in proc.stderr
 
 
+def test_input_errors_are_one_message_said_before_the_target_is_built(tmp_path):
+    """A missing data file is named before the target loads, as the message alone (no Hydra traceback);
+    a malformed file's message names the file and line of its first bad row."""
+    proc = run(["train.py", "model=llama3_tiny", "data.source=path", f"data.path={tmp_path / 'nope.jsonl'}",
+                f"output_dir={tmp_path / 'a'}", "tracker=none"], timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.startswith("error: data.path=") and "does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr and "[target]" not in proc.stdout + proc.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+                   + '{"oops": 1}\n' * 3)
+    proc = run(["train.py", "model=llama3_tiny", "data.source=path", f"data.path={bad}", f"output_dir={tmp_path / 'b'}",
+                "tracker=none"], timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "\nerror: 3 of 4 rows" in proc.stderr and f"(first at {bad}:2)" in proc.stderr
+
+
 def test_a_sweep_runs_and_reports(tmp_path):
     """python train.py --multirun over two draft options, then python -m specforge_lite.evaluate.sweep: one row per
     run with its overrides and the numbers of its own files, and a plot."""
@@ -165,5 +182,10 @@ def test_a_sweep_runs_and_reports(tmp_path):
     for r in rows:
         ev = json.loads((sweep / r["run"] / "eval.json").read_text())
         assert r["mean_acceptance_length"] == ev["mean_acceptance_length"] and r["step"] == 2
-        assert r["heldout_sim_accept_len"] == 1 + ev["heldout_sim_accept_len"]
+        # comparable with the measured length: the bonus token + the accepted drafts of the served k steps
+        k, prefix, expected = ev["num_draft_tokens"], 1.0, 1.0
+        for a in ev["heldout_acc"][:k]:
+            prefix *= a
+            expected += prefix
+        assert abs(r["heldout_sim_accept_len"] - expected) < 1e-12
     assert "| measured accept |" in (sweep / "report.md").read_text() and (sweep / "report.png").stat().st_size > 0

@@ -68,11 +68,11 @@ def test_resume_is_exact(tmp_path):
 def test_metrics_fields_and_learning(tmp_path):
     result, _ = run_training(tmp_path, max_steps=60, lr=3e-3, accum=1)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    for key in ["step", "loss", "acc_0", "acc_1", "acc_2", "sim_accept_len", "tokens_per_s", "lr"]:
+    for key in ["step", "loss", "acc_0", "acc_1", "acc_2", "sim_accepted_drafts", "tokens_per_s", "lr"]:
         assert key in lines[-1]
     accs = [lines[-1][f"acc_{k}"] for k in range(3)]
     expected = accs[0] + accs[0] * accs[1] + accs[0] * accs[1] * accs[2]
-    assert abs(lines[-1]["sim_accept_len"] - expected) < 1e-9
+    assert abs(lines[-1]["sim_accepted_drafts"] - expected) < 1e-9
     def mean(rows, key):
         return sum(r[key] for r in rows) / len(rows)
 

@@ -81,6 +81,14 @@ def data_file(cfg: DataConfig | MixSource) -> Path:
                     "self_generated)")
 
 
+def check_data_sources(cfg: DataConfig) -> None:
+    """The data's files exist and its sources are known: said before the target is built (seconds to
+    minutes), not after."""
+    for source in mix_sources(cfg):
+        if source.source not in ("builtin_chitchat", "builtin_shapes", SELF_GENERATED):
+            data_file(source)
+
+
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
 
 
@@ -151,10 +159,11 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
 
     # Each file source: its rows, a held-out share (of data.heldout_samples, by weight) and the rest.
     file_weight = sum(sources[i].weight for i in files)
-    pools, heldout_convs, reasons, total, n_convs = {}, [], Counter(), 0, 0
+    pools, heldout_convs, reasons, total, n_convs, first_at = {}, [], Counter(), 0, 0, {}
     for i, path in files.items():
-        conversations, bad, rows = _read_conversations(path, cfg)
+        conversations, bad, rows, where = _read_conversations(path, cfg)
         reasons.update(bad)
+        first_at = {**where, **first_at}
         total += rows
         n_convs += len(conversations)
         # A prompt that fills data.max_length leaves no room for an answer: never a sample, nor an eval prompt.
@@ -242,7 +251,7 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     # rows lost after parsing (a prompt too long, no answer within max_length, a template that renders the
     # turns otherwise) count against the same threshold as unparsable ones: a wrong template must not
     # silently drop most of the data
-    _check_malformed(total, reasons, cfg, path, "could not be used")
+    _check_malformed(total, reasons, cfg, path, first_at, "could not be used")
     if len(train) == 0:
         raise DataError(
             f"no usable training conversations in {path} after filtering ({dict(reasons)}; {overlap} shared an "
@@ -252,7 +261,8 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     n_tokens = sum(len(x) for x in train["input_ids"])
     stats.update({"train": len(train), "heldout": len(heldout), "train_tokens": n_tokens,
                   "train_loss_tokens": sum(sum(m) for m in train["loss_mask"]),
-                  "train_images": sum(len(x) for x in train["images"]), "skipped": dict(reasons)})
+                  "train_images": sum(len(x) for x in train["images"]), "skipped": dict(reasons),
+                  "skipped_first_at": {r: first_at[r] for r in reasons if r in first_at}})
     tmp = cached.with_name(cached.name + ".tmp")
     for name, split in (("train", train), ("heldout", heldout)):
         # datasets writes an empty split as no shard at all, which it then cannot read back: ask for one
@@ -283,9 +293,10 @@ def _sample_features():
     return datasets.Features({"input_ids": ints, "loss_mask": ints, "images": paths})
 
 
-def _read_conversations(path: Path, cfg: DataConfig) -> tuple[list, Counter, int]:
-    """A file source's conversations, the reasons of the rows skipped, and the number of rows."""
-    conversations, reasons, total = [], Counter(), 0
+def _read_conversations(path: Path, cfg: DataConfig) -> tuple[list, Counter, int, dict[str, str]]:
+    """A file source's conversations, the reasons of the rows skipped, the number of rows, and where each
+    reason was first met (file:line)."""
+    conversations, reasons, total, first_at = [], Counter(), 0, {}
     for file, where, row in iter_rows(path):
         total += 1
         try:
@@ -295,8 +306,9 @@ def _read_conversations(path: Path, cfg: DataConfig) -> tuple[list, Counter, int
                                                         confine_images=not cfg.images_outside_folder))
         except MalformedRow as e:
             reasons[str(e)] += 1
-    _check_malformed(total, reasons, cfg, path)
-    return conversations, reasons, total
+            first_at.setdefault(str(e), where)
+    _check_malformed(total, reasons, cfg, path, first_at)
+    return conversations, reasons, total, first_at
 
 
 def _prompt_fits(tokenizer: Any, conversation: list, max_length: int, images: ImageInputs | None) -> bool:
@@ -359,12 +371,14 @@ def _text_first(convs: list) -> tuple[list, int]:
     return [c for c in convs if not conversation_images(c)] + with_images, len(with_images)
 
 
-def _check_malformed(total: int, reasons: Counter, cfg: DataConfig, path: Path, what: str = "are malformed") -> None:
+def _check_malformed(total: int, reasons: Counter, cfg: DataConfig, path: Path, first_at: dict[str, str],
+                     what: str = "are malformed") -> None:
     bad = sum(reasons.values())
     if total == 0:
         raise DataError(f"{path} holds no rows")
     if bad / total > cfg.max_malformed_fraction:
-        top = ", ".join(f"{n}x {r}" for r, n in reasons.most_common(3))
+        top = ", ".join(f"{n}x {r}" + (f" (first at {first_at[r]})" if r in first_at else "")
+                        for r, n in reasons.most_common(3))
         raise DataError(
             f"{bad} of {total} rows in {path} {what} ({top}); above data.max_malformed_fraction="
             f"{cfg.max_malformed_fraction}. Fix the file (or data.max_length, model.chat_template) or raise the "

@@ -67,8 +67,10 @@ def token_loss(kind: str, teacher_p: torch.Tensor, draft_logits: torch.Tensor) -
     raise ValueError(f"draft.loss={kind!r}: use one of {LOSSES}")
 
 
-def sim_accept_len(accs: list[float]) -> float:
-    """Expected number of accepted draft tokens: sum over k of prod(acc_0..acc_k)."""
+def sim_accepted_drafts(accs: list[float]) -> float:
+    """Expected number of accepted draft tokens over every TTT step given: sum over k of prod(acc_0..acc_k).
+    Not a served acceptance length: that counts the bonus token (+1) and stops at the served k (it is
+    ``1 + sim_accepted_drafts(accs[:k])``), hence the name."""
     total, prod = 0.0, 1.0
     for a in accs:
         prod *= a
@@ -119,6 +121,14 @@ class Eagle3Objective:
         position t+1+k (which predicts x[t+2+k]); the row counts only if x[t+2+k] is an assistant token
         (mask aligned with the predicted token) and the target's full-vocab argmax lies in the draft vocab.
         Each step's loss is normalised over its valid tokens; step k is weighted decay**k.
+
+        The normaliser is this micro-batch's count, not the global batch's (all micro-batches of an
+        accumulation and all data-parallel ranks), as in SpecForge and EAGLE: which positions count depends
+        on the target's argmax, known only after each micro-batch's capture, so a global count before the
+        first backward would take a second target pass or every micro-batch's graph held at once. The
+        step then averages per-micro-batch means (the engines divide by the accumulation, ranks average):
+        the global token mean exactly when micro-batches score equally many tokens, and otherwise a
+        weighting by micro-batch rather than by token.
 
         ``position_ids`` (packed rows): positions restart at 0 where a conversation starts. The draft then
         attends only within a conversation and a row counts only if the token it predicts is in its own
@@ -246,4 +256,4 @@ class Tally:
         """The logged figures: mean loss per rank, accuracy per step, simulated acceptance length."""
         accs = self.accuracies()
         return {"loss": float(self.sums[0]) / ranks, **{f"acc_{i}": a for i, a in enumerate(accs)},
-                "sim_accept_len": sim_accept_len(accs)}
+                "sim_accepted_drafts": sim_accepted_drafts(accs)}

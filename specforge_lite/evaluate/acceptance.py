@@ -197,7 +197,7 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
         "step_costs": costs,
         "sets": sets,
         "heldout_acc": held["acc"],
-        "heldout_sim_accept_len": held["sim_accept_len"],
+        "heldout_sim_accepted_drafts": held["sim_accepted_drafts"],
         "heldout_tokens": held["tokens"],
         "note": "mean_acceptance_length = 1 + accepted draft tokens per verification round, pooled over the prompt "
                 "sets (per set under 'sets'), and per context-length bucket (by_context_length: the tokens before "

@@ -68,8 +68,8 @@ def _evaluate(run: Run, summary: dict, result, run_dir: Path, log) -> None:
         # the cheap training-time estimate next to the measured number, where the sweep's runs are compared
         run.tracker(run_dir, result.step).close(summary={
             "eval/mean_acceptance_length": evaluation["mean_acceptance_length"],
-            "eval/heldout_sim_accept_len": evaluation["heldout_sim_accept_len"],
-            "train/sim_accept_len": result.last_metrics.get("sim_accept_len")})
+            "eval/heldout_sim_accepted_drafts": evaluation["heldout_sim_accepted_drafts"],
+            "train/sim_accepted_drafts": result.last_metrics.get("sim_accepted_drafts")})
         log(f"[eval] mean acceptance length {evaluation['mean_acceptance_length']:.3f} at "
             f"k={evaluation['num_draft_tokens']}, held-out acc {[round(a, 3) for a in evaluation['heldout_acc']]}")
         if run.config.eval.serve:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..data.loader import collate
-from ..draft.objective import Eagle3Objective, sim_accept_len
+from ..draft.objective import Eagle3Objective, sim_accepted_drafts
 
 
 @torch.no_grad()
@@ -20,6 +20,6 @@ def heldout_accuracy(objective: Eagle3Objective, teacher, draft, dataset, pad_id
         tally.add(objective(draft, teacher, batch))
     draft.train(was_training)
     if conversations == 0:
-        return {"acc": [], "sim_accept_len": 0.0, "tokens": 0}
+        return {"acc": [], "sim_accepted_drafts": 0.0, "tokens": 0}
     accs = tally.accuracies()
-    return {"acc": accs, "sim_accept_len": sim_accept_len(accs), "tokens": tally.scored}
+    return {"acc": accs, "sim_accepted_drafts": sim_accepted_drafts(accs), "tokens": tally.scored}

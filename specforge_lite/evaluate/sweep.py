@@ -2,10 +2,10 @@
 
 Reads every run under SWEEP_DIR (a folder with metrics.jsonl; ``python train.py --multirun ...`` makes
 one per job under multirun/<time>/<n>/) and prints a Markdown table: the overrides that distinguish the
-run, final loss, accuracy per TTT step, the simulated acceptance length (1 + sum_k prod_{i<=k} acc_i)
-from training and from held-out data, the measured acceptance length (speculative decoding, eval.json) and
-training tokens/s. Writes report.md, report.json and, with matplotlib installed, report.png (accuracy per
-step per run; simulated vs measured acceptance) next to them.
+run, final loss, accuracy per TTT step, the simulated acceptance length (1 + sum_{k<K} prod_{i<=k} acc_i,
+K the served k) from training and from held-out data, the measured acceptance length (speculative
+decoding, eval.json) and training tokens/s. Writes report.md, report.json and, with matplotlib
+installed, report.png (accuracy per step per run; simulated vs measured acceptance) next to them.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from ..draft.objective import sim_accepted_drafts
 
 
 def _overrides(run: Path) -> list[str]:
@@ -35,11 +37,13 @@ def collect(sweep: Path) -> list[dict]:
         accs = [last[k] for k in sorted((k for k in last if k.startswith("acc_")), key=lambda k: int(k[4:]))]
         ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else {}
         speeds = [m["tokens_per_s"] for m in lines if "tokens_per_s" in m]
-        # sim_accept_len counts accepted draft tokens; 1 + it is comparable with a measured acceptance length
-        sim, held = last.get("sim_accept_len"), ev.get("heldout_sim_accept_len")
+        # simulated acceptance lengths, comparable with the measured one: the bonus token plus the accepted
+        # drafts of the first k steps only (k: the served draft length)
+        k = ev.get("num_draft_tokens", len(accs))
+        held = ev.get("heldout_acc")
         rows.append({"run": str(run.relative_to(sweep)) or ".", "overrides": _overrides(run), "step": last["step"],
-                     "loss": last["loss"], "acc": accs, "sim_accept_len": None if sim is None else 1 + sim,
-                     "heldout_sim_accept_len": None if held is None else 1 + held,
+                     "loss": last["loss"], "acc": accs, "sim_accept_len": 1 + sim_accepted_drafts(accs[:k]),
+                     "heldout_sim_accept_len": 1 + sim_accepted_drafts(held[:k]) if held else None,
                      "mean_acceptance_length": ev.get("mean_acceptance_length"),
                      "tokens_per_s": sum(speeds) / len(speeds) if speeds else None})
     # show what distinguishes each run: the overrides all runs share are left out
