@@ -295,3 +295,17 @@ def test_image_paths_stay_inside_the_data_files_folder_and_non_images_are_named(
     (folder / "notes.png").write_text("not an image")
     with pytest.raises(MalformedRow, match="notes.png is not an image file"):
         ImageInputs(None, "<img>", 0, 2).open(str(folder / "notes.png"))
+
+
+def test_evaluation_prompts_follow_the_training_length_rule(tmp_path, smollm2, monkeypatch):
+    """A conversation whose first prompt fills data.max_length is neither a sample nor an evaluation prompt
+    (the end-of-run evaluation would otherwise run attention over it)."""
+    monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
+    _, _, tok = smollm2
+    huge = [{"messages": [{"role": "user", "content": f"Essay {i}: " + "word " * 2000},
+                          {"role": "assistant", "content": "Noted."}]} for i in range(6)]
+    _write(tmp_path / "d.jsonl", distinct(6) + huge)
+    data = prepare_data(DataConfig(source="path", path=str(tmp_path / "d.jsonl"), max_length=64, heldout_samples=6,
+                                   max_malformed_fraction=0.6), tok, log=lambda m: None)
+    assert data.heldout_prompts and all(len(p) < 64 for p in data.heldout_prompts)
+    assert data.stats["skipped"]["first prompt of data.max_length=64 tokens or more"] == 6

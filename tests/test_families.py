@@ -262,7 +262,9 @@ FAST = ["trainer.max_steps=2", "trainer.save_every=2", "trainer.progress_bar=fal
     ("gemma4_tiny", ["draft.use_aux_norm=true"]),
     ("qwen3_tiny", ["target.backend=lean"]),
     ("gemma3_tiny", ["target.backend=lean"]),
-    ("qwen3_vl_tiny", ["data=shapes"]),  # image+text conversations
+    # image+text conversations, kept as written (not regenerated): the random target's argmax is scored only
+    # with its whole vocabulary as the draft's
+    ("qwen3_vl_tiny", ["data=shapes", "draft.draft_vocab_size=1000000"]),
 ])
 def test_every_family_trains_exports_and_evaluates(preset, extra, tmp_path):
     import sys
@@ -278,6 +280,10 @@ def test_every_family_trains_exports_and_evaluates(preset, extra, tmp_path):
     config = load_config([f"model={preset}", f"output_dir={tmp_path}", *FAST, *source, *extra])
     summary = run(config, tmp_path, log=lambda m: None)
     assert summary["step"] == 2
+    # something was scored and trained on, not only run (a random target's argmax may lie outside a draft
+    # vocabulary drawn from the data; the recipe's regenerated answers are the target's own tokens)
+    steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["loss"] > 0 and m["grad_norm"] > 0 for m in steps), steps
     exported = json.loads((tmp_path / "final" / "config.json").read_text())
     assert exported["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     from safetensors.torch import load_file
@@ -302,3 +308,35 @@ def test_speculative_decoding_reproduces_greedy_with_caches_that_cannot_crop(pre
     want = greedy_generate(target, prompt, 12, set())
     got = speculative_generate(target, draft, prompt, 12, 3, set())
     assert got.tokens == want and len(got.accepted) >= 1
+
+
+def test_trust_remote_code_reaches_every_load_from_the_model_folder(monkeypatch):
+    """model.trust_remote_code is the user's consent to run the checkpoint's own code: the tokenizer's load
+    and a generator's own copy of the model (generation in another dtype) must be given it too, not only
+    the target's load. (The loads are spied on and still run.)"""
+    import transformers
+
+    from specforge_lite.pipeline import LazyGenerator, load_tokenizer
+    from specforge_lite.targets.families.base import TargetFamily
+
+    seen = []
+    real_tokenizer, real_load = transformers.AutoTokenizer.from_pretrained, TargetFamily.load
+
+    def tokenizer_spy(*args, **kwargs):
+        seen.append(("tokenizer", kwargs.get("trust_remote_code")))
+        return real_tokenizer(*args, **kwargs)
+
+    def load_spy(self, location, **kwargs):
+        seen.append(("model", kwargs.get("trust_remote_code")))
+        return real_load(self, location, **kwargs)
+
+    config = load_config(["model=llama3_tiny", "tracker=none", "model.trust_remote_code=true", "model.dtype=float32",
+                          "data.generation.dtype=bfloat16", "data.generation.engine=hf",
+                          "data.generation.max_new_tokens=2"])
+    target = build_target(config)  # (its own load was given the consent before; a first use builds the folder)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer_spy)
+    monkeypatch.setattr(TargetFamily, "load", load_spy)
+    tokenizer = load_tokenizer(target)
+    answers = LazyGenerator(config, target, tokenizer)([[{"role": "user", "content": "hi"}]])
+    assert len(answers) == 1
+    assert seen == [("tokenizer", True), ("model", True)], seen
