@@ -9,6 +9,7 @@ held-out prompts that eval/acceptance.py used (it records them in RUN/eval_input
 Writes RUN/vllm_eval.json: vLLM's mean acceptance length (1 + accepted draft tokens per draft, from its
 own spec-decoding counters), per-position acceptance, and whether vLLM's outputs equal the greedy
 output of our evaluation token for token; pooled and per prompt set (each set generated in turn).
+vLLM serves in the dtype our evaluation ran the target in (eval_inputs.json), float32 by default.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def serve_run(run_dir: Path, k: int | None, dtype: str, memory_fraction: float, 
 
     inputs = json.loads((run_dir / "eval_inputs.json").read_text())
     k = k or inputs["num_draft_tokens"]
+    dtype = dtype or inputs.get("dtype", "float32")  # the dtype our greedy outputs were computed in
     llm = LLM(model=inputs["target"], tokenizer=inputs["target"], dtype=dtype, max_model_len=inputs["max_model_len"],
               distributed_executor_backend="uni",
               gpu_memory_utilization=memory_fraction, disable_log_stats=False, seed=0,
@@ -57,7 +59,7 @@ def serve_run(run_dir: Path, k: int | None, dtype: str, memory_fraction: float, 
     ours = inputs["generated"]
     same = [g == o for g, o in zip(generated, ours)]
     return {
-        "num_draft_tokens": k, "prompts": len(generated), **total,
+        "num_draft_tokens": k, "dtype": dtype, "prompts": len(generated), **total,
         "outputs_equal_our_greedy": sum(same), "outputs_compared": len(same),
         "first_mismatch": next(({"prompt": i, "vllm": g[:40], "ours": o[:40]}
                                 for i, (g, o) in enumerate(zip(generated, ours))
@@ -71,7 +73,8 @@ def main(argv=None) -> None:
     p.add_argument("--run-dir", required=True, type=Path, action="append",
                    help="a finished run; repeat it to serve several runs in one process (vLLM imported once)")
     p.add_argument("--k", type=int, default=None, help="draft tokens per step (default: the one our eval used)")
-    p.add_argument("--dtype", default="float32", help="vLLM dtype for the target and draft")
+    p.add_argument("--dtype", default=None, help="vLLM dtype for the target and draft (default: the one our "
+                                                   "evaluation ran the target in)")
     p.add_argument("--memory-fraction", type=float, default=0.25, help="on CPU: share of RAM vLLM reserves")
     p.add_argument("--eager", action="store_true", help="no torch.compile/graphs: starts in seconds instead of "
                                                            "minutes (each new draft shape compiles anew)")

@@ -14,6 +14,7 @@ import torch
 
 from ..config import Config, EvalConfig
 from ..data.chat import generation_prompt_ids
+from ..device import dtype_name
 from ..draft.objective import Eagle3Objective
 from ..draft.ttt import TreeCache
 from ..targets.teacher import Teacher
@@ -170,6 +171,7 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
         "prompt_sets": [name for name, s in sets.items() for _ in s["_prompts"]],
         "generated": every("_outputs"), "stop_ids": sorted(stops),
         "max_new_tokens": ev.max_new_tokens, "num_draft_tokens": ev.num_draft_tokens,
+        "dtype": dtype_name(target.dtype),  # what our greedy outputs were computed in; vLLM serves in it too
         "max_model_len": max(len(p) for p in prompts) + ev.max_new_tokens + ev.num_draft_tokens + 8}))
     held = heldout_accuracy(Eagle3Objective.from_config(config.draft), teacher, draft, data.heldout,
                             pad_id(tokenizer), ev.heldout_batches, target.image_inputs)
