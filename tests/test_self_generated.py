@@ -147,7 +147,7 @@ def test_prompts_that_fill_max_length_are_never_answered_nor_asked(tmp_path, smo
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     seen = []
     data = prepare_data(DataConfig(source="path", path=str(tmp_path / "d.jsonl"), max_length=64, heldout_samples=6,
-                                   regenerate=True),
+                                   regenerate=True, max_malformed_fraction=0.5),
                         tok, generate=lambda convs: seen.extend(convs) or ["fine" for _ in convs],
                         model_fingerprint="fake", log=lambda m: None)
     assert not any("long long" in c[0]["content"] for c in seen)  # no answer generated for them
