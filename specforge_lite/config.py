@@ -89,12 +89,18 @@ class TargetConfig:
 
 @dataclass
 class DraftConfig:
+    # Decoder layers: 1 is EAGLE3 as every server loads it; more are plain Llama layers after the first
+    # (served by vLLM; SGLang loads one layer).
     num_layers: int = 1
     ttt_length: int = 7  # training-time-test unroll steps (EAGLE3 paper: 7)
     draft_vocab_size: int = 32000  # capped at the target vocabulary
     # Capture ids in the convention of specforge_lite/targets/capture.py; null derives [2, L//2, L-3].
     aux_layer_ids: Optional[list[int]] = None
     use_aux_norm: bool = False  # one RMSNorm per aux state before fc (exported as fc_norm)
+    # EAGLE 3.1 (speculators 0.9's defaults, served by vLLM 0.32): one RMSNorm over the concatenated aux
+    # states before fc (exclusive with use_aux_norm), and the next unroll step fed the normed output.
+    norm_before_fc: bool = False
+    norm_output: bool = False
     attn_implementation: str = "eager"  # eager: the TTT attention pattern in plain PyTorch
     step_loss_decay: float = 0.8  # step k's loss weight is decay**k
     # soft_ce: cross-entropy to the teacher's draft-vocabulary distribution (EAGLE3). acceptance: -log of
@@ -365,6 +371,11 @@ def check_settings(config: Config) -> None:
         problems.append(f"draft.ttt_length={config.draft.ttt_length}: unroll at least 1 step (EAGLE3 trains with 7)")
     if config.trainer.max_steps < 1:
         problems.append(f"trainer.max_steps={config.trainer.max_steps}: train at least 1 step")
+    if config.draft.num_layers < 1:
+        problems.append(f"draft.num_layers={config.draft.num_layers}: a draft has at least one layer")
+    if config.draft.norm_before_fc and config.draft.use_aux_norm:
+        problems.append("draft.norm_before_fc=true with draft.use_aux_norm=true: one norm over the concatenated aux "
+                        "states or one per aux state, not both (speculators refuses the pair); set one to false")
     if problems:
         raise ValueError("; ".join(problems))
 

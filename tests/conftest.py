@@ -53,10 +53,17 @@ def tiny_vocab(target: HFTarget, size: int) -> DraftVocab:
     return DraftVocab(ids.long(), target.vocab_size, float("nan"))
 
 
-def tiny_draft(target: HFTarget, draft_vocab_size: int = 128, use_aux_norm: bool = False, seed: int = 0) -> Eagle3Draft:
+# EAGLE 3.1 with a second layer: every option that changes what a step computes or keeps
+EAGLE31 = {"norm_before_fc": True, "norm_output": True, "num_layers": 2}
+
+
+def tiny_draft(target: HFTarget, draft_vocab_size: int = 128, use_aux_norm: bool = False, seed: int = 0,
+               **options) -> Eagle3Draft:
+    """``options``: DraftConfig fields (e.g. ``**EAGLE31``)."""
     vocab = tiny_vocab(target, draft_vocab_size)
-    spec = Eagle3Spec.from_target(target.config, DraftConfig(use_aux_norm=use_aux_norm), target.aux_layer_ids,
-                                  target.convention, target.vocab_size, vocab.size, target.hidden_size)
+    spec = Eagle3Spec.from_target(target.config, DraftConfig(use_aux_norm=use_aux_norm, **options),
+                                  target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
+                                  target.hidden_size)
     torch.manual_seed(seed)
     draft = Eagle3Draft(spec)
     draft.set_vocab(vocab.d2t, vocab.t2d)

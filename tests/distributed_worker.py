@@ -56,18 +56,29 @@ def sharded_target(preset: str, out: Path) -> None:
 def ulysses(shape: str, out: Path) -> None:
     """Both ranks hold the same packed rows (odd length, so the split pads) at a real draft's head layout;
     each runs its share of the unroll (blockwise attention, activation checkpointing, small loss chunks),
-    and the sums over the two ranks of loss and gradients are compared with the whole unroll."""
+    and the sums over the two ranks of loss and gradients are compared with the whole unroll: for an
+    EAGLE3 draft and an EAGLE 3.1 draft of two layers."""
     import deepspeed
 
-    from specforge_lite.bench.shapes import SHAPES, synthetic_draft
     from specforge_lite.config import DraftConfig
-    from specforge_lite.draft.objective import Eagle3Objective, UnrollInputs
     from specforge_lite.training.distributed import launcher_env, with_sequence_parallel
 
     deepspeed.init_distributed(dist_backend="gloo")
     ctx = with_sequence_parallel(launcher_env(), 2)
+    results = [ulysses_unroll(ctx, shape, draft_cfg) for draft_cfg in
+               (DraftConfig(), DraftConfig(norm_before_fc=True, norm_output=True, num_layers=2))]
+    gathered = [None] * ctx.world_size
+    torch.distributed.all_gather_object(gathered, results)
+    if ctx.is_main:
+        out.write_text(json.dumps([r for per_rank in zip(*gathered) for r in per_rank]))
+
+
+def ulysses_unroll(ctx, shape: str, draft_cfg) -> dict:
+    from specforge_lite.bench.shapes import SHAPES, synthetic_draft
+    from specforge_lite.draft.objective import Eagle3Objective, UnrollInputs
+
     dims = {**SHAPES[shape], "num_hidden_layers": 8}
-    draft = synthetic_draft(dims, DraftConfig(), 96)
+    draft = synthetic_draft(dims, draft_cfg, 96)
     table = torch.randn(dims["vocab_size"], dims["hidden_size"], generator=torch.Generator().manual_seed(1))
     draft.set_embedding(table)
     g = torch.Generator().manual_seed(7)  # the same rows on both ranks
@@ -92,14 +103,11 @@ def ulysses(shape: str, out: Path) -> None:
         grad = p.grad.clone()
         torch.distributed.all_reduce(grad)
         grad_diff = max(grad_diff, float((grad - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12)))
-    result = {"rank": ctx.rank, "loss": float(summed[0]), "whole_loss": float(whole.loss),
-              "valid": summed[1:5].tolist(), "whole_valid": [float(s.valid) for s in whole.steps],
-              "correct": summed[5:].tolist(), "whole_correct": [float(s.correct) for s in whole.steps],
-              "own_valid": [float(s.valid) for s in part.steps], "grad_rel_diff": grad_diff}
-    gathered = [None] * ctx.world_size
-    torch.distributed.all_gather_object(gathered, result)
-    if ctx.is_main:
-        out.write_text(json.dumps(gathered))
+    return {"rank": ctx.rank, "layers": draft.spec.num_layers, "loss": float(summed[0]),
+            "whole_loss": float(whole.loss),
+            "valid": summed[1:5].tolist(), "whole_valid": [float(s.valid) for s in whole.steps],
+            "correct": summed[5:].tolist(), "whole_correct": [float(s.correct) for s in whole.steps],
+            "own_valid": [float(s.valid) for s in part.steps], "grad_rel_diff": grad_diff}
 
 
 if __name__ == "__main__":

@@ -177,13 +177,15 @@ def test_ulysses_split_unroll_sums_to_the_whole_unroll_at_smollm2_heads(tmp_path
     """Sequence parallelism over 2 gloo ranks (DeepSpeed's all-to-all), at SmolLM2's head layout (9 query
     heads over 3 KV heads: DeepSpeed splits them unevenly, 2 and 1 KV heads), packed rows of odd length
     (the split pads), activation checkpointing and loss chunks: the ranks' losses, counts and gradients add
-    up to the unroll of the whole rows on one rank (1e-5 relative)."""
+    up to the unroll of the whole rows on one rank (1e-5 relative); for EAGLE3 and for a two-layer EAGLE 3.1
+    draft (each layer's attention exchanged)."""
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "tests" / "distributed_worker.py"), "ulysses", "smollm2", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     ranks = json.loads(out.read_text())
+    assert sorted(r["layers"] for r in ranks) == [1, 1, 2, 2]
     for r in ranks:
         assert abs(r["loss"] - r["whole_loss"]) <= 1e-5 * abs(r["whole_loss"]), r
         assert r["valid"] == r["whole_valid"] and r["correct"] == r["whole_correct"], r

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from conftest import ROOT, tiny_draft, tiny_target
+from conftest import EAGLE31, ROOT, tiny_draft, tiny_target
 from specforge_lite.draft.ttt import TTTCache
 from specforge_lite.export import export_draft, load_export
 from specforge_lite.export.sglang import ExportRefused
@@ -21,6 +23,21 @@ SERVER_NAMES = {"fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden
                 "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
                 "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
                 "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight"}
+
+
+def edited_copy(export, tmp_path, edit_config=None, edit_weights=None):
+    """A copy of an export folder (as b0, b1, ... in tmp_path) with its config and weights edited in place."""
+    d = tmp_path / f"b{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(export, d)
+    config = json.loads((d / "config.json").read_text())
+    if edit_config:
+        edit_config(config)
+    (d / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(d / "model.safetensors"))
+    if edit_weights:
+        edit_weights(weights)
+    save_file(weights, str(d / "model.safetensors"))
+    return d
 
 
 def draft_logits(draft, target, ids, steps=3):
@@ -117,14 +134,20 @@ def test_cli_reexports_a_run(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
-@pytest.mark.parametrize("use_aux_norm", [False, True])
-def test_every_format_round_trips_to_identical_logits_and_passes_the_check(tmp_path, fmt, use_aux_norm):
+@pytest.mark.parametrize("variant", ["eagle3", "fc_norm", "eagle3.1"])
+def test_every_format_round_trips_to_identical_logits_and_passes_the_check(tmp_path, fmt, variant):
     from specforge_lite.export.check import check_export
 
     target = tiny_target(aux_ids=[2, 4, 6])
-    draft = tiny_draft(target, draft_vocab_size=100, use_aux_norm=use_aux_norm)
-    out = export_draft(draft.trainable_state_dict(), draft.spec, fmt, tmp_path,
-                       verifier={"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]})
+    options = {"eagle3": {}, "fc_norm": {"use_aux_norm": True}, "eagle3.1": EAGLE31}[variant]
+    draft = tiny_draft(target, draft_vocab_size=100, **options)
+    export = functools.partial(export_draft, draft.trainable_state_dict(), draft.spec, fmt, tmp_path,
+                               verifier={"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]})
+    if fmt == "sglang" and variant == "eagle3.1":  # two layers: SGLang's draft is one
+        with pytest.raises(ExportRefused, match="one layer"):
+            export()
+        return
+    out = export()
     report = check_export(out)
     assert report.ok, report.text()
     assert not [w for w in report.warnings if "norm_before_residual" in w]
@@ -156,6 +179,44 @@ def test_speculators_export_follows_its_config_and_names(tmp_path):
     w = load_file(str(out / "model.safetensors"))
     assert {n.replace("midlayer.", "layers.0.") for n in SERVER_NAMES} | {"d2t", "t2d"} | {
         f"fc_norm.{i}.weight" for i in range(3)} == set(w)
+
+
+def test_eagle31_exports_carry_the_flags_and_layers_each_server_reads(tmp_path):
+    """EAGLE 3.1 with two layers, as vLLM's llama_eagle3 and speculators' Eagle3 read it: the flags at the top
+    level, input_norm over the concatenated aux states, layer 1 as layers.1.* (H wide, no hidden_norm);
+    --check names the ways a server would run it otherwise."""
+    from specforge_lite.export.check import check_export
+
+    target = tiny_target(aux_ids=[2, 4, 6])
+    draft = tiny_draft(target, draft_vocab_size=100, **EAGLE31)
+    H = target.hidden_size
+    verifier = {"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]}
+    vl = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "vl")
+    sp = export_draft(draft.trainable_state_dict(), draft.spec, "speculators", tmp_path / "sp", verifier=verifier)
+    cfg, scfg = json.loads((vl / "config.json").read_text()), json.loads((sp / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and scfg["transformer_layer_config"]["num_hidden_layers"] == 2
+    for c in (cfg, scfg):
+        assert c["norm_before_fc"] is True and c["norm_output"] is True and c.get("fc_norm", False) is False
+    later = {n.replace("midlayer.", "layers.1.") for n in SERVER_NAMES if n.startswith("midlayer.")} - {
+        "layers.1.hidden_norm.weight"}
+    w, sw = load_file(str(vl / "model.safetensors")), load_file(str(sp / "model.safetensors"))
+    assert set(w) == SERVER_NAMES | later | {"input_norm.weight", "d2t", "t2d"}
+    assert set(sw) == {n.replace("midlayer.", "layers.0.") for n in set(w)}
+    assert w["input_norm.weight"].shape == (3 * H,) and w["layers.1.self_attn.q_proj.weight"].shape[1] == H
+    report = check_export(vl)
+    assert report.ok and "norm_before_fc=True, norm_output=True, layers=2" in report.servers["vLLM"], report.text()
+    assert "cannot serve" in report.servers["SGLang"] and any("SGLang cannot serve" in x for x in report.warnings)
+
+    def broken(edit_config=None, edit_weights=None):
+        return check_export(edited_copy(vl, tmp_path, edit_config, edit_weights)).errors
+
+    assert any("vLLM drops it in silence" in e for e in broken(lambda c: c.update(norm_before_fc=False)))
+    assert any("weight input_norm.weight is missing" in e
+               for e in broken(edit_weights=lambda w: w.pop("input_norm.weight")))
+    assert any("layers.1.self_attn.q_proj.weight is missing" in e
+               for e in broken(edit_weights=lambda w: w.pop("layers.1.self_attn.q_proj.weight")))
+    assert any("servers would never run that layer" in e for e in broken(lambda c: c.update(num_hidden_layers=1)))
+    assert any("both set" in e for e in broken(lambda c: c.update(fc_norm=True)))
 
 
 def test_sglang_contract_fields_names_shapes_and_dtypes(tmp_path):
@@ -195,21 +256,7 @@ def test_check_names_what_a_server_would_misread(tmp_path):
     assert good.ok and "input of layers [2, 4, 6]" in good.servers["vLLM"] and "[1, 2, 3]" not in good.text()
 
     def broken(edit_config=None, edit_weights=None):
-        import shutil
-
-        from safetensors.torch import save_file
-
-        d = tmp_path / f"b{len(list(tmp_path.iterdir()))}"
-        shutil.copytree(out, d)
-        cfg = json.loads((d / "config.json").read_text())
-        if edit_config:
-            edit_config(cfg)
-        (d / "config.json").write_text(json.dumps(cfg))
-        w = load_file(str(d / "model.safetensors"))
-        if edit_weights:
-            edit_weights(w)
-        save_file(w, str(d / "model.safetensors"))
-        return check_export(d)
+        return check_export(edited_copy(out, tmp_path, edit_config, edit_weights))
 
     def no_ids(c):
         del c["eagle_aux_hidden_state_layer_ids"], c["eagle_config"]

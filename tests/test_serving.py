@@ -29,14 +29,22 @@ def serving_python():
     return SERVING_PY
 
 
-def test_speculators_loads_our_export_and_its_logits_equal_ours(serving_python, tmp_path):
+@pytest.mark.parametrize("variant", ["fc_norm", "eagle3.1"])
+def test_speculators_loads_our_export_and_its_logits_equal_ours(serving_python, tmp_path, variant):
+    """speculators' own Eagle3 model, built from our export, gives our logits at every TTT step: with per-aux
+    norms (fc_norm), and as EAGLE 3.1 (norm_before_fc, norm_output fed back, a second layer)."""
     from specforge_lite.config import load_config
     from specforge_lite.export import export_draft
     from specforge_lite.pipeline import build_target
-    from conftest import tiny_draft
+    from conftest import EAGLE31, tiny_draft
 
     target = build_target(load_config(["model=llama3_tiny", "tracker=none"]))
-    draft = tiny_draft(target, draft_vocab_size=512, use_aux_norm=True)
+    options = {"fc_norm": {"use_aux_norm": True}, "eagle3.1": EAGLE31}[variant]
+    draft = tiny_draft(target, draft_vocab_size=512, **options)
+    with torch.no_grad():  # norms away from 1, so that a norm left out or applied twice shows
+        for name, w in draft.named_parameters():
+            if name.endswith("norm.weight") or ".input_norm." in f".{name}":
+                w.uniform_(0.5, 1.5)
     out = export_draft(draft.trainable_state_dict(), draft.spec, "speculators", tmp_path / "export",
                        verifier={"name_or_path": str(target.location), "architectures": ["LlamaForCausalLM"]})
     g = torch.Generator().manual_seed(0)
@@ -76,11 +84,15 @@ SERVED = {"smollm2_135m": ["draft.draft_vocab_size=4096"],
           "qwen3_tiny": ["model.tiny.config.head_dim=32", "draft.draft_vocab_size=49152", "draft.use_aux_norm=true",
                          "trainer.max_steps=60", "trainer.lr=5e-3"],
           "gemma4_tiny": ["model.tiny.config.head_dim=32", "draft.draft_vocab_size=1024", "draft.use_aux_norm=true",
-                          "eval.serve=vllm"]}
+                          "eval.serve=vllm"],
+          # EAGLE 3.1 (one norm over the concatenated aux states, the normed output fed back) with two layers
+          "qwen3_tiny+eagle3.1": ["model.tiny.config.head_dim=32", "draft.draft_vocab_size=49152",
+                                  "draft.norm_before_fc=true", "draft.norm_output=true", "draft.num_layers=2",
+                                  "trainer.max_steps=60", "trainer.lr=5e-3"]}
 # acceptance our evaluation must reach for vLLM's agreement with it to mean more than "nothing accepted"
 # (a random Gemma 4 writes a random walk: no draft learns it in CI time, so there it proves loading,
 # greedy outputs and the counters only)
-MIN_ACCEPTANCE = {"qwen3_tiny": 2.0}
+MIN_ACCEPTANCE = {"qwen3_tiny": 2.0, "qwen3_tiny+eagle3.1": 2.0}
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +108,8 @@ def served_runs(serving_python, tmp_path_factory):
 
     runs, raised, lines = {}, {}, []
     for preset, extra in SERVED.items():
-        out = tmp_path_factory.mktemp(preset)
-        config = load_config([f"model={preset}", *SHORT_RUN, *extra, f"output_dir={out}"])
+        out = tmp_path_factory.mktemp(preset.replace("+", "_"))
+        config = load_config([f"model={preset.split('+')[0]}", *SHORT_RUN, *extra, f"output_dir={out}"])
         try:
             summary = run(config, out, log=lines.append)
             raised[preset] = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import tiny_draft, tiny_target
+from conftest import EAGLE31, tiny_draft, tiny_target
 from specforge_lite.evaluate import spec_decode
 from specforge_lite.evaluate.spec_decode import (DraftContext, acceptance_by_context_length, acceptance_summary,
                                                  draft_chain, greedy_generate, speculative_generate)
@@ -91,13 +91,18 @@ def uncached_chain(draft, aux, context, next_token, k):
 def test_draft_kv_cache_equals_recomputing_the_context_every_round():
     """Rounds that keep the draft's context keys (DraftContext) and run only the newly committed rows give
     the same last-row state (1e-5) and the same proposals as re-running the draft over the whole context,
-    for rounds committing 1 to k + 1 rows; the tree drafter too."""
+    for rounds committing 1 to k + 1 rows; the tree drafter too; and for an EAGLE 3.1 draft of two layers
+    (each layer keeps its own context keys)."""
+    target = tiny_target()
+    for draft in (tiny_draft(target, seed=3), tiny_draft(target, seed=3, **EAGLE31)):
+        _kept_keys_equal_recomputing(target, draft)
+
+
+def _kept_keys_equal_recomputing(target, draft):
     import pytest
 
     from specforge_lite.evaluate.tree import draft_tree
 
-    target = tiny_target()
-    draft = tiny_draft(target, seed=3)
     ids = torch.randint(0, target.vocab_size, (1, 40))
     aux = target.capture(ids).aux
     chain, tree, n = DraftContext(draft), DraftContext(draft), 6

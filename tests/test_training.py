@@ -200,6 +200,18 @@ def test_resume_refuses_a_checkpoint_from_another_draft(tmp_path):
               log=lambda m: None)
 
 
+def test_a_checkpoint_written_before_a_draft_option_existed_resumes(tmp_path):
+    """A checkpoint whose spec predates an option (EAGLE 3.1's norm_before_fc and norm_output) holds a draft
+    without it: resuming with the option off continues the run, as it did before the option existed."""
+    run_training(tmp_path, max_steps=4, stop_at=2)
+    spec_file = tmp_path / "checkpoints" / "step_00000002" / "spec.json"
+    spec = json.loads(spec_file.read_text())
+    del spec["norm_before_fc"], spec["norm_output"]
+    spec_file.write_text(json.dumps(spec))
+    resumed, _ = run_training(tmp_path, max_steps=4)
+    assert resumed.step == 4
+
+
 def test_acceptance_loss_is_zero_on_agreement_and_trains():
     from specforge_lite.draft.objective import token_loss
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_draft, tiny_target
+from conftest import EAGLE31, tiny_draft, tiny_target
 from specforge_lite.draft.objective import Eagle3Objective, UnrollInputs
 from specforge_lite.draft.ttt import TTTCache
 from specforge_lite.evaluate.spec_decode import DraftContext, draft_chain
@@ -229,9 +229,14 @@ def test_checkpointed_steps_and_chunked_loss_give_the_same_loss_and_gradients():
     draft.loss_chunk_rows (lm_head + loss in row chunks: fused for soft_ce, recomputed for the acceptance
     loss) and draft.ttt_attention=dense change memory, not results: the same loss, step statistics and
     gradients as the plain unroll (tolerance 1e-5 of each gradient's largest entry), on packed rows, for
-    both losses."""
+    both losses; and for an EAGLE 3.1 draft of two layers (each layer's key cache cut back)."""
     target = tiny_target()
-    draft = tiny_draft(target, draft_vocab_size=target.vocab_size)
+    for draft in (tiny_draft(target, draft_vocab_size=target.vocab_size),
+                  tiny_draft(target, draft_vocab_size=target.vocab_size, **EAGLE31)):
+        _same_results_whatever_the_memory_options(target, draft)
+
+
+def _same_results_whatever_the_memory_options(target, draft):
     g = torch.Generator().manual_seed(1)
     B, T, V = 2, 12, draft.spec.draft_vocab_size
     ids = torch.randint(0, target.vocab_size, (B, T), generator=g)
@@ -296,7 +301,7 @@ def test_fused_head_loss_equals_logits_then_log_softmax_with_gradients():
 def test_settings_no_run_can_use_are_refused_before_anything_is_built(tmp_path):
     """draft.ttt_length=0 once ended in 'stack expects a non-empty TensorList'; trainer.max_steps=-1 trained
     nothing, exited 0 and exported an untrained draft. Both are refused, naming the setting, before the run
-    folder or the target exist."""
+    folder or the target exist; so are a draft of no layers and both aux-norm kinds at once."""
     import sys
 
     import pytest
@@ -307,10 +312,12 @@ def test_settings_no_run_can_use_are_refused_before_anything_is_built(tmp_path):
     sys.path.insert(0, str(ROOT))
     from train import run
 
-    for override, message in (("draft.ttt_length=0", "draft.ttt_length=0: unroll at least 1 step"),
-                              ("trainer.max_steps=-1", "trainer.max_steps=-1: train at least 1 step")):
+    for overrides, message in ((["draft.ttt_length=0"], "draft.ttt_length=0: unroll at least 1 step"),
+                               (["trainer.max_steps=-1"], "trainer.max_steps=-1: train at least 1 step"),
+                               (["draft.num_layers=0"], "draft.num_layers=0: a draft has at least one layer"),
+                               (["draft.norm_before_fc=true", "draft.use_aux_norm=true"], "not both")):
         with pytest.raises(ValueError, match=message):
-            run(load_config(["model=llama3_tiny", "tracker=none", override]), tmp_path / "run", log=lambda m: None)
+            run(load_config(["model=llama3_tiny", "tracker=none", *overrides]), tmp_path / "run", log=lambda m: None)
         assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="ttt_length=0"):
         Eagle3Objective(ttt_length=0)

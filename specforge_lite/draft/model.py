@@ -1,8 +1,16 @@
-"""The EAGLE3 draft: one Llama decoder layer fed by the fused aux states, with server weight names.
+"""The EAGLE3 draft: a Llama decoder layer fed by the fused aux states (and, optionally, more plain Llama
+layers after it), with server weight names.
 
 Names match what SGLang and vLLM load (eagle3-contracts.md): ``fc``, ``fc_norm.{k}`` (optional),
 ``midlayer.{input_layernorm,hidden_norm,self_attn.*,post_attention_layernorm,mlp.*}``, ``norm``,
 ``lm_head``, ``d2t``, ``t2d``. The token embedding is the target's, frozen and shared (not copied).
+
+EAGLE 3.1 (speculators' default since 0.9, served by vLLM 0.32) adds three options, each a flag in the
+export: ``norm_before_fc`` (one RMSNorm ``input_norm`` over the concatenated aux states before ``fc``;
+exclusive with the per-aux ``fc_norm``), ``norm_output`` (the next unroll step is fed the final norm's
+output rather than the pre-norm state; the logits are the same function of the pre-norm state) and
+``num_layers > 1`` (layers ``layers.{1..}``: plain pre-norm Llama layers over the hidden state, each
+with its own keys, as vLLM's and speculators' multi-layer drafts run them).
 """
 
 from __future__ import annotations
@@ -53,14 +61,19 @@ class Eagle3Spec:
     use_aux_norm: bool = False
     num_layers: int = 1
     norm_before_residual: bool = False  # SGLang's Llama draft always takes the residual before hidden_norm
+    norm_before_fc: bool = False
+    norm_output: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.num_layers != 1:
-            raise ValueError(f"draft.num_layers={self.num_layers}: only single-layer EAGLE3 drafts are implemented "
-                             "(the layout SGLang, vLLM and speculators all load); use draft.num_layers=1")
+        if self.num_layers < 1:
+            raise ValueError(f"draft.num_layers={self.num_layers}: a draft has at least one layer")
+        if self.norm_before_fc and self.use_aux_norm:
+            raise ValueError("draft.norm_before_fc=true and draft.use_aux_norm=true: one norm over the concatenated "
+                             "aux states, or one per aux state (fc_norm), not both (speculators refuses the pair); "
+                             "set one of them to false")
         if self.norm_before_residual:
             raise ValueError("norm_before_residual=True is not implemented (and SGLang ignores it)")
 
@@ -96,6 +109,8 @@ class Eagle3Spec:
             aux_convention=convention,
             use_aux_norm=draft_cfg.use_aux_norm,
             num_layers=draft_cfg.num_layers,
+            norm_before_fc=draft_cfg.norm_before_fc,
+            norm_output=draft_cfg.norm_output,
         )
 
     def to_dict(self) -> dict:
@@ -113,13 +128,13 @@ class Eagle3Spec:
 
 
 class DraftAttention(nn.Module):
-    """Attention over cat(embedding, hidden) (2H wide) with the TTT key pattern."""
+    """Attention with the TTT key pattern over an input ``width`` wide: cat(embedding, hidden) (2H) in the
+    first layer, the hidden state (H) in later ones."""
 
-    def __init__(self, spec: Eagle3Spec):
+    def __init__(self, spec: Eagle3Spec, width: int):
         super().__init__()
         self.num_heads, self.num_kv_heads = spec.num_attention_heads, spec.num_key_value_heads
         self.head_dim = spec.head_dim
-        width = 2 * spec.hidden_size
         self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=spec.attention_bias)
         self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=spec.attention_bias)
         self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=spec.attention_bias)
@@ -144,7 +159,7 @@ class DraftDecoderLayer(nn.Module):
         cfg = spec.llama_config()
         self.input_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.self_attn = DraftAttention(spec)
+        self.self_attn = DraftAttention(spec, 2 * spec.hidden_size)
         self.post_attention_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
@@ -152,6 +167,22 @@ class DraftDecoderLayer(nn.Module):
         residual = hidden  # taken before hidden_norm (norm_before_residual=false, as SGLang does)
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         h = self.self_attn(x, cos, sin, cache, q_offset) + residual
+        return self.mlp(self.post_attention_layernorm(h)) + h
+
+
+class DraftLaterLayer(nn.Module):
+    """Layer i >= 1 of a multi-layer draft: a pre-norm Llama layer over the hidden state alone (no embedding);
+    vLLM's Llama EAGLE3 draft runs its layers 1.. this way and loads them as ``layers.{i}.*``."""
+
+    def __init__(self, spec: Eagle3Spec):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.self_attn = DraftAttention(spec, spec.hidden_size)
+        self.post_attention_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.mlp = LlamaMLP(spec.llama_config())
+
+    def forward(self, hidden, cos, sin, cache: DraftCache, q_offset: int) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(hidden), cos, sin, cache, q_offset) + hidden
         return self.mlp(self.post_attention_layernorm(h)) + h
 
 
@@ -170,7 +201,11 @@ class Eagle3Draft(nn.Module):
         if spec.use_aux_norm:
             self.fc_norm = nn.ModuleList(LlamaRMSNorm(spec.target_hidden_size, eps=spec.rms_norm_eps)
                                          for _ in range(n_aux))
+        if spec.norm_before_fc:
+            self.input_norm = LlamaRMSNorm(n_aux * spec.target_hidden_size, eps=spec.rms_norm_eps)
         self.midlayer = DraftDecoderLayer(spec)
+        # keyed "1", "2", ...: the weights are named layers.{i}.*, as the servers load them
+        self.layers = nn.ModuleDict({str(i): DraftLaterLayer(spec) for i in range(1, spec.num_layers)})
         self.norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.lm_head = DraftHead(spec.hidden_size, spec.draft_vocab_size)
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
@@ -240,22 +275,35 @@ class Eagle3Draft(nn.Module):
                              f"for")
         if self.spec.use_aux_norm:
             aux = [norm(a) for norm, a in zip(self.fc_norm, aux)]
-        return self.fc(torch.cat(aux, dim=-1).to(self.fc.weight.dtype))
+        fused = torch.cat(aux, dim=-1)
+        if self.spec.norm_before_fc:
+            fused = self.input_norm(fused)
+        return self.fc(fused.to(self.fc.weight.dtype))
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: DraftCache,
              q_offset: int = 0) -> torch.Tensor:
-        """One draft step: returns the pre-norm output (fed back as the next step's hidden input)."""
+        """One draft step through every layer (layer i attends over ``cache.layer(i)``): returns the state fed
+        back as the next step's hidden input, the last layer's pre-norm output, or with ``norm_output`` that
+        output after the final norm."""
         embeds = self.embed(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        return self.midlayer(embeds, hidden, cos, sin, cache, q_offset)
+        out = self.midlayer(embeds, hidden, cos, sin, cache, q_offset)
+        for i, layer in self.layers.items():
+            out = layer(out, cos, sin, cache.layer(int(i)), q_offset)
+        return self.norm(out) if self.spec.norm_output else out
 
-    def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits from the pre-norm output."""
-        return self.lm_head(self.norm(prenorm))
+    def head_input(self, state: torch.Tensor) -> torch.Tensor:
+        """What the lm_head reads: the final norm of the pre-norm output (``step``'s state is already normed
+        with ``norm_output``: the logits are the same function of the layers' output either way)."""
+        return state if self.spec.norm_output else self.norm(state)
 
-    def soft_cross_entropy(self, prenorm: torch.Tensor, teacher_logits: torch.Tensor, teacher_rows: torch.Tensor,
+    def compute_logits(self, state: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits from a step's state."""
+        return self.lm_head(self.head_input(state))
+
+    def soft_cross_entropy(self, state: torch.Tensor, teacher_logits: torch.Tensor, teacher_rows: torch.Tensor,
                            teacher_top: torch.Tensor, row_weights: torch.Tensor, chunk_rows: int):
-        """The weighted soft cross-entropy of pre-norm rows [N, H] against their rows of ``teacher_logits``
+        """The weighted soft cross-entropy of step states [N, H] against their rows of ``teacher_logits``
         [R, Vd], without their [N, Vd] logits ever held whole (draft/head_loss.py: what it returns)."""
-        return self.lm_head(self.norm(prenorm), teacher=(teacher_logits, teacher_rows, teacher_top, row_weights,
-                                                         chunk_rows))
+        return self.lm_head(self.head_input(state), teacher=(teacher_logits, teacher_rows, teacher_top, row_weights,
+                                                             chunk_rows))

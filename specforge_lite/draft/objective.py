@@ -117,7 +117,8 @@ class Eagle3Objective:
         """Unroll the draft ``ttt_length`` steps over a batch and score every step.
 
         Alignment (step k, row t): input token x[t+1+k] at position t+k, hidden = fused aux state h[t] at
-        k=0 and the previous step's pre-norm output after; the teacher is the target's distribution at
+        k=0 and the previous step's output state after (``Eagle3Draft.step``: pre-norm, or normed with
+        ``norm_output``); the teacher is the target's distribution at
         position t+1+k (which predicts x[t+2+k]); the row counts only if x[t+2+k] is an assistant token
         (mask aligned with the predicted token) and the target's full-vocab argmax lies in the draft vocab.
         Each step's loss is normalised over its valid tokens; step k is weighted decay**k.
@@ -190,8 +191,8 @@ class Eagle3Objective:
 
         def run(ids, h, pos):
             # A recomputation in backward finds the later steps' keys in the cache: it must see only the
-            # keys this step saw in the forward, so the cache is cut back to them first.
-            del cache.keys[before:], cache.values[before:]
+            # keys this step saw in the forward, so the cache (every draft layer's) is cut back to them first.
+            cache.truncate(before)
             return draft.step(ids, h, pos, cache)
 
         return checkpoint(run, input_ids, hidden, positions, use_reentrant=False)

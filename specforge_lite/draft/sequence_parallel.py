@@ -56,15 +56,16 @@ class UlyssesCache:
         self._scale: float | None = None
         # [B, rows, heads, d] in, scatter the heads (dim 2), gather the rows (dim 1)
         self._attention = DistributedAttention(self._local, shard.group, scatter_idx=2, gather_idx=1)
+        self._layers = {0: self}
 
-    # the unroll's activation checkpointing cuts the cache back to the keys a step saw
-    @property
-    def keys(self) -> list[torch.Tensor]:
-        return self.inner.keys
+    def layer(self, i: int) -> "UlyssesCache":
+        """Draft layer i's cache (multi-layer drafts), exchanged the same way."""
+        if i not in self._layers:
+            self._layers[i] = UlyssesCache(self.inner.layer(i), self.shard)
+        return self._layers[i]
 
-    @property
-    def values(self) -> list[torch.Tensor]:
-        return self.inner.values
+    def truncate(self, steps: int) -> None:
+        self.inner.truncate(steps)
 
     def __len__(self) -> int:
         return len(self.inner)

@@ -22,33 +22,70 @@ from .attention import causal_attention_lse
 TTT_ATTENTION = ("blockwise", "dense")
 
 
-class TTTCache:
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+class PerLayer:
+    """What a draft of several decoder layers needs of a cache: each layer attends over its own keys. The
+    cache object the draft is given is layer 0's; ``layer(i)`` makes (once) and returns layer i's.
+    ``context``: per layer, the step-0 keys and values of earlier rows kept from an earlier call (a
+    drafting server's KV cache); ``context_kv()`` returns them for the next call."""
+
+    def _init_layers(self, context: list[KV] | None) -> None:
+        self._contexts = list(context or [])
+        self._layers = [self]
+
+    def _kept(self, i: int) -> KV | None:
+        return self._contexts[i] if i < len(self._contexts) else None
+
+    def _new_layer(self, context: KV | None):
+        raise NotImplementedError
+
+    def layer(self, i: int):
+        while len(self._layers) <= i:
+            self._layers.append(self._new_layer(self._kept(len(self._layers))))
+        return self._layers[i]
+
+    def context_kv(self) -> list[KV]:
+        """Per layer, the step-0 keys and values of every row so far: the ``context`` of the next call."""
+        return [c.own_context_kv() for c in self._layers]
+
+
+class TTTCache(PerLayer):
     """Keys/values per unroll step: step 0 over all rows, later steps only at the query rows.
 
     ``segments`` [B, T]: which conversation each row belongs to in packed rows (None: one per row).
     ``attention``: one of ``TTT_ATTENTION``.
-    ``context``: step-0 keys and values of earlier rows, kept from an earlier call (a drafting server's KV
-    cache); the first step's keys extend them and its queries are the rows after them (``q_offset``)."""
+    ``context``: per draft layer, the step-0 keys and values of earlier rows (``PerLayer``); the first
+    step's keys extend them and its queries are the rows after them (``q_offset``)."""
 
     def __init__(self, segments: torch.Tensor | None = None, attention: str = "blockwise",
-                 context: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 context: list[KV] | None = None):
         if attention not in TTT_ATTENTION:
             raise ValueError(f"draft.ttt_attention={attention!r}: use one of {TTT_ATTENTION}")
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.segments = segments
+        self.attention = attention
         self.dense = attention == "dense"
-        self._context = context
+        self._init_layers(context)
+
+    def _new_layer(self, context: KV | None) -> "TTTCache":
+        return TTTCache(self.segments, self.attention, None if context is None else [context])
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if not self.keys:
-            k, v = _after(self._context, k, v)
+            k, v = _after(self._kept(0), k, v)
         self.keys.append(k)
         self.values.append(v)
 
-    def context_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step-0 keys and values of every row so far: the ``context`` of the next call."""
+    def own_context_kv(self) -> KV:
         return self.keys[0], self.values[0]
+
+    def truncate(self, steps: int) -> None:
+        """Every layer back to its keys of the first ``steps`` unroll steps."""
+        for c in self._layers:
+            del c.keys[steps:], c.values[steps:]
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -112,20 +149,31 @@ def ttt_attention_dense(q: torch.Tensor, cache: TTTCache, q_offset: int, scale: 
     return out
 
 
-class TreeCache:
+class TreeCache(PerLayer):
     """Draft keys while drafting a tree (EAGLE-2): the context's keys, visible to every node, then one key
     per expanded node, visible only to that node and its descendants. A chain is the one-branch tree,
     so a query at depth d sees exactly what the TTT pattern's step d gives it.
 
     Call ``add_nodes(parents)`` before each ``step`` that feeds new nodes; ``parents[i]`` is the index of
     node i's parent among the nodes added so far, or -1 for a child of the root. ``context``: as for
-    ``TTTCache``, the kept keys and values of earlier context rows."""
+    ``TTTCache``, per draft layer the kept keys and values of earlier context rows; every layer's cache
+    reads the tree's shape from layer 0's (``shape_of``)."""
 
-    def __init__(self, context: tuple[torch.Tensor, torch.Tensor] | None = None):
-        self.context_keys, self.context_values = context if context is not None else (None, None)
+    def __init__(self, context: list[KV] | None = None, shape_of: "TreeCache | None" = None):
+        self._init_layers(context)
+        kept = self._kept(0)
+        self.context_keys, self.context_values = kept if kept is not None else (None, None)
         self._context_open = True  # the first append extends the context rows
         self.node_keys = self.node_values = None
-        self.visible: torch.Tensor | None = None  # [M, M]: visible[i, j] = node j is node i or an ancestor
+        self._shape_of = shape_of or self
+        self._visible: torch.Tensor | None = None  # [M, M]: visible[i, j] = node j is node i or an ancestor
+
+    def _new_layer(self, context: KV | None) -> "TreeCache":
+        return TreeCache(None if context is None else [context], shape_of=self)
+
+    @property
+    def visible(self) -> torch.Tensor | None:
+        return self._shape_of._visible
 
     def add_nodes(self, parents: list[int]) -> None:
         m, n = (0 if self.visible is None else self.visible.shape[0]), len(parents)
@@ -136,7 +184,7 @@ class TreeCache:
             if p >= 0:
                 visible[m + i, :m] = visible[p, :m]
             visible[m + i, m + i] = True
-        self.visible = visible
+        self._visible = visible
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if self._context_open:
@@ -165,7 +213,7 @@ class TreeCache:
         scores = (torch.matmul(q, k.transpose(-1, -2)) * scale).masked_fill(~seen, float("-inf"))
         return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
 
-    def context_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def own_context_kv(self) -> KV:
         return self.context_keys, self.context_values
 
 

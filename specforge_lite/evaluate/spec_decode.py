@@ -37,7 +37,7 @@ class DraftContext:
 
     def __init__(self, draft):
         self.draft = draft
-        self.kept: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per draft layer
         self.rows = 0
 
     def open_round(self, aux_new: list[torch.Tensor], context: list[int], next_token: int, cache_type=TTTCache):

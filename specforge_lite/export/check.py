@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .layout import eagle_flag
+
 
 @dataclass
 class Report:
@@ -86,6 +88,22 @@ def check_layout(layer: dict, top: dict, shapes: dict, prefix: str, report: Repo
                 f"{prefix}self_attn.k_proj.weight": (kv * head_dim, 2 * H),
                 f"{prefix}self_attn.v_proj.weight": (kv * head_dim, 2 * H),
                 f"{prefix}self_attn.o_proj.weight": (H, heads * head_dim)}
+    for i in range(1, layer.get("num_hidden_layers") or 1):  # layers 1..: H wide, named layers.{i}.*
+        expected.update({f"layers.{i}.self_attn.q_proj.weight": (heads * head_dim, H),
+                         f"layers.{i}.self_attn.o_proj.weight": (H, heads * head_dim),
+                         f"layers.{i}.input_layernorm.weight": (H,)})
+    if eagle_flag(top, "norm_before_fc"):
+        expected["input_norm.weight"] = (n_aux * target_h,)
+    elif "input_norm.weight" in shapes:
+        report.errors.append("weight input_norm exists but norm_before_fc is not set: vLLM drops it in silence and "
+                             "the draft runs without the norm it was trained with")
+    if eagle_flag(top, "norm_before_fc") and (top.get("fc_norm") or top.get("use_aux_norm")):
+        report.errors.append("norm_before_fc and fc_norm are both set: speculators refuses the pair and vLLM applies "
+                             "both norms, one of which the draft was not trained with")
+    extra_layers = sorted({int(m.group(1)) for k in shapes if (m := re.match(r"layers\.([1-9]\d*)\.", k))})
+    if extra_layers and extra_layers[-1] >= (layer.get("num_hidden_layers") or 1):
+        report.errors.append(f"weights of layer {extra_layers[-1]} exist but num_hidden_layers is "
+                             f"{layer.get('num_hidden_layers') or 1}: servers would never run that layer")
     for name, shape in expected.items():
         if name not in shapes:
             if name != "lm_head.weight" or draft_vocab not in (None, vocab):

@@ -10,7 +10,7 @@ import re
 import torch
 
 from ..draft.model import Eagle3Spec
-from .layout import LAYER_WEIGHTS, PROVENANCE_KEY, llama_draft_config
+from .layout import LATER_LAYER_WEIGHTS, LAYER_WEIGHTS, PROVENANCE_KEY, llama_draft_config
 
 LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -57,5 +57,5 @@ class ExportFormat:
     def unknown_weights(self, shapes: dict) -> list[str]:
         layer = re.escape(self.layer_prefix) + f"(?:{LAYER_WEIGHTS})"
         known = rf"fc\.weight|norm\.weight|lm_head\.weight|d2t|t2d|embed_tokens\.weight|input_norm\.weight" \
-                rf"|fc_norm\.\d+\.weight|{layer}"
+                rf"|fc_norm\.\d+\.weight|{layer}|{LATER_LAYER_WEIGHTS}"
         return [k for k in shapes if not re.fullmatch(known, k)]

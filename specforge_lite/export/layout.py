@@ -16,9 +16,12 @@ from ..device import dtype_name
 from ..draft.model import Eagle3Spec
 
 PROVENANCE_KEY = "specforge_lite"
-# The decoder layer's weights, after its prefix (midlayer. or layers.0.), as a regular expression.
+# The first decoder layer's weights, after its prefix (midlayer. or layers.0.), as a regular expression.
 LAYER_WEIGHTS = (r"(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight"
                  r"|(?:input_layernorm|hidden_norm|post_attention_layernorm)\.weight")
+# Layers 1.. of a multi-layer draft (layers.{i}.*): the same without hidden_norm.
+LATER_LAYER_WEIGHTS = (r"layers\.[1-9]\d*\.(?:(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight"
+                       r"|(?:input_layernorm|post_attention_layernorm)\.weight)")
 
 
 def llama_draft_config(spec: Eagle3Spec, server_aux_ids: list[int], dtype: torch.dtype) -> dict:
@@ -52,7 +55,9 @@ def llama_draft_config(spec: Eagle3Spec, server_aux_ids: list[int], dtype: torch
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(server_aux_ids), "use_aux_hidden_state": True},
         # The speculators adapter defaults this to true when absent; this draft was trained with false.
         "norm_before_residual": spec.norm_before_residual,
-        "norm_output": False,  # the next step is fed the pre-norm state
+        # EAGLE 3.1: vLLM reads both at the top level (norm_before_fc also from eagle_config)
+        "norm_before_fc": spec.norm_before_fc,
+        "norm_output": spec.norm_output,  # false: the next step is fed the pre-norm state
         "torch_dtype": dtype_name(dtype),
         PROVENANCE_KEY: {"aux_layer_ids": list(spec.aux_layer_ids), "aux_convention": spec.aux_convention,
                          "spec": spec.to_dict()},
@@ -61,6 +66,12 @@ def llama_draft_config(spec: Eagle3Spec, server_aux_ids: list[int], dtype: torch
         config["fc_norm"] = True
         config["use_aux_norm"] = True  # legacy alias read by older SGLang builds
     return config
+
+
+def eagle_flag(config: dict, name: str) -> bool:
+    """An EAGLE 3.1 flag (norm_before_fc, norm_output) of a Llama-draft config as vLLM reads it: from
+    eagle_config first, then the top level."""
+    return bool((config.get("eagle_config") or {}).get(name, config.get(name, False)))
 
 
 def draft_weights(state: dict[str, torch.Tensor], dtype: torch.dtype, with_vocab_maps: bool,

@@ -5,12 +5,18 @@ is written as i - 1. Newer builds add the 1 only when the first id is 1, which t
 [2, L//2, L-3] satisfy after translation; other choices are read differently across SGLang versions.
 SGLang reads the ids from ``eagle_config``, keeps d2t even for a full draft vocabulary and skips
 unknown weight names silently.
+
+EAGLE 3.1: SGLang's Llama EAGLE3 draft is one layer. Builds of 2026 read ``norm_before_fc``
+(``input_norm``), ``fc_norm`` and ``norm_output`` and refuse ``num_hidden_layers != 1``; older builds read
+none of the three and name extra layers otherwise (``midlayers.{i}``, normed by ``hidden_norm``), so a
+multi-layer draft is refused here and the flags are a warning in ``--check``.
 """
 
 from __future__ import annotations
 
 from ..draft.model import Eagle3Spec
 from .format import ExportFormat
+from .layout import eagle_flag
 
 
 class ExportRefused(ValueError):
@@ -21,6 +27,13 @@ class SGLangFormat(ExportFormat):
     name, server = "sglang", "SGLang"
 
     def server_aux_ids(self, spec: Eagle3Spec, warn) -> list[int]:
+        if spec.num_layers != 1:
+            raise ExportRefused(f"draft.num_layers={spec.num_layers}: SGLang's EAGLE3 draft is one layer (its builds "
+                                "refuse more, or load them under other names); export this draft for vLLM "
+                                "(export.format=vllm or speculators)")
+        if spec.norm_before_fc or spec.norm_output:
+            warn("norm_before_fc/norm_output (EAGLE 3.1): SGLang builds before 2026 ignore them and would serve the "
+                 "draft without what it was trained with")
         ids = list(spec.aux_layer_ids)
         if 0 in ids:
             raise ExportRefused("aux id 0 (the embedding output) cannot be expressed in SGLang's output-of-layer ids; "
@@ -50,12 +63,20 @@ class SGLangFormat(ExportFormat):
         if not nested and top:
             report.warnings.append("eagle_config.eagle_aux_hidden_state_layer_ids is missing: SGLang falls back to "
                                    "its default ids")
-        if config.get("num_hidden_layers", 1) != 1:
-            report.warnings.append("num_hidden_layers > 1: older SGLang builds load one layer only")
+        layers = config.get("num_hidden_layers", 1)
+        if layers != 1:  # a warning: the folder still serves on vLLM, which reads the same layout
+            report.warnings.append(f"num_hidden_layers={layers}: SGLang cannot serve this draft (its EAGLE3 draft is "
+                                   "one layer: 2026 builds refuse more, older ones look for midlayers.N and skip "
+                                   "layers.N in silence); vLLM and speculators serve it")
+        if any(eagle_flag(config, f) for f in ("norm_before_fc", "norm_output")):
+            report.warnings.append("norm_before_fc/norm_output (EAGLE 3.1) are read by SGLang builds of 2026 only; "
+                                   "older builds serve the draft without them")
         if config.get("draft_vocab_size") is None:
             report.warnings.append("draft_vocab_size is missing: SGLang then takes the target's lm_head")
         ids = nested or top
-        if ids:
+        if layers != 1:
+            report.servers[self.server] = f"cannot serve it: {layers} layers, SGLang loads one"
+        elif ids:
             report.servers[self.server] = (
                 f"reads ids {list(ids)} as layer outputs, i.e. the inputs of layers {[i + 1 for i in ids]}"
                 + (" (newer builds add the 1 only when the first id is 1)" if ids[0] != 1 else ""))

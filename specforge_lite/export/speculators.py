@@ -37,9 +37,9 @@ class SpeculatorsFormat(ExportFormat):
             "target_hidden_size": spec.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": list(config["eagle_aux_hidden_state_layer_ids"]),
             "norm_before_residual": spec.norm_before_residual,
-            "norm_before_fc": False,
+            "norm_before_fc": spec.norm_before_fc,
             "fc_norm": bool(spec.use_aux_norm),
-            "norm_output": False,
+            "norm_output": spec.norm_output,
             "torch_dtype": config["torch_dtype"],
             "speculators_config": {
                 "algorithm": "eagle3",
@@ -76,8 +76,6 @@ class SpeculatorsFormat(ExportFormat):
         unknown = self.unknown_weights(shapes)
         if unknown:
             report.errors.append(f"unknown weight names {unknown[:5]} (speculators names the decoder layer layers.0.*)")
-        if config.get("fc_norm") and config.get("norm_before_fc"):
-            report.errors.append("fc_norm and norm_before_fc are mutually exclusive")
         sc = config.get("speculators_config") or {}
         if not (sc.get("verifier") or {}).get("architectures"):
             report.warnings.append("speculators_config.verifier names no architectures: the verifier cannot be checked")
@@ -85,4 +83,6 @@ class SpeculatorsFormat(ExportFormat):
         if ids:
             report.servers[self.server] = (
                 f"captures the input of layers {list(ids)}, norm_before_residual="
-                f"{config.get('norm_before_residual', True)} (true when absent), fc_norm={bool(config.get('fc_norm'))}")
+                f"{config.get('norm_before_residual', True)} (true when absent), "
+                f"fc_norm={bool(config.get('fc_norm'))}, "
+                f"norm_before_fc={bool(config.get('norm_before_fc'))}, norm_output={bool(config.get('norm_output'))}")

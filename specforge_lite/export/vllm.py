@@ -7,6 +7,7 @@ with a full draft vocabulary, wants no d2t/t2d.
 
 from __future__ import annotations
 
+from .layout import eagle_flag
 from .format import ExportFormat
 
 
@@ -27,4 +28,6 @@ class VLLMFormat(ExportFormat):
             report.servers[self.server] = (
                 f"captures the input of layers {list(ids)} (id L = pre-norm final state), "
                 f"norm_before_residual={config.get('norm_before_residual', False)}, "
-                f"fc_norm={bool(config.get('fc_norm'))}")
+                f"fc_norm={bool(config.get('fc_norm'))}, norm_before_fc={eagle_flag(config, 'norm_before_fc')}, "
+                f"norm_output={bool(config.get('norm_output'))}, layers={config.get('num_hidden_layers', 1)}")
+

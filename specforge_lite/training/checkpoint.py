@@ -210,7 +210,10 @@ class CheckpointManager:
         if path is None:
             return 0, 0
         weights, state, saved_spec = load_checkpoint(path)
-        changed = {k: (saved_spec.get(k), v) for k, v in self.spec.items() if saved_spec.get(k) != v}
+        # A key the saved spec lacks is an option added since it was written: options arrive off (false,
+        # 0, None), so the saved draft has it off, and only a run with it on differs.
+        changed = {k: (saved_spec.get(k), v) for k, v in self.spec.items()
+                   if (saved_spec[k] != v if k in saved_spec else bool(v))}
         if changed:
             raise CheckpointError(f"checkpoint {path} does not fit this draft (saved vs now: {changed}); "
                                   "resume with the same model and draft settings, or use a new output_dir")
