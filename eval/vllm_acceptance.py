@@ -10,6 +10,8 @@ Writes RUN/vllm_eval.json: vLLM's mean acceptance length (1 + accepted draft tok
 own spec-decoding counters), per-position acceptance, and whether vLLM's outputs equal the greedy
 output of our evaluation token for token; pooled and per prompt set (each set generated in turn).
 vLLM serves in the dtype our evaluation ran the target in (eval_inputs.json), float32 by default.
+With ``--speed`` it also times a second pass over all the prompts (the first one warmed up), and the
+target served alone on the same prompts (once per target): generated tokens per second and the ratio.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 
@@ -28,19 +31,47 @@ def counters(llm) -> dict:
     return out
 
 
-def serve_run(run_dir: Path, k: int | None, dtype: str, memory_fraction: float, eager: bool) -> dict:
-    """Serve one run's export on its eval prompts; vLLM's acceptance and the comparison with our outputs."""
-    from vllm import LLM, SamplingParams
+def engine(inputs: dict, dtype: str, memory_fraction: float, eager: bool, speculative_config: dict | None = None):
+    from vllm import LLM
+
+    return LLM(model=inputs["target"], tokenizer=inputs["target"], dtype=dtype, max_model_len=inputs["max_model_len"],
+               distributed_executor_backend="uni", gpu_memory_utilization=memory_fraction, disable_log_stats=False,
+               seed=0, speculative_config=speculative_config, enforce_eager=eager)
+
+
+def timed_pass(llm, inputs: dict) -> float:
+    """Generated tokens per second over all the prompts at once (greedy, as in the acceptance pass)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=inputs["max_new_tokens"], stop_token_ids=inputs["stop_ids"])
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in inputs["prompts"]], params)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def target_alone(inputs: dict, dtype: str, memory_fraction: float, eager: bool) -> float:
+    """The target served without a draft: tokens per second of a timed pass after a warm-up pass."""
+    llm = engine(inputs, dtype, memory_fraction, eager)
+    try:
+        timed_pass(llm, inputs)
+        return timed_pass(llm, inputs)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def serve_run(run_dir: Path, k: int | None, dtype: str, memory_fraction: float, eager: bool,
+              speed: bool = False) -> dict:
+    """Serve one run's export on its eval prompts; vLLM's acceptance and the comparison with our outputs
+    (``speed``: and the tokens per second of a second, timed pass)."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     inputs = json.loads((run_dir / "eval_inputs.json").read_text())
     k = k or inputs["num_draft_tokens"]
     dtype = dtype or inputs.get("dtype", "float32")  # the dtype our greedy outputs were computed in
-    llm = LLM(model=inputs["target"], tokenizer=inputs["target"], dtype=dtype, max_model_len=inputs["max_model_len"],
-              distributed_executor_backend="uni",
-              gpu_memory_utilization=memory_fraction, disable_log_stats=False, seed=0,
-              speculative_config={"method": "eagle3", "model": str(run_dir / "final"), "num_speculative_tokens": k},
-              enforce_eager=eager)
+    llm = engine(inputs, dtype, memory_fraction, eager,
+                 {"method": "eagle3", "model": str(run_dir / "final"), "num_speculative_tokens": k})
     try:
         params = SamplingParams(temperature=0.0, max_tokens=inputs["max_new_tokens"], stop_token_ids=inputs["stop_ids"])
         names = inputs.get("prompt_sets") or ["all"] * len(inputs["prompts"])
@@ -54,6 +85,8 @@ def serve_run(run_dir: Path, k: int | None, dtype: str, memory_fraction: float, 
             sets[name] = {"prompts": len(idx), **acceptance(before, counters(llm)),
                           "outputs_equal_our_greedy": sum(generated[i] == inputs["generated"][i] for i in idx)}
         total = acceptance({}, counters(llm))
+        if speed:  # the acceptance pass above warmed the engine up
+            total["served_tokens_per_s"] = timed_pass(llm, inputs)
     finally:
         llm.llm_engine.engine_core.shutdown()  # (frees the engine before the next run's)
     ours = inputs["generated"]
@@ -78,14 +111,22 @@ def main(argv=None) -> None:
     p.add_argument("--memory-fraction", type=float, default=0.25, help="on CPU: share of RAM vLLM reserves")
     p.add_argument("--eager", action="store_true", help="no torch.compile/graphs: starts in seconds instead of "
                                                            "minutes (each new draft shape compiles anew)")
+    p.add_argument("--speed", action="store_true", help="also time the served pass and the target served alone")
     a = p.parse_args(argv)
     # engine and worker in this process: vLLM's default starts two more processes, each importing vLLM again
     # (on 2 CPU cores, tens of seconds per start)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    failed = 0
+    failed, alone = 0, {}
     for run_dir in a.run_dir:
         try:
-            result = serve_run(run_dir, a.k, a.dtype, a.memory_fraction, a.eager)
+            result = serve_run(run_dir, a.k, a.dtype, a.memory_fraction, a.eager, a.speed)
+            if a.speed:  # the target alone, once per target, dtype and prompts
+                inputs = json.loads((run_dir / "eval_inputs.json").read_text())
+                key = json.dumps([inputs["target"], result["dtype"], inputs["prompts"], inputs["max_new_tokens"]])
+                if key not in alone:
+                    alone[key] = target_alone(inputs, result["dtype"], a.memory_fraction, a.eager)
+                result["target_alone_tokens_per_s"] = alone[key]
+                result["speedup_vs_target_alone"] = result["served_tokens_per_s"] / alone[key]
         except Exception as e:  # one draft vLLM refuses must not hide the other runs' results
             result, failed = {"error": f"{type(e).__name__}: {e}"[:3000]}, failed + 1
         (run_dir / "vllm_eval.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -119,7 +119,7 @@ def served_runs(serving_python, tmp_path_factory):
         runs[preset] = out
     later = [p for p, extra in SERVED.items() if "eval.serve=vllm" not in extra]
     try:
-        serve([runs[p] for p in later], python=serving_python, log=lines.append)
+        serve([runs[p] for p in later], python=serving_python, log=lines.append, speed=True)
     except ServedMismatch as e:
         raised.update({p: str(e) for p in later if str(runs[p]) in str(e)})
     assert any(line.startswith("[serve]") and "vLLM acceptance length" in line for line in lines), lines[-5:]
@@ -142,6 +142,29 @@ def test_vllm_serves_our_draft_with_the_targets_greedy_output(served_runs, prese
     assert vllm["outputs_equal_our_greedy"] == vllm["outputs_compared"] == 3, vllm["first_mismatch"]
     assert abs(vllm["mean_acceptance_length"] - ours["mean_acceptance_length"]) <= 0.15, (vllm, ours)
     assert ours["mean_acceptance_length"] >= MIN_ACCEPTANCE.get(preset, 1.0), ours
+
+
+def test_drafts_for_one_target_are_ranked_by_what_vllm_measures(served_runs):
+    """python -m specforge_lite.evaluate.rank: the Qwen3 target's EAGLE3 and EAGLE 3.1 drafts, ranked by vLLM's
+    acceptance length with vLLM's speed-up over the target served alone (timed by the served check, so
+    nothing is served again); drafts evaluated for another target are refused."""
+    from specforge_lite.evaluate.rank import markdown, rank
+
+    runs = [served_runs[p][0] for p in ("qwen3_tiny", "qwen3_tiny+eagle3.1")]
+    lines = []
+    rows = rank(runs, log=lines.append)
+    assert not lines  # the reports were timed already
+    assert sorted(r["method"] for r in rows) == ["EAGLE 3.1, 2 layers (norm_before_fc, norm_output)",
+                                                 "EAGLE3, 1 layer (fc_norm)"]
+    assert [r["acceptance_length"] for r in rows] == sorted((r["acceptance_length"] for r in rows), reverse=True)
+    for r in rows:
+        served = json.loads((Path(r["run"]) / "vllm_eval.json").read_text())
+        assert r["acceptance_length"] == served["mean_acceptance_length"]
+        assert r["speedup_vs_target_alone"] == served["served_tokens_per_s"] / served["target_alone_tokens_per_s"] > 0
+        assert r["training_tokens_per_s"] > 0 and r["outputs_equal_greedy"] == "3/3"
+    assert markdown(rows).count("\n| ") == 2  # a line per draft after the header
+    with pytest.raises(ValueError, match="another target"):
+        rank([served_runs["smollm2_135m"][0], runs[0]])
 
 
 # Tiny presets, built with 32-wide heads: vLLM's CPU attention takes head sizes from 32 up (theirs are 16;

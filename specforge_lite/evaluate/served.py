@@ -26,8 +26,9 @@ class ServedMismatch(RuntimeError):
 
 
 def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None, timeout: float = 1800,
-          log=print) -> list[dict]:
-    """Serve each run with vLLM (one process), report it, and raise ServedMismatch if any run failed."""
+          log=print, speed: bool = False) -> list[dict]:
+    """Serve each run with vLLM (one process), report it, and raise ServedMismatch if any run failed.
+    ``speed``: also time the served pass and the target served alone (eval/vllm_acceptance.py --speed)."""
     run_dirs = [Path(r) for r in run_dirs]
     for run_dir in run_dirs:
         if not (run_dir / "eval_inputs.json").is_file():
@@ -42,7 +43,7 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
                                 ".serving/), or point SPECFORGE_LITE_SERVING_PYTHON at a Python that has vLLM")
     for run_dir in run_dirs:
         (run_dir / "vllm_eval.json").unlink(missing_ok=True)  # (a stale report must not pass for this one)
-    cmd = [str(python), str(SCRIPT), "--eager", *(["--k", str(k)] if k else [])]
+    cmd = [str(python), str(SCRIPT), "--eager", *(["--k", str(k)] if k else []), *(["--speed"] if speed else [])]
     for run_dir in run_dirs:
         cmd += ["--run-dir", str(run_dir.resolve())]
     try:
@@ -86,9 +87,11 @@ def describe(served: dict, run_dir: Path) -> str:
     accs = ours.get("heldout_acc") or []
     # the training-time estimate at the same k: 1 + sum over the first k TTT steps of prod(acc_0..acc_j)
     simulated = f"{1 + sim_accepted_drafts(accs[:k]):.3f}" if accs and ours.get("heldout_tokens") else "n/a"
+    speed = (f"; {served['speedup_vs_target_alone']:.2f}x the target served alone"
+             if "speedup_vs_target_alone" in served else "")
     return (f"vLLM acceptance length {served['mean_acceptance_length']:.3f} at k={k} (ours "
             f"{ours.get('mean_acceptance_length', float('nan')):.3f}, simulated from held-out accuracy {simulated}); "
-            f"outputs equal to greedy {served['outputs_equal_our_greedy']}/{served['outputs_compared']}")
+            f"outputs equal to greedy {served['outputs_equal_our_greedy']}/{served['outputs_compared']}{speed}")
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,125 @@
+"""Rank drafts by what a server measures: python -m specforge_lite.evaluate.rank RUN [RUN ...] [--out DIR]
+
+The runs are drafts for one target evaluated on the same prompts: typically several draft kinds trained
+from one capture (``python -m specforge_lite.offline dump`` once, then ``train.py data.source=offline``
+per kind). Each is served by vLLM (``evaluate/served.py``, with ``--speed``: a timed pass after the
+acceptance pass, and the target served alone on the same prompts), and the table ranks them by vLLM's
+acceptance length, beside vLLM's speed-up over the target alone and the training tokens per second of
+the run. Runs whose vllm_eval.json already holds the timed figures at the same k are not served again
+(``--serve-again`` serves them anyway). Writes rank.md and rank.json to ``--out`` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from .served import ServedMismatch, serve
+
+
+def method(run: Path) -> str:
+    """The draft's kind, from its export's config: what distinguishes it from plain EAGLE3."""
+    config = json.loads((run / "final" / "config.json").read_text())
+    layer = config.get("transformer_layer_config") or config
+    parts = []
+    if config.get("norm_before_fc"):
+        parts.append("norm_before_fc")
+    if config.get("fc_norm"):
+        parts.append("fc_norm")
+    if config.get("norm_output"):
+        parts.append("norm_output")
+    name = "EAGLE 3.1" if {"norm_before_fc", "norm_output"} <= set(parts) else "EAGLE3"
+    layers = layer.get("num_hidden_layers", 1)
+    return f"{name}, {layers} layer{'s' if layers > 1 else ''}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def training_tokens_per_s(run: Path) -> float | None:
+    """The median training tokens/s logged by the run (metrics.jsonl)."""
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    speeds = [json.loads(x).get("tokens_per_s") for x in path.read_text().splitlines() if x.strip()]
+    speeds = [s for s in speeds if s]
+    return statistics.median(speeds) if speeds else None
+
+
+def check_comparable(runs: list[Path]) -> None:
+    """Ranked drafts must have been evaluated for one target on the same prompts."""
+    seen = {}
+    for run in runs:
+        path = run / "eval_inputs.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: evaluate the run first (python -m specforge_lite.evaluate "
+                                    f"--run-dir {run})")
+        inputs = json.loads(path.read_text())
+        seen[run] = (inputs["target"], inputs["prompts"], inputs["max_new_tokens"])
+    first = runs[0]
+    for run in runs[1:]:
+        if seen[run] != seen[first]:
+            what = "target" if seen[run][0] != seen[first][0] else "prompts or max_new_tokens"
+            raise ValueError(f"{run} was evaluated with another {what} than {first}: a ranking compares drafts "
+                             "on the same prompts (evaluate both with the same data and eval settings)")
+
+
+def rank(runs: list[Path], k: int | None = None, serve_again: bool = False, log=print) -> list[dict]:
+    runs = [Path(r) for r in runs]
+    check_comparable(runs)
+
+    def timed(run: Path) -> dict | None:
+        path = run / "vllm_eval.json"
+        served = json.loads(path.read_text()) if path.is_file() else {}
+        ok = "speedup_vs_target_alone" in served and (k is None or served.get("num_draft_tokens") == k)
+        return served if ok and not serve_again else None
+
+    missing = [r for r in runs if timed(r) is None]
+    if missing:
+        serve(missing, k, speed=True, log=log)
+    rows = []
+    for run in runs:
+        served = json.loads((run / "vllm_eval.json").read_text())
+        rows.append({"run": str(run), "method": method(run), "k": served["num_draft_tokens"],
+                     "acceptance_length": served["mean_acceptance_length"],
+                     "per_position": served["per_position_acceptance"],
+                     "speedup_vs_target_alone": served["speedup_vs_target_alone"],
+                     "served_tokens_per_s": served["served_tokens_per_s"],
+                     "training_tokens_per_s": training_tokens_per_s(run),
+                     "outputs_equal_greedy": f"{served['outputs_equal_our_greedy']}/{served['outputs_compared']}"})
+    rows.sort(key=lambda r: -r["acceptance_length"])
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| rank | run | draft | vLLM acceptance length (k) | per position | vLLM speed-up vs target alone | "
+             "training tokens/s | outputs equal to greedy |", "|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows, 1):
+        train = f"{r['training_tokens_per_s']:.0f}" if r["training_tokens_per_s"] else "n/a"
+        lines.append(f"| {i} | {r['run']} | {r['method']} | {r['acceptance_length']:.3f} ({r['k']}) | "
+                     f"{', '.join(f'{x:.2f}' for x in r['per_position'])} | {r['speedup_vs_target_alone']:.2f}x | "
+                     f"{train} | {r['outputs_equal_greedy']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m specforge_lite.evaluate.rank", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dirs", nargs="+", type=Path, help="finished, evaluated runs for one target")
+    p.add_argument("--k", type=int, default=None, help="draft tokens per step (default: the k our evaluation used)")
+    p.add_argument("--serve-again", action="store_true", help="serve every run, even one already timed")
+    p.add_argument("--out", type=Path, default=None, help="write rank.md and rank.json here")
+    a = p.parse_args(argv)
+    try:
+        rows = rank(a.run_dirs, a.k, a.serve_again)
+    except (ServedMismatch, FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
+    table = markdown(rows)
+    print(table)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "rank.md").write_text(table + "\n")
+        (a.out / "rank.json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
