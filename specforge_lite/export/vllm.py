@@ -7,8 +7,8 @@ with a full draft vocabulary, wants no d2t/t2d.
 
 from __future__ import annotations
 
-from .layout import eagle_flag
 from .format import ExportFormat
+from .layout import eagle_flag
 
 
 class VLLMFormat(ExportFormat):
@@ -30,4 +30,3 @@ class VLLMFormat(ExportFormat):
                 f"norm_before_residual={config.get('norm_before_residual', False)}, "
                 f"fc_norm={bool(config.get('fc_norm'))}, norm_before_fc={eagle_flag(config, 'norm_before_fc')}, "
                 f"norm_output={bool(config.get('norm_output'))}, layers={config.get('num_hidden_layers', 1)}")
-
