@@ -16,7 +16,7 @@ import json
 import statistics
 from pathlib import Path
 
-from .served import ServedMismatch, serve
+from .served import ServedMismatch, eval_inputs, serve
 
 
 def method(run: Path) -> str:
@@ -49,11 +49,7 @@ def check_comparable(runs: list[Path]) -> None:
     """Ranked drafts must have been evaluated for one target on the same prompts."""
     seen = {}
     for run in runs:
-        path = run / "eval_inputs.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: evaluate the run first (python -m specforge_lite.evaluate "
-                                    f"--run-dir {run})")
-        inputs = json.loads(path.read_text())
+        inputs = eval_inputs(run)
         seen[run] = (inputs["target"], inputs["prompts"], inputs["max_new_tokens"])
     first = runs[0]
     for run in runs[1:]:

@@ -31,10 +31,7 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
     ``speed``: also time the served pass and the target served alone (eval/vllm_acceptance.py --speed)."""
     run_dirs = [Path(r) for r in run_dirs]
     for run_dir in run_dirs:
-        if not (run_dir / "eval_inputs.json").is_file():
-            raise FileNotFoundError(f"{run_dir}/eval_inputs.json is missing: the served check replays our evaluation's "
-                                    f"prompts; evaluate the run first (python -m specforge_lite.evaluate --run-dir "
-                                    f"{run_dir})")
+        eval_inputs(run_dir)
     if not SCRIPT.is_file():  # (a non-editable install carries the package, not the checkout's eval/ scripts)
         raise FileNotFoundError(f"{SCRIPT} is missing: run the served check from a checkout of specforge_lite")
     python = python or serving_python()
@@ -74,6 +71,16 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
     if problems:
         raise ServedMismatch("the served check failed:\n" + "\n".join(problems))
     return results
+
+
+def eval_inputs(run_dir: Path) -> dict:
+    """What our evaluation of a run recorded for the served check to replay (eval_inputs.json): the target,
+    the prompts, our greedy outputs, k and the dtype."""
+    path = Path(run_dir) / "eval_inputs.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: the served check replays our evaluation's prompts; evaluate "
+                                f"the run first (python -m specforge_lite.evaluate --run-dir {run_dir})")
+    return json.loads(path.read_text())
 
 
 def describe(served: dict, run_dir: Path) -> str:
