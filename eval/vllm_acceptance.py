@@ -61,9 +61,10 @@ def target_alone(inputs: dict, dtype: str, memory_fraction: float, eager: bool) 
 
 
 def serve_run(run_dir: Path, k: int | None, dtype: str, memory_fraction: float, eager: bool,
-              speed: bool = False) -> dict:
-    """Serve one run's export on its eval prompts; vLLM's acceptance and the comparison with our outputs
-    (``speed``: and the tokens per second of a second, timed pass)."""
+              alone: dict | None = None) -> dict:
+    """Serve one run's export on its eval prompts; vLLM's acceptance and the comparison with our outputs.
+    ``alone`` (timing asked for): the target-alone tokens/s measured so far, by target, dtype and prompts;
+    the result then has the tokens/s of a second, timed pass and its ratio to the target served alone."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -85,10 +86,16 @@ def serve_run(run_dir: Path, k: int | None, dtype: str, memory_fraction: float, 
             sets[name] = {"prompts": len(idx), **acceptance(before, counters(llm)),
                           "outputs_equal_our_greedy": sum(generated[i] == inputs["generated"][i] for i in idx)}
         total = acceptance({}, counters(llm))
-        if speed:  # the acceptance pass above warmed the engine up
+        if alone is not None:  # the acceptance pass above warmed the engine up
             total["served_tokens_per_s"] = timed_pass(llm, inputs)
     finally:
         llm.llm_engine.engine_core.shutdown()  # (frees the engine before the next run's)
+    if alone is not None:  # the target alone, once per target, dtype and prompts
+        key = json.dumps([inputs["target"], dtype, inputs["prompts"], inputs["max_new_tokens"]])
+        if key not in alone:
+            alone[key] = target_alone(inputs, dtype, memory_fraction, eager)
+        total["target_alone_tokens_per_s"] = alone[key]
+        total["speedup_vs_target_alone"] = total["served_tokens_per_s"] / alone[key]
     ours = inputs["generated"]
     same = [g == o for g, o in zip(generated, ours)]
     return {
@@ -116,17 +123,10 @@ def main(argv=None) -> None:
     # engine and worker in this process: vLLM's default starts two more processes, each importing vLLM again
     # (on 2 CPU cores, tens of seconds per start)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    failed, alone = 0, {}
+    failed, alone = 0, ({} if a.speed else None)
     for run_dir in a.run_dir:
         try:
-            result = serve_run(run_dir, a.k, a.dtype, a.memory_fraction, a.eager, a.speed)
-            if a.speed:  # the target alone, once per target, dtype and prompts
-                inputs = json.loads((run_dir / "eval_inputs.json").read_text())
-                key = json.dumps([inputs["target"], result["dtype"], inputs["prompts"], inputs["max_new_tokens"]])
-                if key not in alone:
-                    alone[key] = target_alone(inputs, result["dtype"], a.memory_fraction, a.eager)
-                result["target_alone_tokens_per_s"] = alone[key]
-                result["speedup_vs_target_alone"] = result["served_tokens_per_s"] / alone[key]
+            result = serve_run(run_dir, a.k, a.dtype, a.memory_fraction, a.eager, alone)
         except Exception as e:  # one draft vLLM refuses must not hide the other runs' results
             result, failed = {"error": f"{type(e).__name__}: {e}"[:3000]}, failed + 1
         (run_dir / "vllm_eval.json").write_text(json.dumps(result, indent=2) + "\n")

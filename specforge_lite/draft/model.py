@@ -153,37 +153,36 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
-class DraftDecoderLayer(nn.Module):
-    def __init__(self, spec: Eagle3Spec):
-        super().__init__()
-        cfg = spec.llama_config()
-        self.input_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.hidden_norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.self_attn = DraftAttention(spec, 2 * spec.hidden_size)
-        self.post_attention_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+class DraftLayer(nn.Module):
+    """A pre-norm Llama decoder layer over the hidden state: layers 1.. of a multi-layer draft (vLLM runs
+    them this way and loads them as ``layers.{i}.*``), and the parts the first layer shares."""
 
-    def forward(self, embeds, hidden, cos, sin, cache: DraftCache, q_offset: int) -> torch.Tensor:
-        residual = hidden  # taken before hidden_norm (norm_before_residual=false, as SGLang does)
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = self.self_attn(x, cos, sin, cache, q_offset) + residual
-        return self.mlp(self.post_attention_layernorm(h)) + h
-
-
-class DraftLaterLayer(nn.Module):
-    """Layer i >= 1 of a multi-layer draft: a pre-norm Llama layer over the hidden state alone (no embedding);
-    vLLM's Llama EAGLE3 draft runs its layers 1.. this way and loads them as ``layers.{i}.*``."""
-
-    def __init__(self, spec: Eagle3Spec):
+    def __init__(self, spec: Eagle3Spec, width: int | None = None):
         super().__init__()
         self.input_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.self_attn = DraftAttention(spec, spec.hidden_size)
+        self.self_attn = DraftAttention(spec, width or spec.hidden_size)
         self.post_attention_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.mlp = LlamaMLP(spec.llama_config())
 
     def forward(self, hidden, cos, sin, cache: DraftCache, q_offset: int) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(hidden), cos, sin, cache, q_offset) + hidden
+        return self.feed_forward(h)
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.post_attention_layernorm(h)) + h
+
+
+class DraftDecoderLayer(DraftLayer):
+    """The EAGLE3 layer: attention over cat(normed embedding, normed hidden), 2H wide."""
+
+    def __init__(self, spec: Eagle3Spec):
+        super().__init__(spec, width=2 * spec.hidden_size)
+        self.hidden_norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+
+    def forward(self, embeds, hidden, cos, sin, cache: DraftCache, q_offset: int) -> torch.Tensor:
+        residual = hidden  # taken before hidden_norm (norm_before_residual=false, as SGLang does)
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        return self.feed_forward(self.self_attn(x, cos, sin, cache, q_offset) + residual)
 
 
 class Eagle3Draft(nn.Module):
@@ -205,7 +204,7 @@ class Eagle3Draft(nn.Module):
             self.input_norm = LlamaRMSNorm(n_aux * spec.target_hidden_size, eps=spec.rms_norm_eps)
         self.midlayer = DraftDecoderLayer(spec)
         # keyed "1", "2", ...: the weights are named layers.{i}.*, as the servers load them
-        self.layers = nn.ModuleDict({str(i): DraftLaterLayer(spec) for i in range(1, spec.num_layers)})
+        self.layers = nn.ModuleDict({str(i): DraftLayer(spec) for i in range(1, spec.num_layers)})
         self.norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.lm_head = DraftHead(spec.hidden_size, spec.draft_vocab_size)
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))

@@ -63,13 +63,12 @@ def rank(runs: list[Path], k: int | None = None, serve_again: bool = False, log=
     runs = [Path(r) for r in runs]
     check_comparable(runs)
 
-    def timed(run: Path) -> dict | None:
+    def timed(run: Path) -> bool:
         path = run / "vllm_eval.json"
         served = json.loads(path.read_text()) if path.is_file() else {}
-        ok = "speedup_vs_target_alone" in served and (k is None or served.get("num_draft_tokens") == k)
-        return served if ok and not serve_again else None
+        return "speedup_vs_target_alone" in served and (k is None or served.get("num_draft_tokens") == k)
 
-    missing = [r for r in runs if timed(r) is None]
+    missing = [r for r in runs if serve_again or not timed(r)]
     if missing:
         serve(missing, k, speed=True, log=log)
     rows = []

@@ -26,7 +26,7 @@ class ExportRefused(ValueError):
 class SGLangFormat(ExportFormat):
     name, server = "sglang", "SGLang"
 
-    def server_aux_ids(self, spec: Eagle3Spec, warn) -> list[int]:
+    def write_config(self, spec: Eagle3Spec, dtype, verifier: dict, num_speculative_tokens: int, warn) -> dict:
         if spec.num_layers != 1:
             raise ExportRefused(f"draft.num_layers={spec.num_layers}: SGLang's EAGLE3 draft is one layer (its builds "
                                 "refuse more, or load them under other names); export this draft for vLLM "
@@ -34,6 +34,9 @@ class SGLangFormat(ExportFormat):
         if spec.norm_before_fc or spec.norm_output:
             warn("norm_before_fc/norm_output (EAGLE 3.1): SGLang builds before 2026 ignore them and would serve the "
                  "draft without what it was trained with")
+        return super().write_config(spec, dtype, verifier, num_speculative_tokens, warn)
+
+    def server_aux_ids(self, spec: Eagle3Spec, warn) -> list[int]:
         ids = list(spec.aux_layer_ids)
         if 0 in ids:
             raise ExportRefused("aux id 0 (the embedding output) cannot be expressed in SGLang's output-of-layer ids; "
