@@ -60,6 +60,16 @@ def target_alone(inputs: dict, dtype: str, memory_fraction: float, eager: bool) 
         llm.llm_engine.engine_core.shutdown()
 
 
+def speculative_config(draft_dir: Path, k: int) -> dict:
+    """How vLLM runs the draft: EAGLE3 step by step, or with its mask slots in one forward (P-EAGLE: the
+    export writes parallel_drafting; vLLM takes it from the speculative config, not from the folder)."""
+    config = json.loads((draft_dir / "config.json").read_text())
+    out = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+    if config.get("parallel_drafting"):
+        out["parallel_drafting"] = True
+    return out
+
+
 def serve_run(run_dir: Path, k: int | None, dtype: str, memory_fraction: float, eager: bool,
               alone: dict | None = None) -> dict:
     """Serve one run's export on its eval prompts; vLLM's acceptance and the comparison with our outputs.
@@ -71,8 +81,7 @@ def serve_run(run_dir: Path, k: int | None, dtype: str, memory_fraction: float, 
     inputs = json.loads((run_dir / "eval_inputs.json").read_text())
     k = k or inputs["num_draft_tokens"]
     dtype = dtype or inputs.get("dtype", "float32")  # the dtype our greedy outputs were computed in
-    llm = engine(inputs, dtype, memory_fraction, eager,
-                 {"method": "eagle3", "model": str(run_dir / "final"), "num_speculative_tokens": k})
+    llm = engine(inputs, dtype, memory_fraction, eager, speculative_config(run_dir / "final", k))
     try:
         params = SamplingParams(temperature=0.0, max_tokens=inputs["max_new_tokens"], stop_token_ids=inputs["stop_ids"])
         names = inputs.get("prompt_sets") or ["all"] * len(inputs["prompts"])

@@ -101,6 +101,11 @@ class DraftConfig:
     # states before fc (exclusive with use_aux_norm), and the next unroll step fed the normed output.
     norm_before_fc: bool = False
     norm_output: bool = False
+    # P-EAGLE (draft/parallel.py): all k draft tokens in one forward, the later ones from mask slots (vLLM:
+    # method=eagle3, parallel_drafting=true). mask_token_id: the token the mask slots embed (any id of the
+    # target vocabulary: the learned mask_hidden is what marks a slot).
+    parallel_drafting: bool = False
+    mask_token_id: int = 0
     attn_implementation: str = "eager"  # eager: the TTT attention pattern in plain PyTorch
     step_loss_decay: float = 0.8  # step k's loss weight is decay**k
     # soft_ce: cross-entropy to the teacher's draft-vocabulary distribution (EAGLE3). acceptance: -log of

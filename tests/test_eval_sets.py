@@ -97,6 +97,26 @@ def test_multi_turn_items_ask_each_turn_after_the_targets_own_answer():
     assert by_length["<1k"]["mean_acceptance_length"] == 2.0 and by_length["4k-16k"]["mean_acceptance_length"] == 3.0
 
 
+def test_no_baseline_prompts_reports_no_speedup_instead_of_dividing_by_zero():
+    """eval.baseline_prompts=0 (the target alone not timed) used to end the run with a ZeroDivisionError."""
+    from specforge_lite.config import EvalConfig, load_config
+    from specforge_lite.evaluate.acceptance import _run_set
+    from specforge_lite.evaluate.report import eval_markdown
+    from specforge_lite.evaluate.spec_decode import Generation
+    from specforge_lite.pipeline import build_target, load_tokenizer
+
+    target = build_target(load_config(["model=llama3_tiny", "tracker=none"]))
+    tok = load_tokenizer(target)
+    ev = EvalConfig(num_draft_tokens=3, max_new_tokens=4, baseline_prompts=0)
+    result = _run_set(PromptSet("assistant", "test", [PromptItem(turns=["Hello?"])]),
+                      lambda p, x: Generation(tokens=[5, 6, 7], accepted=[2]), target, tok, ev, set(),
+                      log=lambda m: None)
+    assert result["target_alone_prompts"] == 0
+    assert result["target_alone_tokens_per_s"] is None and result["speedup_vs_target_alone"] is None
+    assert "| assistant | 1 | 3.000 |" in eval_markdown({**result, "num_draft_tokens": 3, "temperature": 0.0,
+                                                         "sets": {"assistant": result}})
+
+
 def test_eval_report_has_a_row_and_a_curve_per_set(tmp_path):
     from specforge_lite.evaluate.report import write_eval_report
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from conftest import EAGLE31, ROOT, tiny_draft, tiny_target
 from specforge_lite.draft.ttt import TTTCache
 from specforge_lite.export import export_draft, load_export
-from specforge_lite.export.sglang import ExportRefused
+from specforge_lite.export.format import ExportRefused
 from specforge_lite.pipeline import draft_from_weights
 
 SERVER_NAMES = {"fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
@@ -134,17 +134,22 @@ def test_cli_reexports_a_run(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
-@pytest.mark.parametrize("variant", ["eagle3", "fc_norm", "eagle3.1"])
+@pytest.mark.parametrize("variant", ["eagle3", "fc_norm", "eagle3.1", "peagle"])
 def test_every_format_round_trips_to_identical_logits_and_passes_the_check(tmp_path, fmt, variant):
     from specforge_lite.export.check import check_export
 
     target = tiny_target(aux_ids=[2, 4, 6])
-    options = {"eagle3": {}, "fc_norm": {"use_aux_norm": True}, "eagle3.1": EAGLE31}[variant]
+    options = {"eagle3": {}, "fc_norm": {"use_aux_norm": True}, "eagle3.1": EAGLE31,
+               "peagle": {"parallel_drafting": True, "mask_token_id": 5, "norm_before_fc": True}}[variant]
     draft = tiny_draft(target, draft_vocab_size=100, **options)
     export = functools.partial(export_draft, draft.trainable_state_dict(), draft.spec, fmt, tmp_path,
                                verifier={"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]})
     if fmt == "sglang" and variant == "eagle3.1":  # two layers: SGLang's draft is one
         with pytest.raises(ExportRefused, match="one layer"):
+            export()
+        return
+    if fmt != "vllm" and variant == "peagle":  # mask slots are written for vLLM only
+        with pytest.raises(ExportRefused, match="export.format=vllm"):
             export()
         return
     out = export()
@@ -155,6 +160,36 @@ def test_every_format_round_trips_to_identical_logits_and_passes_the_check(tmp_p
     back = draft_from_weights(spec, weights, target)
     ids = torch.randint(0, target.vocab_size, (2, 10))
     torch.testing.assert_close(draft_logits(back, target, ids), draft_logits(draft, target, ids), atol=0, rtol=0)
+    if variant == "peagle":  # the mask slots read back too: their token and fused state
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["parallel_drafting"] is True and cfg["mask_token_id"] == 5
+        for d in (back, draft):
+            d.slot = d.next_step_inputs(ids[:, :3], torch.zeros(2, 3, draft.spec.hidden_size))
+        assert torch.equal(back.slot[0], draft.slot[0]) and torch.equal(back.slot[1], draft.slot[1])
+
+
+def test_the_check_names_what_vllm_needs_for_parallel_drafting(tmp_path):
+    """P-EAGLE folders: vLLM refuses parallel drafting without mask_hidden and cannot run the mask slots
+    without their token id; a mask_hidden served without the flag would draft step by step."""
+    from safetensors.torch import load_file, save_file
+
+    from specforge_lite.export.check import check_export
+
+    target = tiny_target(aux_ids=[2, 4, 6])
+    draft = tiny_draft(target, draft_vocab_size=100, parallel_drafting=True, mask_token_id=5)
+    out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "ok")
+    report = check_export(out)
+    assert report.ok and "parallel_drafting=true" in report.servers["vLLM"], report.text()
+    weights, cfg = load_file(str(out / "model.safetensors")), json.loads((out / "config.json").read_text())
+    save_file({k: v for k, v in weights.items() if k != "mask_hidden"}, str(out / "model.safetensors"))
+    assert any("no mask_hidden" in e for e in check_export(out).errors)
+    save_file(weights, str(out / "model.safetensors"))
+    for key in ("parallel_drafting", "mask_token_id"):
+        del cfg[key]
+    (out / "config.json").write_text(json.dumps(cfg))
+    report = check_export(out)
+    assert any("no mask_token_id" in e for e in report.errors)
+    assert any("parallel_drafting is not written" in w for w in report.warnings)
 
 
 def test_speculators_export_follows_its_config_and_names(tmp_path):

@@ -321,3 +321,74 @@ def test_settings_no_run_can_use_are_refused_before_anything_is_built(tmp_path):
         assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="ttt_length=0"):
         Eagle3Objective(ttt_length=0)
+
+
+# ---- P-EAGLE (parallel drafting) --------------------------------------------------------------------------
+def naive_parallel_forward(draft, aux, input_ids, t, depth):
+    """The pre-norm state of the last slot of the one forward a server runs for a parallel draft after row
+    t (written out here, as vLLM lays it out): rows 0..t read (x[j+1], fused aux h[j]), then ``depth`` mask
+    slots read (mask token, mask_hidden fused through the same norms and fc), every position attending
+    causally over the whole sequence; positions 0..t+depth."""
+    s, layer, attn = draft.spec, draft.midlayer, draft.midlayer.self_attn
+    theta, eps, n_aux = s.rope_parameters["rope_theta"], s.rms_norm_eps, len(aux)
+
+    def fuse(parts):  # [n, H_t] x n_aux -> [n, H]
+        if s.norm_before_fc:
+            return rms(torch.cat(parts, -1), draft.input_norm.weight, eps) @ draft.fc.weight.T
+        return torch.cat(parts, -1) @ draft.fc.weight.T
+
+    context = fuse([a[0, : t + 1] for a in aux])
+    mask_state = fuse(list(draft.mask_hidden.reshape(n_aux, -1)[:, None]))  # [1, H]
+    hidden = torch.cat([context, mask_state.expand(depth, -1)])
+    tokens = [int(input_ids[0, j + 1]) for j in range(t + 1)] + [s.mask_token_id] * depth
+    emb = draft.embedding_weight[tokens]
+    x = torch.cat([rms(emb, layer.input_layernorm.weight, eps), rms(hidden, layer.hidden_norm.weight, eps)], -1)
+    n, group = len(tokens), s.num_attention_heads // s.num_key_value_heads
+    q = torch.stack([rope(v, p, theta) for p, v in enumerate((x @ attn.q_proj.weight.T).view(n, -1, s.head_dim))])
+    k = torch.stack([rope(v, p, theta) for p, v in enumerate((x @ attn.k_proj.weight.T).view(n, -1, s.head_dim))])
+    v = (x @ attn.v_proj.weight.T).view(n, -1, s.head_dim)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    w = torch.softmax((q[-1][None] * k).sum(-1) / s.head_dim ** 0.5, dim=0)  # the last slot sees every position
+    h = (w[..., None] * v).sum(0).reshape(-1) @ attn.o_proj.weight.T + hidden[-1]
+    m, z = layer.mlp, rms(h, layer.post_attention_layernorm.weight, eps)
+    return (F.silu(z @ m.gate_proj.weight.T) * (z @ m.up_proj.weight.T)) @ m.down_proj.weight.T + h
+
+
+def test_parallel_draft_unroll_is_the_servers_one_forward_over_mask_slots():
+    """P-EAGLE: the objective's unroll step d at row t equals the server's single causal forward over the
+    context and d mask slots; the loss is the soft cross-entropy of those states (decay**d, mean per step).
+    Fails when a mask slot reads the previous step's token or state (plain EAGLE3)."""
+    from specforge_lite.draft.ttt import shift_left
+
+    target = tiny_target()
+    for options in ({}, {"norm_before_fc": True}):
+        draft = tiny_draft(target, draft_vocab_size=target.vocab_size, parallel_drafting=True, mask_token_id=7,
+                           **options)
+        B, T, steps = 1, 9, 3
+        ids = torch.randint(0, target.vocab_size, (B, T))
+        aux = target.capture(ids).aux
+        teacher = torch.randn(B, T, draft.spec.draft_vocab_size)
+        loss_mask = torch.ones(B, T, dtype=torch.long)
+        in_vocab = torch.ones(B, T, dtype=torch.bool)
+        out = Eagle3Objective(ttt_length=steps, decay=0.8).unroll(draft, UnrollInputs(aux, ids, teacher, in_vocab,
+                                                                                     loss_mask))
+        with torch.no_grad():
+            state, cache, got = draft.project_aux(aux), TTTCache(), []
+            for k in range(steps):
+                step_ids = shift_left(ids, 1 + k)
+                if k:
+                    step_ids, state = draft.next_step_inputs(step_ids, state)
+                state = draft.step(step_ids, state, torch.arange(T)[None] + k, cache)
+                got.append(state[0])
+            expected_total = 0.0
+            for k in range(steps):
+                losses = []
+                for t in range(T - 2 - k):  # rows whose predicted token x[t+2+k] exists
+                    ref = naive_parallel_forward(draft, aux, ids, t, k)
+                    torch.testing.assert_close(got[k][t], ref, atol=2e-5, rtol=1e-4, msg=f"step {k}, row {t}")
+                    p = torch.softmax(teacher[0, t + 1 + k], -1)
+                    losses.append(float(-(p * torch.log_softmax(draft.compute_logits(ref), -1)).sum()))
+                expected_total += 0.8 ** k * sum(losses) / len(losses)
+        assert abs(float(out.loss.detach()) - expected_total) < 1e-4 * max(1.0, expected_total)
+        out.loss.backward()
+        assert draft.mask_hidden.grad is not None and float(draft.mask_hidden.grad.abs().sum()) > 0

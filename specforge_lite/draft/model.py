@@ -29,6 +29,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from .head_loss import DraftHead
+from .parallel import mask_slot_inputs, new_mask_hidden
 from .ttt import DraftCache
 
 
@@ -63,6 +64,9 @@ class Eagle3Spec:
     norm_before_residual: bool = False  # SGLang's Llama draft always takes the residual before hidden_norm
     norm_before_fc: bool = False
     norm_output: bool = False
+    # P-EAGLE (draft/parallel.py): k - 1 mask slots fed mask_token_id and the learned mask_hidden
+    parallel_drafting: bool = False
+    mask_token_id: int | None = None
     attention_bias: bool = False
     mlp_bias: bool = False
     extra: dict = field(default_factory=dict)
@@ -76,6 +80,10 @@ class Eagle3Spec:
                              "set one of them to false")
         if self.norm_before_residual:
             raise ValueError("norm_before_residual=True is not implemented (and SGLang ignores it)")
+        mask_ok = self.mask_token_id is not None and 0 <= self.mask_token_id < self.vocab_size
+        if self.parallel_drafting and not mask_ok:
+            raise ValueError(f"draft.parallel_drafting=true needs a mask token id inside the target vocabulary "
+                             f"(0..{self.vocab_size - 1}), got draft.mask_token_id={self.mask_token_id}")
 
     @classmethod
     def from_target(cls, target_config: Any, draft_cfg, aux_layer_ids: list[int], convention: str,
@@ -111,6 +119,8 @@ class Eagle3Spec:
             num_layers=draft_cfg.num_layers,
             norm_before_fc=draft_cfg.norm_before_fc,
             norm_output=draft_cfg.norm_output,
+            parallel_drafting=draft_cfg.parallel_drafting,
+            mask_token_id=draft_cfg.mask_token_id if draft_cfg.parallel_drafting else None,
         )
 
     def to_dict(self) -> dict:
@@ -211,6 +221,8 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(spec.llama_config())
         self._init_weights()
+        if spec.parallel_drafting:  # after the Linear init, so an EAGLE3 draft's init draws are unchanged
+            self.mask_hidden = new_mask_hidden(n_aux * spec.target_hidden_size)
 
     def _init_weights(self, std: float = 0.02) -> None:
         for m in self.modules():
@@ -290,6 +302,13 @@ class Eagle3Draft(nn.Module):
         for i, layer in self.layers.items():
             out = layer(out, cos, sin, cache.layer(int(i)), q_offset)
         return self.norm(out) if self.spec.norm_output else out
+
+    def next_step_inputs(self, next_ids: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the next unroll step reads: the next tokens and this step's state (EAGLE3), or, for a
+        parallel draft, the mask slot's token and state (draft/parallel.py)."""
+        if self.spec.parallel_drafting:
+            return mask_slot_inputs(self, next_ids, state)
+        return next_ids, state
 
     def head_input(self, state: torch.Tensor) -> torch.Tensor:
         """What the lm_head reads: the final norm of the pre-norm output (``step``'s state is already normed

@@ -118,9 +118,10 @@ class Eagle3Objective:
 
         Alignment (step k, row t): input token x[t+1+k] at position t+k, hidden = fused aux state h[t] at
         k=0 and the previous step's output state after (``Eagle3Draft.step``: pre-norm, or normed with
-        ``norm_output``); the teacher is the target's distribution at
-        position t+1+k (which predicts x[t+2+k]); the row counts only if x[t+2+k] is an assistant token
-        (mask aligned with the predicted token) and the target's full-vocab argmax lies in the draft vocab.
+        ``norm_output``; a parallel draft reads its mask slot instead, draft/parallel.py); the teacher is
+        the target's distribution at position t+1+k (which predicts x[t+2+k]); the row counts only if
+        x[t+2+k] is an assistant token (mask aligned with the predicted token) and the target's full-vocab
+        argmax lies in the draft vocab.
         Each step's loss is normalised over its valid tokens; step k is weighted decay**k.
 
         The normaliser is this micro-batch's count, not the global batch's (all micro-batches of an
@@ -156,8 +157,10 @@ class Eagle3Objective:
         scored: list[tuple[torch.Tensor, ...]] = []  # per step: its valid rows, their teacher rows, weight
         counts = []  # per step: (valid over whole rows, this rank's valid)
         for k in range(self.ttt_length):
-            hidden = self._step(draft, shift_left(input_ids, 1 + k)[:, lo:hi], hidden, (positions + k)[:, lo:hi],
-                                cache)
+            step_ids = shift_left(input_ids, 1 + k)[:, lo:hi]
+            if k:  # the next token and this state (EAGLE3), or a parallel draft's mask slot
+                step_ids, hidden = draft.next_step_inputs(step_ids, hidden)
+            hidden = self._step(draft, step_ids, hidden, (positions + k)[:, lo:hi], cache)
             valid = shift_left(loss_mask, 2 + k).bool() & shift_left(in_vocab, 1 + k)
             if segments is not None:
                 valid &= shift_left(segments, 2 + k) == segments

@@ -34,7 +34,7 @@ def _decoder(target, draft, ev: EvalConfig, stops: set[int]) -> Callable[[list[i
     generator = torch.Generator().manual_seed(ev.seed)
     k, n = ev.num_draft_tokens, ev.max_new_tokens
     if ev.drafting == "tree":
-        check_tree_support(target)
+        check_tree_support(target, draft)
         return lambda p, x: tree_generate(target, draft, p, n, k, ev.tree_topk, ev.tree_budget, stops,
                                           ev.temperature, generator, x)
     if ev.temperature > 0:
@@ -75,7 +75,8 @@ def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, s
     t0, alone_tokens, alone = time.perf_counter(), 0, list(zip(prompts, prompt_images))[:ev.baseline_prompts]
     for ids, paths in alone:
         alone_tokens += len(greedy_generate(target, ids, ev.max_new_tokens, stops, inputs_of(paths)))
-    alone_tps = alone_tokens / max(time.perf_counter() - t0, 1e-9)
+    # eval.baseline_prompts=0: the target alone is not timed, and nothing is divided by it
+    alone_tps = alone_tokens / max(time.perf_counter() - t0, 1e-9) if alone else None
     new_tokens = sum(len(o) for o in outputs)
     summary = acceptance_summary(accepted, ev.num_draft_tokens)
     summary["by_context_length"] = acceptance_by_context_length(accepted, contexts, ev.num_draft_tokens,
@@ -85,7 +86,7 @@ def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, s
     return {"source": prompt_set.source, "skipped_rows": prompt_set.skipped, "conversations": len(prompt_set.items),
             "prompts": len(prompts), "generated_tokens": new_tokens, "tokens_per_s": new_tokens / max(elapsed, 1e-9),
             "target_alone_tokens_per_s": alone_tps, "target_alone_prompts": len(alone),
-            "speedup_vs_target_alone": new_tokens / max(elapsed, 1e-9) / alone_tps,
+            "speedup_vs_target_alone": new_tokens / max(elapsed, 1e-9) / alone_tps if alone else None,
             **summary, "per_prompt_mean_acceptance_length": per_prompt,
             "_accepted": accepted, "_contexts": contexts, "_prompts": prompts, "_images": prompt_images,
             "_outputs": outputs}
@@ -180,7 +181,9 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
                                                                ev.num_draft_tokens, ev.context_length_edges)
     tokens = sum(s["generated_tokens"] for s in sets.values())
     spec_time = sum(s["generated_tokens"] / s["tokens_per_s"] for s in sets.values())
-    alone_time = sum(s["generated_tokens"] / s["target_alone_tokens_per_s"] for s in sets.values())
+    timed_alone = all(s["target_alone_tokens_per_s"] for s in sets.values())
+    alone_time = (sum(s["generated_tokens"] / s["target_alone_tokens_per_s"] for s in sets.values())
+                  if timed_alone else 0)
     for s in sets.values():
         for key in [k for k in s if k.startswith("_")]:
             del s[key]
@@ -192,8 +195,8 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
         "prompts": sum(s["prompts"] for s in sets.values()),
         "generated_tokens": tokens,
         "tokens_per_s": tokens / max(spec_time, 1e-9),
-        "target_alone_tokens_per_s": tokens / max(alone_time, 1e-9),
-        "speedup_vs_target_alone": alone_time / max(spec_time, 1e-9),
+        "target_alone_tokens_per_s": tokens / max(alone_time, 1e-9) if timed_alone else None,
+        "speedup_vs_target_alone": alone_time / max(spec_time, 1e-9) if timed_alone else None,
         **pooled,
         "estimated_speedup": estimated_speedup(pooled["mean_acceptance_length"], costs),
         "step_costs": costs,

@@ -31,6 +31,8 @@ def method(run: Path) -> str:
     if config.get("norm_output"):
         parts.append("norm_output")
     name = "EAGLE 3.1" if {"norm_before_fc", "norm_output"} <= set(parts) else "EAGLE3"
+    if config.get("parallel_drafting"):  # the mask slots: every draft token from one forward
+        name = f"P-EAGLE ({name} layers)"
     layers = layer.get("num_hidden_layers", 1)
     return f"{name}, {layers} layer{'s' if layers > 1 else ''}" + (f" ({', '.join(parts)})" if parts else "")
 

@@ -124,8 +124,8 @@ def draft_chain(drafted: DraftContext, aux_new: list[torch.Tensor], context: lis
         d = int(draft.draft_to_target(draft.compute_logits(h)[0, -1].argmax()))
         proposals.append(d)
         if j + 1 < k:  # step j+1 at row n-1 stands for position n-1+(j+1)
-            h = draft.step(torch.tensor([[d]], device=device), h, torch.tensor([[n + j]], device=device), cache,
-                           q_offset=n - 1)
+            ids, h = draft.next_step_inputs(torch.tensor([[d]], device=device), h)
+            h = draft.step(ids, h, torch.tensor([[n + j]], device=device), cache, q_offset=n - 1)
     return proposals
 
 
@@ -197,8 +197,8 @@ def speculative_sample(target, draft, prompt: list[int], max_new_tokens: int, k:
             proposals.append(d)
             qs.append(q)
             if j + 1 < k:
-                h = draft.step(torch.tensor([[d]], device=device), h, torch.tensor([[n + j]], device=device), dcache,
-                               q_offset=n - 1)
+                ids, h = draft.next_step_inputs(torch.tensor([[d]], device=device), h)
+                h = draft.step(ids, h, torch.tensor([[n + j]], device=device), dcache, q_offset=n - 1)
         verify = torch.tensor([[next_token] + proposals], device=device)
         aux_verified, vlogits, snapshot = _verify(target, cache, verify)
         ps = torch.softmax(vlogits[0].float() / temperature, -1)  # ps[i]: the target after verify[:i+1]

@@ -148,7 +148,10 @@ def _walk(logits: torch.Tensor, tree: DraftTree, children: dict[int, list[int]],
         node = hit
 
 
-def check_tree_support(target) -> None:
+def check_tree_support(target, draft=None) -> None:
+    if draft is not None and draft.spec.parallel_drafting:
+        raise ValueError("a parallel (P-EAGLE) draft proposes one chain in one forward, from mask slots that follow "
+                         "no sampled token: use eval.drafting=chain")
     if not target.family.supports_tree_mask:
         raise ValueError(f"the {target.family.name} family cannot verify a draft tree in one forward (recurrent or "
                          "model-computed positions); use eval.drafting=chain")
@@ -159,7 +162,7 @@ def tree_generate(target, draft, prompt: list[int], max_new_tokens: int, depth: 
                   stop_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None,
                   inputs: dict | None = None) -> Generation:
     """Speculative decoding with a draft tree per round; ``Generation.accepted`` holds the accepted depth."""
-    check_tree_support(target)
+    check_tree_support(target, draft)
     device = target.device
     cache = _new_cache(target)
     aux_new, logits = target.forward_cached(torch.tensor([prompt], device=device), cache, **(inputs or {}))

@@ -134,7 +134,25 @@ def check_layout(layer: dict, top: dict, shapes: dict, prefix: str, report: Repo
     elif list(ids) != sorted(ids):
         report.errors.append(f"eagle_aux_hidden_state_layer_ids {list(ids)} are not ascending: servers capture and "
                              "concatenate the aux states in layer order, so fc's input columns would be permuted")
+    _check_parallel(top, shapes, n_aux * target_h, report)
     act = layer.get("hidden_act", "silu")
     if act != "silu":
         report.errors.append(f"hidden_act {act!r}: the servers' EAGLE3 draft is a Llama layer whose MLP runs silu only "
                              "(vLLM and SGLang refuse anything else); the draft must be trained with silu")
+
+
+def _check_parallel(top: dict, shapes: dict, fc_input: int, report: Report) -> None:
+    """P-EAGLE (parallel drafting): vLLM needs both the mask slots' token id and their state, mask_hidden."""
+    parallel, has_mask = bool(top.get("parallel_drafting")), "mask_hidden" in shapes
+    if parallel and not has_mask:
+        report.errors.append("parallel_drafting is set but there is no mask_hidden weight: vLLM refuses the draft "
+                             "('mask_hidden not found in weights')")
+    if has_mask:
+        if top.get("mask_token_id") is None and top.get("pard_token") is None:
+            report.errors.append("mask_hidden exists but no mask_token_id: vLLM cannot run the mask slots")
+        if shapes["mask_hidden"][0] not in ((1, fc_input), (fc_input,)):
+            report.errors.append(f"mask_hidden has shape {shapes['mask_hidden'][0]}, fc's input is {fc_input} wide")
+        if not parallel:
+            report.warnings.append("mask_hidden exists but parallel_drafting is not written: serve it with "
+                                   "speculative_config parallel_drafting=true, or vLLM skips mask_hidden and drafts "
+                                   "step by step, which the draft was not trained for")

@@ -15,6 +15,10 @@ from .layout import LATER_LAYER_WEIGHTS, LAYER_WEIGHTS, PROVENANCE_KEY, llama_dr
 LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
+class ExportRefused(ValueError):
+    """A draft this format cannot express, with the fix."""
+
+
 class ExportFormat:
     name = ""  # export.format=<name>
     server = ""  # who reads it, as the check's report names it
@@ -25,6 +29,13 @@ class ExportFormat:
     def server_aux_ids(self, spec: Eagle3Spec, warn) -> list[int]:
         """Our aux ids (targets/capture.py) in the server's own convention."""
         return list(spec.aux_layer_ids)
+
+    def refuse_parallel(self, spec: Eagle3Spec) -> None:
+        """A parallel (P-EAGLE) draft is written only for a server that runs its mask slots."""
+        if spec.parallel_drafting:
+            raise ExportRefused(f"draft.parallel_drafting=true: the {self.name} format has no mask slots (this "
+                                "version writes P-EAGLE for vLLM only); export with export.format=vllm and serve "
+                                "it with speculative_config method=eagle3, parallel_drafting=true")
 
     def with_vocab_maps(self, spec: Eagle3Spec) -> bool:
         """Whether d2t/t2d are written (by default only for a reduced draft vocabulary)."""
@@ -57,5 +68,5 @@ class ExportFormat:
     def unknown_weights(self, shapes: dict) -> list[str]:
         layer = re.escape(self.layer_prefix) + f"(?:{LAYER_WEIGHTS})"
         known = rf"fc\.weight|norm\.weight|lm_head\.weight|d2t|t2d|embed_tokens\.weight|input_norm\.weight" \
-                rf"|fc_norm\.\d+\.weight|{layer}|{LATER_LAYER_WEIGHTS}"
+                rf"|fc_norm\.\d+\.weight|mask_hidden|{layer}|{LATER_LAYER_WEIGHTS}"
         return [k for k in shapes if not re.fullmatch(known, k)]

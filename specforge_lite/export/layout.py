@@ -62,6 +62,9 @@ def llama_draft_config(spec: Eagle3Spec, server_aux_ids: list[int], dtype: torch
         PROVENANCE_KEY: {"aux_layer_ids": list(spec.aux_layer_ids), "aux_convention": spec.aux_convention,
                          "spec": spec.to_dict()},
     }
+    if spec.parallel_drafting:  # P-EAGLE: vLLM reads the mask slots' token here (mask_hidden is a weight)
+        config["parallel_drafting"] = True
+        config["mask_token_id"] = spec.mask_token_id
     if spec.use_aux_norm:
         config["fc_norm"] = True
         config["use_aux_norm"] = True  # legacy alias read by older SGLang builds

@@ -15,18 +15,15 @@ multi-layer draft is refused here and the flags are a warning in ``--check``.
 from __future__ import annotations
 
 from ..draft.model import Eagle3Spec
-from .format import ExportFormat
+from .format import ExportFormat, ExportRefused
 from .layout import eagle_flag
-
-
-class ExportRefused(ValueError):
-    pass
 
 
 class SGLangFormat(ExportFormat):
     name, server = "sglang", "SGLang"
 
     def write_config(self, spec: Eagle3Spec, dtype, verifier: dict, num_speculative_tokens: int, warn) -> dict:
+        self.refuse_parallel(spec)
         if spec.num_layers != 1:
             raise ExportRefused(f"draft.num_layers={spec.num_layers}: SGLang's EAGLE3 draft is one layer (its builds "
                                 "refuse more, or load them under other names); export this draft for vLLM "

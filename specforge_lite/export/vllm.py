@@ -29,4 +29,6 @@ class VLLMFormat(ExportFormat):
                 f"captures the input of layers {list(ids)} (id L = pre-norm final state), "
                 f"norm_before_residual={config.get('norm_before_residual', False)}, "
                 f"fc_norm={bool(config.get('fc_norm'))}, norm_before_fc={eagle_flag(config, 'norm_before_fc')}, "
-                f"norm_output={bool(config.get('norm_output'))}, layers={config.get('num_hidden_layers', 1)}")
+                f"norm_output={bool(config.get('norm_output'))}, layers={config.get('num_hidden_layers', 1)}"
+                + (f"; parallel drafting (P-EAGLE): serve with method=eagle3, parallel_drafting=true, mask token "
+                   f"{config.get('mask_token_id')}" if config.get("parallel_drafting") else ""))
