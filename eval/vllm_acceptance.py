@@ -61,10 +61,12 @@ def target_alone(inputs: dict, dtype: str, memory_fraction: float, eager: bool) 
 
 
 def speculative_config(draft_dir: Path, k: int) -> dict:
-    """How vLLM runs the draft: EAGLE3 step by step, or with its mask slots in one forward (P-EAGLE: the
-    export writes parallel_drafting; vLLM takes it from the speculative config, not from the folder)."""
+    """How vLLM runs the draft: EAGLE3 step by step, with its mask slots in one forward (P-EAGLE: the
+    export writes parallel_drafting; vLLM takes it from the speculative config, not from the folder), or
+    DFlash (its own architecture, method=dflash)."""
     config = json.loads((draft_dir / "config.json").read_text())
-    out = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+    method = "dflash" if "DFlashDraftModel" in (config.get("architectures") or []) else "eagle3"
+    out = {"method": method, "model": str(draft_dir), "num_speculative_tokens": k}
     if config.get("parallel_drafting"):
         out["parallel_drafting"] = True
     return out

@@ -89,10 +89,13 @@ class TargetConfig:
 
 @dataclass
 class DraftConfig:
+    # eagle3: EAGLE3 (with the options below: EAGLE 3.1, P-EAGLE). dflash: a block-diffusion draft that
+    # proposes ttt_length tokens in one forward from mask slots (draft/dflash.py; vLLM method=dflash).
+    method: str = "eagle3"
     # Decoder layers: 1 is EAGLE3 as every server loads it; more are plain Llama layers after the first
     # (served by vLLM; SGLang loads one layer).
     num_layers: int = 1
-    ttt_length: int = 7  # training-time-test unroll steps (EAGLE3 paper: 7)
+    ttt_length: int = 7  # training-time-test unroll steps (EAGLE3 paper: 7); dflash: mask slots per block
     draft_vocab_size: int = 32000  # capped at the target vocabulary
     # Capture ids in the convention of specforge_lite/targets/capture.py; null derives [2, L//2, L-3].
     aux_layer_ids: Optional[list[int]] = None
@@ -378,6 +381,16 @@ def check_settings(config: Config) -> None:
         problems.append(f"trainer.max_steps={config.trainer.max_steps}: train at least 1 step")
     if config.draft.num_layers < 1:
         problems.append(f"draft.num_layers={config.draft.num_layers}: a draft has at least one layer")
+    d = config.draft
+    if d.method == "dflash":
+        unsupported = [name for name, on in (("draft.use_aux_norm", d.use_aux_norm), ("draft.norm_before_fc",
+                       d.norm_before_fc), ("draft.norm_output", d.norm_output), ("draft.parallel_drafting",
+                       d.parallel_drafting), ("draft.checkpointing", d.checkpointing), ("data.packing",
+                       config.data.packing), ("trainer.deepspeed.sequence_parallel",
+                       config.trainer.deepspeed.sequence_parallel != 1)) if on]
+        if unsupported:
+            problems.append(f"draft.method=dflash does not take {', '.join(unsupported)} (EAGLE3 options, or not "
+                            "implemented for DFlash): turn them off")
     if config.draft.norm_before_fc and config.draft.use_aux_norm:
         problems.append("draft.norm_before_fc=true with draft.use_aux_norm=true: one norm over the concatenated aux "
                         "states or one per aux state, not both (speculators refuses the pair); set one to false")

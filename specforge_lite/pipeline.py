@@ -8,7 +8,7 @@ import torch
 
 from .config import Config
 from .data import DraftVocab, build_draft_vocab
-from .draft import Eagle3Draft, Eagle3Spec
+from .draft import Draft, Eagle3Spec, draft_method
 from .targets import HFTarget, Target
 from .targets.hf import BACKENDS
 from .targets.families import get_family
@@ -241,7 +241,7 @@ def build_vocab(config: Config, target: Target, train_dataset, tokenizer) -> Dra
                              f"{tokenizer.name_or_path}|{len(tokenizer)}")
 
 
-def build_draft(config: Config, target: Target, vocab: DraftVocab) -> Eagle3Draft:
+def build_draft(config: Config, target: Target, vocab: DraftVocab) -> Draft:
     if config.draft.attn_implementation != "eager":
         raise ValueError(f"draft.attn_implementation={config.draft.attn_implementation!r}: only 'eager' (the TTT "
                          "attention pattern in plain PyTorch, draft/ttt.py) is implemented")
@@ -249,7 +249,7 @@ def build_draft(config: Config, target: Target, vocab: DraftVocab) -> Eagle3Draf
                                   vocab_size=target.vocab_size, draft_vocab_size=vocab.size,
                                   target_hidden_size=target.hidden_size)
     torch.manual_seed(config.trainer.seed)
-    draft = Eagle3Draft(spec)
+    draft = draft_method(spec.method).model(spec)
     draft.set_vocab(vocab.d2t, vocab.t2d)
     if config.draft.init_lm_head_from_target:
         rows = target.head_rows(vocab.draft_to_target)[0].float()
@@ -259,12 +259,12 @@ def build_draft(config: Config, target: Target, vocab: DraftVocab) -> Eagle3Draf
     return draft
 
 
-def draft_from_weights(spec: Eagle3Spec, weights: dict[str, torch.Tensor], target: Target) -> Eagle3Draft:
+def draft_from_weights(spec: Eagle3Spec, weights: dict[str, torch.Tensor], target: Target) -> Draft:
     """A draft rebuilt from a checkpoint or export, wired to its target's embedding."""
     if spec.target_hidden_size != target.hidden_size or spec.vocab_size != target.vocab_size:
         raise ValueError(f"the draft was trained for a target with hidden size {spec.target_hidden_size} and vocab "
                          f"{spec.vocab_size}; this target has {target.hidden_size} and {target.vocab_size}")
-    draft = Eagle3Draft(spec)
+    draft = draft_method(spec.method).model(spec)
     # an export may carry the target's embedding (export.include_embeddings); the draft reads the target's own
     result = draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()
                                     if not k.startswith("embed_tokens.")}, strict=False)

@@ -16,7 +16,7 @@ from typing import Any
 
 from .config import Config
 from .data import BatchStream, DraftVocab
-from .draft import Eagle3Draft, Eagle3Objective
+from .draft import Draft, Eagle3Objective, build_objective
 from .targets import Target, Teacher
 from .training.distributed import DistributedContext
 
@@ -36,7 +36,7 @@ class Run:
 
     def __post_init__(self):
         self.teacher = Teacher(self.target, self.vocab.draft_to_target, self.vocab.t2d)
-        self.objective = Eagle3Objective.from_config(self.config.draft, self.ctx.sequence_shard())
+        self.objective = build_objective(self.config.draft, self.ctx.sequence_shard())
 
     # ---- constructors -------------------------------------------------------------------------
     @classmethod
@@ -68,7 +68,7 @@ class Run:
         return cls(config, target, vocab, data.train, data.stats, tokenizer, data, ctx)
 
     # ---- what training reads ------------------------------------------------------------------
-    def build_draft(self) -> Eagle3Draft:
+    def build_draft(self) -> Draft:
         from .pipeline import build_draft
 
         return build_draft(self.config, self.target, self.vocab)

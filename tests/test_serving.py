@@ -92,11 +92,14 @@ SERVED = {"smollm2_135m": ["draft.draft_vocab_size=4096"],
           # P-EAGLE: one forward drafts all k tokens, the later ones from mask slots (vLLM: parallel_drafting)
           "qwen3_tiny+peagle": ["model.tiny.config.head_dim=32", "draft.draft_vocab_size=49152",
                                 "draft.use_aux_norm=true", "draft.parallel_drafting=true", "draft.mask_token_id=3",
-                                "trainer.max_steps=60", "trainer.lr=5e-3"]}
+                                "trainer.max_steps=60", "trainer.lr=5e-3"],
+          # DFlash: its own architecture (vLLM method=dflash), a block of mask slots read in one forward
+          "qwen3_tiny+dflash": ["model.tiny.config.head_dim=32", "draft.draft_vocab_size=49152", "draft.method=dflash",
+                                "draft.mask_token_id=3", "trainer.max_steps=60", "trainer.lr=5e-3"]}
 # acceptance our evaluation must reach for vLLM's agreement with it to mean more than "nothing accepted"
 # (a random Gemma 4 writes a random walk: no draft learns it in CI time, so there it proves loading,
 # greedy outputs and the counters only)
-MIN_ACCEPTANCE = {"qwen3_tiny": 2.0, "qwen3_tiny+eagle3.1": 2.0, "qwen3_tiny+peagle": 2.0}
+MIN_ACCEPTANCE = {"qwen3_tiny": 2.0, "qwen3_tiny+eagle3.1": 2.0, "qwen3_tiny+peagle": 2.0, "qwen3_tiny+dflash": 2.0}
 
 
 @pytest.fixture(scope="module")
@@ -149,16 +152,18 @@ def test_vllm_serves_our_draft_with_the_targets_greedy_output(served_runs, prese
 
 
 def test_drafts_for_one_target_are_ranked_by_what_vllm_measures(served_runs):
-    """python -m specforge_lite.evaluate.rank: the Qwen3 target's EAGLE3, EAGLE 3.1 and P-EAGLE drafts, ranked by vLLM's
-    acceptance length with vLLM's speed-up over the target served alone (timed by the served check, so
-    nothing is served again); drafts evaluated for another target are refused."""
+    """python -m specforge_lite.evaluate.rank: the Qwen3 target's EAGLE3, EAGLE 3.1, P-EAGLE and DFlash drafts,
+    ranked by vLLM's acceptance length with vLLM's speed-up over the target served alone (timed by the served
+    check, so nothing is served again); drafts evaluated for another target are refused."""
     from specforge_lite.evaluate.rank import markdown, rank
 
-    runs = [served_runs[p][0] for p in ("qwen3_tiny", "qwen3_tiny+eagle3.1", "qwen3_tiny+peagle")]
+    runs = [served_runs[p][0] for p in ("qwen3_tiny", "qwen3_tiny+eagle3.1", "qwen3_tiny+peagle",
+                                        "qwen3_tiny+dflash")]
     lines = []
     rows = rank(runs, log=lines.append)
     assert not lines  # the reports were timed already
-    assert sorted(r["method"] for r in rows) == ["EAGLE 3.1, 2 layers (norm_before_fc, norm_output)",
+    assert sorted(r["method"] for r in rows) == ["DFlash, 1 layer",
+                                                 "EAGLE 3.1, 2 layers (norm_before_fc, norm_output)",
                                                  "EAGLE3, 1 layer (fc_norm)",
                                                  "P-EAGLE (EAGLE3 layers), 1 layer (fc_norm)"]
     assert [r["acceptance_length"] for r in rows] == sorted((r["acceptance_length"] for r in rows), reverse=True)
@@ -167,7 +172,7 @@ def test_drafts_for_one_target_are_ranked_by_what_vllm_measures(served_runs):
         assert r["acceptance_length"] == served["mean_acceptance_length"]
         assert r["speedup_vs_target_alone"] == served["served_tokens_per_s"] / served["target_alone_tokens_per_s"] > 0
         assert r["training_tokens_per_s"] > 0 and r["outputs_equal_greedy"] == "3/3"
-    assert markdown(rows).count("\n| ") == 3  # a line per draft after the header
+    assert markdown(rows).count("\n| ") == 4  # a line per draft after the header
     with pytest.raises(ValueError, match="another target"):
         rank([served_runs["smollm2_135m"][0], runs[0]])
 

@@ -67,6 +67,7 @@ class Eagle3Spec:
     # P-EAGLE (draft/parallel.py): k - 1 mask slots fed mask_token_id and the learned mask_hidden
     parallel_drafting: bool = False
     mask_token_id: int | None = None
+    method: str = "eagle3"  # draft/methods.py: eagle3 (this module) | dflash (the same fields, draft/dflash.py)
     attention_bias: bool = False
     mlp_bias: bool = False
     extra: dict = field(default_factory=dict)
@@ -81,9 +82,10 @@ class Eagle3Spec:
         if self.norm_before_residual:
             raise ValueError("norm_before_residual=True is not implemented (and SGLang ignores it)")
         mask_ok = self.mask_token_id is not None and 0 <= self.mask_token_id < self.vocab_size
-        if self.parallel_drafting and not mask_ok:
-            raise ValueError(f"draft.parallel_drafting=true needs a mask token id inside the target vocabulary "
-                             f"(0..{self.vocab_size - 1}), got draft.mask_token_id={self.mask_token_id}")
+        if (self.parallel_drafting or self.method == "dflash") and not mask_ok:
+            raise ValueError(f"mask slots (draft.parallel_drafting=true, draft.method=dflash) need a mask token id "
+                             f"inside the target vocabulary (0..{self.vocab_size - 1}), got draft.mask_token_id="
+                             f"{self.mask_token_id}")
 
     @classmethod
     def from_target(cls, target_config: Any, draft_cfg, aux_layer_ids: list[int], convention: str,
@@ -120,7 +122,9 @@ class Eagle3Spec:
             norm_before_fc=draft_cfg.norm_before_fc,
             norm_output=draft_cfg.norm_output,
             parallel_drafting=draft_cfg.parallel_drafting,
-            mask_token_id=draft_cfg.mask_token_id if draft_cfg.parallel_drafting else None,
+            mask_token_id=draft_cfg.mask_token_id if draft_cfg.parallel_drafting or draft_cfg.method != "eagle3"
+            else None,
+            method=draft_cfg.method,
         )
 
     def to_dict(self) -> dict:

@@ -15,7 +15,8 @@ import torch
 from ..config import Config, EvalConfig
 from ..data.chat import generation_prompt_ids
 from ..device import dtype_name
-from ..draft.objective import Eagle3Objective
+from ..draft import build_objective
+from ..draft.dflash import DFlashContext
 from ..draft.ttt import TreeCache
 from ..targets.teacher import Teacher
 from .heldout import heldout_accuracy
@@ -31,6 +32,9 @@ def _decoder(target, draft, ev: EvalConfig, stops: set[int]) -> Callable[[list[i
     """prompt ids, prompt inputs -> Generation, as eval.drafting and eval.temperature say."""
     if ev.drafting not in DRAFTING:
         raise ValueError(f"eval.drafting={ev.drafting!r}: use one of {DRAFTING}")
+    if draft.spec.method == "dflash" and (ev.drafting == "tree" or ev.temperature > 0):
+        raise ValueError("a DFlash draft is evaluated greedy and as a chain (one block per round): use "
+                         "eval.drafting=chain eval.temperature=0")
     generator = torch.Generator().manual_seed(ev.seed)
     k, n = ev.num_draft_tokens, ev.max_new_tokens
     if ev.drafting == "tree":
@@ -121,6 +125,10 @@ def measure_step_costs(target, draft, prompt: list[int], ev: EvalConfig, repeats
 
     def draft_round():
         n = len(prompt)
+        if draft.spec.method == "dflash":  # one block forward per round, the context's keys kept
+            drafted = DFlashContext(draft)
+            drafted.propose(aux, prompt, prompt[-1], ev.num_draft_tokens)
+            return lambda: drafted.propose([a[:, :0] for a in aux], prompt, prompt[-1], ev.num_draft_tokens)
         dcache = TreeCache()
         h = draft.step(torch.tensor([prompt[1:] + prompt[-1:]], device=device), draft.project_aux(aux),
                        torch.arange(n, device=device)[None], dcache)[:, -1:].expand(1, width, -1)
@@ -174,7 +182,7 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
         "max_new_tokens": ev.max_new_tokens, "num_draft_tokens": ev.num_draft_tokens,
         "dtype": dtype_name(target.dtype),  # what our greedy outputs were computed in; vLLM serves in it too
         "max_model_len": max(len(p) for p in prompts) + ev.max_new_tokens + ev.num_draft_tokens + 8}))
-    held = heldout_accuracy(Eagle3Objective.from_config(config.draft), teacher, draft, data.heldout,
+    held = heldout_accuracy(build_objective(config.draft), teacher, draft, data.heldout,
                             pad_id(tokenizer), ev.heldout_batches, target.image_inputs)
     pooled = acceptance_summary(every("_accepted"), ev.num_draft_tokens)
     pooled["by_context_length"] = acceptance_by_context_length(every("_accepted"), every("_contexts"),

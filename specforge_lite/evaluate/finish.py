@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..data.vocab import DraftVocab
-from ..draft.model import Eagle3Draft
+from ..draft import Draft
 from ..run import Run
 from .acceptance import evaluate_export, write_eval
 
@@ -20,7 +20,7 @@ def check_served_setting(config) -> None:
         raise ValueError(f"eval.serve={config.eval.serve!r}: use vllm, or null for no served check")
 
 
-def finish(run: Run, result, draft: Eagle3Draft, run_dir: Path, log=print) -> dict:
+def finish(run: Run, result, draft: Draft, run_dir: Path, log=print) -> dict:
     """Export (rank 0), evaluate, and the served check. Every rank returns the summary after the others
     are released; a failed served check then exits loudly."""
     config, ctx = run.config, run.ctx
@@ -39,7 +39,7 @@ def finish(run: Run, result, draft: Eagle3Draft, run_dir: Path, log=print) -> di
     return summary
 
 
-def export_final(run: Run, weights: dict, draft: Eagle3Draft, run_dir: Path, log=print) -> Path:
+def export_final(run: Run, weights: dict, draft: Draft, run_dir: Path, log=print) -> Path:
     """RUN/final in export.format, for the target the run trained against."""
     from ..export import export_draft
 

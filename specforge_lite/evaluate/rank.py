@@ -23,6 +23,9 @@ def method(run: Path) -> str:
     """The draft's kind, from its export's config: what distinguishes it from plain EAGLE3."""
     config = json.loads((run / "final" / "config.json").read_text())
     layer = config.get("transformer_layer_config") or config
+    if "DFlashDraftModel" in (config.get("architectures") or []):
+        layers = config.get("num_hidden_layers", 1)
+        return f"DFlash, {layers} layer{'s' if layers > 1 else ''}"
     parts = []
     if config.get("norm_before_fc"):
         parts.append("norm_before_fc")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..draft.dflash import DFlashContext
 from ..draft.ttt import TTTCache
 
 
@@ -54,6 +55,15 @@ class DraftContext:
                             cache, q_offset=first)[:, -1:]
         self.kept, self.rows = cache.context_kv(), n
         return cache, h
+
+
+    def propose(self, aux_new: list[torch.Tensor], context: list[int], next_token: int, k: int) -> list[int]:
+        return draft_chain(self, aux_new, context, next_token, k)
+
+
+def drafting_context(draft) -> "DraftContext | DFlashContext":
+    """What keeps a draft's context across rounds and proposes each round's k tokens, by draft method."""
+    return DFlashContext(draft) if draft.spec.method == "dflash" else DraftContext(draft)
 
 
 def _new_cache(target):
@@ -135,11 +145,11 @@ def speculative_generate(target, draft, prompt: list[int], max_new_tokens: int, 
     """``inputs``: the prompt's modality inputs, taken by the prefill (images sit in the prompt only)."""
     cache = _new_cache(target)
     aux_new, logits = target.forward_cached(torch.tensor([prompt], device=target.device), cache, **(inputs or {}))
-    context, drafted = list(prompt), DraftContext(draft)
+    context, drafted = list(prompt), drafting_context(draft)
     next_token = int(logits[0, -1].argmax())
     gen = Generation([next_token])
     while len(gen.tokens) < max_new_tokens and next_token not in stop_ids:
-        proposals = draft_chain(drafted, aux_new, context, next_token, k)
+        proposals = drafted.propose(aux_new, context, next_token, k)
         verify = torch.tensor([[next_token] + proposals], device=target.device)
         aux_verified, vlogits, snapshot = _verify(target, cache, verify)
         greedy = vlogits[0].argmax(-1).tolist()  # greedy[i]: the target's token after verify[:i+1]

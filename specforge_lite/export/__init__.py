@@ -12,13 +12,17 @@ import torch
 from ..device import resolve_dtype
 from ..draft.model import DRAFT_ACT, Eagle3Spec
 from ..training.checkpoint import latest_checkpoint, load_checkpoint
+from .dflash import DFlashFormat
 from .format import ExportFormat
 from .layout import PROVENANCE_KEY, draft_weights, write_export
 from .sglang import SGLangFormat
 from .speculators import SpeculatorsFormat
 from .vllm import VLLMFormat
 
-FORMATS: dict[str, ExportFormat] = {f.name: f for f in (VLLMFormat(), SGLangFormat(), SpeculatorsFormat())}
+FORMATS: dict[str, ExportFormat] = {f.name: f for f in (VLLMFormat(), SGLangFormat(), SpeculatorsFormat(),
+                                                         DFlashFormat())}
+# What vLLM loads for each draft method when export.format=vllm: EAGLE3's Llama layout, or vLLM's DFlash one.
+VLLM_LAYOUT = {"eagle3": "vllm", "dflash": "dflash"}
 
 
 def export_draft(weights: dict[str, torch.Tensor], spec: Eagle3Spec, fmt: str, out_dir: Path, dtype: str = "auto",
@@ -34,7 +38,7 @@ def export_draft(weights: dict[str, torch.Tensor], spec: Eagle3Spec, fmt: str, o
                          "relabelling the activation would change what the weights compute. Retrain it with this "
                          f"version, which trains every family's draft with {DRAFT_ACT}")
     warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
-    form = FORMATS[fmt]
+    form = FORMATS[VLLM_LAYOUT.get(spec.method, fmt) if fmt == "vllm" else fmt]
     torch_dtype = weights["fc.weight"].dtype if dtype == "auto" else resolve_dtype(dtype, torch.device("cpu"))
     config = form.write_config(spec, torch_dtype, verifier or {}, num_speculative_tokens, warn)
     tensors = draft_weights(weights, torch_dtype, form.with_vocab_maps(spec), embedding)

@@ -30,7 +30,7 @@ class Report:
         return not self.errors
 
     def text(self) -> str:
-        lines = [f"{self.path}: {self.format} EAGLE3 draft -> {'OK' if self.ok else 'NOT SERVABLE AS TRAINED'}"]
+        lines = [f"{self.path}: {self.format} draft -> {'OK' if self.ok else 'NOT SERVABLE AS TRAINED'}"]
         lines += [f"  error: {e}" for e in self.errors] + [f"  warning: {w}" for w in self.warnings]
         lines += [f"  {server}: {what}" for server, what in self.servers.items()]
         return "\n".join(lines)
@@ -68,7 +68,7 @@ def check_export(folder: str | Path) -> Report:
     layer = readers[0].layer_config(config, report)
     if layer is None:
         return report
-    check_layout(layer, config, shapes, readers[0].layer_prefix, report)
+    readers[0].check_shared(layer, config, shapes, report)
     for fmt in readers:
         fmt.check(config, shapes, report)
     return report

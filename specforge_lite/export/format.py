@@ -43,6 +43,9 @@ class ExportFormat:
 
     def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:
+        if spec.method != "eagle3":
+            raise ExportRefused(f"a {spec.method} draft has no {self.name} EAGLE3 layout: export it with "
+                                "export.format=vllm (vLLM's own layout for it)")
         config = llama_draft_config(spec, self.server_aux_ids(spec, warn), dtype)
         config[PROVENANCE_KEY]["format"] = self.name
         return config
@@ -61,6 +64,12 @@ class ExportFormat:
     def layer_config(self, config: dict, report) -> dict | None:
         """The decoder layer's fields (the flat config, or a nested block); None after reporting why not."""
         return config
+
+    def check_shared(self, layer: dict, config: dict, shapes: dict, report) -> None:
+        """The rules every Llama-draft layout shares (check.py), with this format's decoder-layer prefix."""
+        from .check import check_layout
+
+        check_layout(layer, config, shapes, self.layer_prefix, report)
 
     def check(self, config: dict, shapes: dict, report) -> None:
         """This server's own reading rules, beyond the layout's shared ones (check.py)."""

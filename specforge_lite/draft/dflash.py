@@ -1,0 +1,268 @@
+"""DFlash: a block-diffusion draft that proposes all k tokens in one forward, from the same capture as EAGLE3.
+
+The target's aux states of the committed context are fused (``fc`` over their concatenation, then
+``hidden_norm``) into one context state per position; every draft layer projects those into keys and
+values (its own ``k_proj``/``v_proj``, ``k_norm``, RoPE at the context's positions) that stand in front of
+its own keys. The block is the committed token (the bonus token the target just chose, at position n)
+and k mask slots after it (``mask_token_id``, positions n+1..n+k): each slot runs through the Qwen3-style
+layers (per-head q/k RMSNorm), attending to every context key and to every slot of its block (no causal
+mask inside the block), and slot j is read out as the guess for the token at position n + j.
+
+This is vLLM 0.32's ``DFlashQwen3ForCausalLM`` (served as ``method=dflash``): context keys and values
+written from ``hidden_norm(fc(aux))`` without the layer's input norm, queries from the block. Training
+takes every position a >= 1 of a row as an anchor at once: anchor a's block sees the context rows < a,
+and its slot j is scored against the teacher at row a + j - 1 (which predicts x[a + j]), weighted
+``decay ** (j - 1)``. The context attention is the blockwise causal attention of draft/attention.py; the
+block's own keys are merged in through its log-sum-exp, as TTT merges its same-row keys.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, repeat_kv, \
+    rotate_half
+
+from .attention import causal_attention_lse
+from .head_loss import DraftHead
+from .objective import Eagle3Objective, StepStats, TTTOutput, UnrollInputs
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (rotate-half, as vLLM's neox style) on [..., heads, T, d] with cos/sin [..., T, d]."""
+    return x * cos.unsqueeze(-3) + rotate_half(x) * sin.unsqueeze(-3)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, spec):
+        super().__init__()
+        H, d = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, d
+        self.q_proj = nn.Linear(H, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, H, bias=False)
+        self.q_norm = LlamaRMSNorm(d, eps=spec.rms_norm_eps)
+        self.k_norm = LlamaRMSNorm(d, eps=spec.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, proj: nn.Linear, n: int) -> torch.Tensor:
+        """[..., T, H] -> [..., n, T, d]."""
+        return proj(x).unflatten(-1, (n, self.head_dim)).transpose(-2, -3)
+
+    def keys_values(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values [..., kv_heads, T, d] of states x [..., T, H]."""
+        k = _rotate(self.k_norm(self._heads(x, self.k_proj, self.num_kv_heads)), cos, sin)
+        return k, self._heads(x, self.v_proj, self.num_kv_heads)
+
+    def query(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        return _rotate(self.q_norm(self._heads(x, self.q_proj, self.num_heads)), cos, sin)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """[..., heads, T, d] -> [..., T, H]."""
+        return self.o_proj(out.transpose(-2, -3).flatten(-2))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, spec):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.self_attn = DFlashAttention(spec)
+        self.post_attention_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.mlp = LlamaMLP(spec.llama_config())
+
+    def forward(self, h: torch.Tensor, cos, sin, attend) -> torch.Tensor:
+        """The block's states h [B, S, A, H] (slot s of anchor a at position a + s); ``attend(queries, keys,
+        values)`` ([B, S, heads, A, d]) gives each slot's attention output."""
+        x = self.input_layernorm(h)
+        k, v = self.self_attn.keys_values(x, cos, sin)
+        h = h + self.self_attn.output(attend(self.self_attn.query(x, cos, sin), k, v))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraft(nn.Module):
+    """The DFlash draft, with vLLM's weight names (``fc``, ``hidden_norm``, ``layers.{i}.*``, ``norm``,
+    ``lm_head``, ``d2t``); the token embedding is the target's, frozen and shared, as vLLM shares it."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.spec = spec
+        self._embedding: torch.Tensor | None = None
+        self.fc = nn.Linear(len(spec.aux_layer_ids) * spec.target_hidden_size, spec.hidden_size, bias=False)
+        self.hidden_norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(spec) for _ in range(spec.num_layers))
+        self.norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.lm_head = DraftHead(spec.hidden_size, spec.draft_vocab_size)
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))
+        self.rotary_emb = LlamaRotaryEmbedding(spec.llama_config())
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+
+    # ---- what every draft offers the pipeline (the same names as Eagle3Draft) -------------------------
+    def set_embedding(self, weight: torch.Tensor) -> None:
+        if tuple(weight.shape) != (self.spec.vocab_size, self.spec.hidden_size):
+            raise ValueError(f"target embedding {tuple(weight.shape)} does not match the draft's "
+                             f"({self.spec.vocab_size}, {self.spec.hidden_size}); the draft was built for another "
+                             "target")
+        self._embedding = weight.detach()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self._embedding is None:
+            raise RuntimeError("the draft has no embedding table: call set_embedding(target.embedding_weight())")
+        return nn.functional.embedding(input_ids, self._embedding)
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def init_lm_head_from_target(self, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_lm_head.index_select(0, draft_to_target.to(target_lm_head.device)))
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.state_dict())
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def draft_vocab_ids(self) -> torch.Tensor:
+        return self.draft_to_target(torch.arange(self.spec.draft_vocab_size, device=self.d2t.device))
+
+    def compute_logits(self, state: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(state))
+
+    def soft_cross_entropy(self, state, teacher_logits, teacher_rows, teacher_top, row_weights, chunk_rows):
+        return self.lm_head(self.norm(state), teacher=(teacher_logits, teacher_rows, teacher_top, row_weights,
+                                                       chunk_rows))
+
+    def forward(self, inputs, objective):
+        return objective.unroll(self, inputs)
+
+    # ---- forward pieces -------------------------------------------------------------------------
+    def context_states(self, aux: list[torch.Tensor]) -> torch.Tensor:
+        """hidden_norm(fc(concatenated aux states)) [B, T, H]: what every layer's context keys are made of."""
+        if len(aux) != len(self.spec.aux_layer_ids):
+            raise ValueError(f"got {len(aux)} aux states, the draft was built for {len(self.spec.aux_layer_ids)}")
+        return self.hidden_norm(self.fc(torch.cat(aux, dim=-1).to(self.fc.weight.dtype)))
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the keys and values of context states [B, T, H] at ``positions`` [B, T]."""
+        cos, sin = self.rotary_emb(context, positions)
+        return [layer.self_attn.keys_values(context, cos, sin) for layer in self.layers]
+
+    def block(self, input_ids: torch.Tensor, positions: torch.Tensor, context_kv, attend) -> torch.Tensor:
+        """The block's slot states (pre-norm) [B, S, A, H]: ``input_ids``/``positions`` [B, A, S] (every
+        anchor's block of S = k + 1 slots); ``attend(context keys/values, queries, keys, values)`` gives each
+        slot's attention output in a layer."""
+        h = self.embed(input_ids.transpose(1, 2)).to(self.fc.weight.dtype)
+        cos, sin = self.rotary_emb(h, positions.transpose(1, 2).flatten(1))
+        cos, sin = (t.view(*h.shape[:3], -1) for t in (cos, sin))
+        for layer, kv in zip(self.layers, context_kv):
+            h = layer(h, cos, sin, lambda q, k, v, kv=kv: attend(kv, q, k, v))
+        return h
+
+
+def block_attention(context_kv, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Every anchor's slots over its context (rows < anchor: query row i stands for anchor i + 1 and sees
+    context rows 0..i, causal) and over every slot of its own block. Context keys/values [B, kv, A, d];
+    queries [B, S, h, A, d], block keys/values [B, S, kv, A, d]."""
+    B, S, h, A, d = q.shape
+    groups = h // k.shape[2]
+    kc, vc = (repeat_kv(t, groups).unsqueeze(1).expand(B, S, h, A, d).reshape(B * S, h, A, d) for t in context_kv)
+    out0, lse0 = causal_attention_lse(q.reshape(B * S, h, A, d), kc, vc, scale)
+    k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    own = torch.einsum("bshad,bthad->bshat", q, k).float() * scale  # slot s against every slot t of its block
+    w = torch.softmax(torch.cat([lse0.view(B, S, h, A, 1), own], dim=-1), dim=-1).to(q.dtype)
+    return w[..., :1] * out0.view(B, S, h, A, d) + torch.einsum("bshat,bthad->bshad", w[..., 1:], v)
+
+
+class DFlashObjective(Eagle3Objective):
+    """Every position a >= 1 of a row is an anchor; its block's slot j (1..k) is scored against the
+    teacher at row a + j - 1 where x[a + j] carries loss and the teacher's argmax lies in the draft
+    vocabulary, each slot's loss the mean over its valid anchors, weighted decay ** (j - 1). The teacher
+    is read where EAGLE3's is (``teacher_positions``), and the metrics have one step per slot."""
+
+    def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", loss_chunk_rows: int = 512):
+        super().__init__(ttt_length, decay, loss, loss_chunk_rows=loss_chunk_rows)
+
+    @classmethod
+    def from_config(cls, draft_cfg, sequence=None) -> "DFlashObjective":
+        return cls(draft_cfg.ttt_length, draft_cfg.step_loss_decay, draft_cfg.loss, draft_cfg.loss_chunk_rows)
+
+    def unroll(self, draft, x: UnrollInputs) -> TTTOutput:
+        if x.position_ids is not None:
+            raise ValueError("a DFlash draft trains on unpacked rows: set data.packing=false")
+        B, T = x.input_ids.shape
+        k, A, device = self.ttt_length, T - 1, x.input_ids.device
+        anchors = torch.arange(1, T, device=device)  # anchor a: block at positions a..a+k, context rows < a
+        spec = draft.spec
+        ids = torch.full((B, A, k + 1), spec.mask_token_id, dtype=torch.long, device=device)
+        ids[:, :, 0] = x.input_ids[:, 1:]
+        positions = (anchors[:, None] + torch.arange(k + 1, device=device)).expand(B, A, k + 1)
+        context = draft.context_states([a[:, :A] for a in x.aux])  # rows 0..T-2: every anchor's context
+        context_kv = draft.context_kv(context, torch.arange(A, device=device).expand(B, A))
+        scale = spec.head_dim ** -0.5
+        slots = draft.block(ids, positions, context_kv,
+                            lambda ckv, q, kk, vv: block_attention(ckv, q, kk, vv, scale))  # [B, S, A, H]
+        teacher_top = x.teacher_logits.argmax(-1).flatten()
+        scored, counts = [], []
+        for j in range(1, k + 1):  # slot j of anchor a predicts x[a + j] from the teacher at row a + j - 1
+            target = anchors + j
+            inside = target < T
+            valid = torch.zeros(B, A, dtype=torch.bool, device=device)
+            valid[:, inside] = (x.loss_mask[:, target[inside]].bool() & x.in_vocab[:, target[inside] - 1])
+            n = valid.sum()
+            counts.append(n)
+            rows = valid.nonzero(as_tuple=True)
+            t_rows = rows[0] * T + anchors[rows[1]] + j - 1
+            weight = (self.decay ** (j - 1)) / n.clamp(min=1).float()
+            scored.append((slots[:, j][rows], t_rows, weight.expand(len(t_rows))))
+        h, t_rows, weights = (torch.cat(parts) for parts in zip(*scored))
+        total, row_loss, row_correct = self._scored(draft, h, x.teacher_logits.flatten(0, 1), t_rows,
+                                                    teacher_top[t_rows], weights)
+        steps, start = [], 0
+        for n, (rows_h, _, _) in zip(counts, scored):
+            end = start + rows_h.shape[0]
+            steps.append(StepStats(row_loss[start:end].sum() / n.clamp(min=1), row_correct[start:end].sum(), n))
+            start = end
+        if h.shape[0] == 0:  # nothing to score: a zero loss that still reaches every weight (see Eagle3Objective)
+            total = total.detach() + sum((p * 0).sum() for p in draft.parameters() if p.requires_grad)
+        return TTTOutput(total, steps)
+
+
+class DFlashContext:
+    """DFlash drafting at serving time: the context's keys and values per layer, kept across rounds (rows
+    are added once the target verified them), and one forward over the block [next token, k masks]."""
+
+    def __init__(self, draft: DFlashDraft):
+        self.draft, self.kept, self.rows = draft, None, 0
+
+    @torch.no_grad()
+    def propose(self, aux_new: list[torch.Tensor], context: list[int], next_token: int, k: int) -> list[int]:
+        """k greedy draft tokens after ``context + [next_token]``; ``aux_new``: the aux states of the
+        context rows not kept yet."""
+        slots = self.block_states(aux_new, context, next_token, k)[0, 1:, 0]  # the mask slots [k, H]
+        return self.draft.draft_to_target(self.draft.compute_logits(slots).argmax(-1)).tolist()
+
+    def block_states(self, aux_new: list[torch.Tensor], context: list[int], next_token: int,
+                     k: int) -> torch.Tensor:
+        """The block's slot states [1, k + 1, 1, H] (pre-norm), the new context rows' keys kept."""
+        draft, n, device = self.draft, len(context), aux_new[0].device
+        new = draft.context_kv(draft.context_states(aux_new), torch.arange(self.rows, n, device=device)[None])
+        self.kept = new if self.kept is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                                                   for (k0, v0), (k1, v1) in zip(self.kept, new)]
+        self.rows = n
+        ids = torch.tensor([[[next_token] + [draft.spec.mask_token_id] * k]], device=device)
+        positions = torch.arange(n, n + k + 1, device=device)[None, None]
+        scale = draft.spec.head_dim ** -0.5
+
+        def attend(ckv, q, k, v):  # every slot over the whole context and the whole block: one softmax
+            groups = q.shape[2] // k.shape[2]
+            keys = repeat_kv(torch.cat([ckv[0], k[:, :, :, 0].transpose(1, 2)], dim=2), groups)  # [1, h, n + S, d]
+            values = repeat_kv(torch.cat([ckv[1], v[:, :, :, 0].transpose(1, 2)], dim=2), groups)
+            scores = (q[:, :, :, 0].transpose(1, 2) @ keys.transpose(-1, -2)).float() * scale  # [1, h, S, n + S]
+            out = torch.softmax(scores, -1).to(q.dtype) @ values
+            return out.transpose(1, 2).unsqueeze(3)  # [1, S, h, 1, d]
+
+        return draft.block(ids, positions, self.kept, attend)

@@ -1,0 +1,116 @@
+"""vLLM's DFlash layout (``DFlashDraftModel``, served with ``method=dflash``; vLLM's qwen3_dflash.py).
+
+A Qwen3-style config (``model_type`` qwen3: per-head q/k norms) with a ``dflash_config`` holding the mask
+token and the aux ids. DFlash names target layers by their output ("target layer j" is the input of
+layer j + 1), so our ids are written as ``i - 1`` in ``target_layer_ids``; vLLM adds the 1 back. No
+``eagle_config`` is written: vLLM would read its (absent) ids before the DFlash ones. No ``causal`` flag
+either: without it every layer attends bidirectionally inside the block, as the draft was trained
+(``dflash_config.causal: true`` would make vLLM run it causally). The embedding is the target's (not
+written; vLLM shares it); the lm_head and d2t cover the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..device import dtype_name
+from ..draft.model import Eagle3Spec
+from .format import ExportFormat, ExportRefused
+from .layout import PROVENANCE_KEY
+
+ARCH = "DFlashDraftModel"
+_WEIGHTS = (r"fc\.weight|hidden_norm\.weight|norm\.weight|lm_head\.weight|d2t|t2d|embed_tokens\.weight"
+            r"|layers\.\d+\.(?:(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight"
+            r"|self_attn\.(?:q|k)_norm\.weight|(?:input_layernorm|post_attention_layernorm)\.weight)")
+
+
+class DFlashFormat(ExportFormat):
+    name, server, layout = "dflash", "vLLM (method=dflash)", "dflash"
+
+    def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
+                     warn) -> dict:
+        if spec.method != "dflash":
+            raise ExportRefused(f"export.format=dflash writes DFlash drafts; this is a {spec.method} draft (use "
+                                "export.format=vllm)")
+        if 0 in spec.aux_layer_ids:
+            raise ExportRefused("aux id 0 (the embedding output) has no DFlash target_layer_id (it would be -1); "
+                                "train with ids >= 1")
+        rope = dict(spec.rope_parameters)
+        return {
+            "architectures": [ARCH],
+            "model_type": "qwen3",
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size,
+            "num_attention_heads": spec.num_attention_heads,
+            "num_key_value_heads": spec.num_key_value_heads,
+            "head_dim": spec.head_dim,
+            "num_hidden_layers": spec.num_layers,
+            "rms_norm_eps": spec.rms_norm_eps,
+            "hidden_act": spec.hidden_act,
+            "max_position_embeddings": spec.max_position_embeddings,
+            # written out: vLLM's DFlash layer defaults rope_theta to 1e6 when the config has none
+            "rope_theta": rope.get("rope_theta", 10000.0),
+            "rope_parameters": rope,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "vocab_size": spec.vocab_size,  # the TARGET vocabulary (d2t maps into it)
+            "draft_vocab_size": spec.draft_vocab_size,
+            "target_hidden_size": spec.target_hidden_size,
+            "block_size": num_speculative_tokens + 1,  # informational: vLLM drafts num_speculative_tokens
+            "dflash_config": {"mask_token_id": spec.mask_token_id,
+                              "target_layer_ids": [i - 1 for i in spec.aux_layer_ids]},
+            "torch_dtype": dtype_name(dtype),
+            PROVENANCE_KEY: {"aux_layer_ids": list(spec.aux_layer_ids), "aux_convention": spec.aux_convention,
+                             "spec": spec.to_dict(), "format": self.name},
+        }
+
+    # ---- reading (the check) ----------------------------------------------------------------------
+    def reads(self, config: dict) -> bool:
+        return ARCH in (config.get("architectures") or [])
+
+    def check_shared(self, layer: dict, config: dict, shapes: dict, report) -> None:
+        """(The Llama-EAGLE3 layout's rules do not apply: everything is checked in ``check``.)"""
+
+    def check(self, config: dict, shapes: dict, report) -> None:
+        dflash = config.get("dflash_config") or {}
+        ids = dflash.get("target_layer_ids")
+        if not ids:
+            report.errors.append("dflash_config.target_layer_ids is missing: vLLM would capture its default layers")
+        elif list(ids) != sorted(ids):
+            report.errors.append(f"target_layer_ids {list(ids)} are not ascending: vLLM concatenates in layer order")
+        if dflash.get("mask_token_id") is None and config.get("mask_token_id") is None:
+            report.errors.append("no mask_token_id: vLLM cannot fill the block's mask slots")
+        if "eagle_config" in config:
+            report.errors.append("an eagle_config block: vLLM reads its aux ids before dflash_config's (here none)")
+        if dflash.get("causal") or config.get("is_causal"):
+            report.warnings.append("causal attention is set: vLLM runs the block causally, a draft trained with "
+                                   "bidirectional blocks (this trainer's, speculators' full-attention layers) loses "
+                                   "acceptance")
+        unknown = [k for k in shapes if not re.fullmatch(_WEIGHTS, k)]
+        if unknown:
+            report.errors.append(f"unknown weight names {unknown[:5]}: vLLM's DFlash loader refuses them")
+        layers = config.get("num_hidden_layers") or 1
+        H, n_aux = config.get("hidden_size"), len(ids or []) or 3
+        expected = {"fc.weight": (H, n_aux * (config.get("target_hidden_size") or H)), "hidden_norm.weight": (H,),
+                    "norm.weight": (H,)}
+        for i in range(layers):
+            expected[f"layers.{i}.self_attn.k_norm.weight"] = (config.get("head_dim"),)
+        for name, shape in expected.items():
+            if name not in shapes:
+                report.errors.append(f"weight {name} is missing")
+            elif shapes[name][0] != shape:
+                report.errors.append(f"{name} has shape {shapes[name][0]}, the config implies {shape}")
+        vocab, draft_vocab = config.get("vocab_size"), config.get("draft_vocab_size")
+        if draft_vocab and vocab and draft_vocab < vocab and "d2t" not in shapes:
+            report.errors.append(f"draft_vocab_size {draft_vocab} < vocab_size {vocab} but no d2t: vLLM would map "
+                                 "draft ids to the first target ids")
+        if layers > 1:
+            report.warnings.append("vLLM 0.32's CPU build normalises every layer's context keys with layer 0's k_norm "
+                                   "(its rms_norm kernel reads one row of the stacked weights): a draft of several "
+                                   "layers serves on CPU with other keys than it was trained with")
+        if ids:
+            report.servers["vLLM"] = (f"method=dflash: target_layer_ids {list(ids)} (aux ids {[i + 1 for i in ids]}, "
+                                      f"the input of those layers), mask token {dflash.get('mask_token_id')}, "
+                                      f"{layers} layer(s), bidirectional blocks")
