@@ -391,6 +391,10 @@ def check_settings(config: Config) -> None:
         if unsupported:
             problems.append(f"draft.method=dflash does not take {', '.join(unsupported)} (EAGLE3 options, or not "
                             "implemented for DFlash): turn them off")
+        if d.ttt_length != config.eval.num_draft_tokens:  # (the block attends bidirectionally: its size is input)
+            problems.append(f"draft.method=dflash with draft.ttt_length={d.ttt_length} mask slots but served with "
+                            f"eval.num_draft_tokens={config.eval.num_draft_tokens}: a DFlash block sees all its slots, "
+                            "so a block of another size is another input; set both to the k you serve with")
     if config.draft.norm_before_fc and config.draft.use_aux_norm:
         problems.append("draft.norm_before_fc=true with draft.use_aux_norm=true: one norm over the concatenated aux "
                         "states or one per aux state, not both (speculators refuses the pair); set one to false")

@@ -125,6 +125,9 @@ def test_dflash_settings_refused_and_export_round_trip(tmp_path):
 
     with pytest.raises(ValueError, match="does not take draft.use_aux_norm"):
         check_settings(load_config(["draft.method=dflash", "draft.use_aux_norm=true", "tracker=none"]))
+    with pytest.raises(ValueError, match="ttt_length=4 mask slots but served with eval.num_draft_tokens=3"):
+        check_settings(load_config(["draft.method=dflash", "tracker=none"]))  # the recipe's TTT 4, k=3
+    check_settings(load_config(["draft.method=dflash", "draft.ttt_length=3", "tracker=none"]))
     target = tiny_target(aux_ids=[2, 4, 6])
     draft = tiny_dflash(target)
     out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "v", num_speculative_tokens=3)

@@ -25,6 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from .attention import causal_attention_lse
 from .head_loss import DraftHead
+from .model import TargetWiredDraft
 from .objective import Eagle3Objective, StepStats, TTTOutput, UnrollInputs
 
 
@@ -79,14 +80,12 @@ class DFlashLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashDraft(nn.Module):
+class DFlashDraft(TargetWiredDraft):
     """The DFlash draft, with vLLM's weight names (``fc``, ``hidden_norm``, ``layers.{i}.*``, ``norm``,
     ``lm_head``, ``d2t``); the token embedding is the target's, frozen and shared, as vLLM shares it."""
 
     def __init__(self, spec):
-        super().__init__()
-        self.spec = spec
-        self._embedding: torch.Tensor | None = None
+        super().__init__(spec)
         self.fc = nn.Linear(len(spec.aux_layer_ids) * spec.target_hidden_size, spec.hidden_size, bias=False)
         self.hidden_norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(spec) for _ in range(spec.num_layers))
@@ -99,45 +98,12 @@ class DFlashDraft(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
 
-    # ---- what every draft offers the pipeline (the same names as Eagle3Draft) -------------------------
-    def set_embedding(self, weight: torch.Tensor) -> None:
-        if tuple(weight.shape) != (self.spec.vocab_size, self.spec.hidden_size):
-            raise ValueError(f"target embedding {tuple(weight.shape)} does not match the draft's "
-                             f"({self.spec.vocab_size}, {self.spec.hidden_size}); the draft was built for another "
-                             "target")
-        self._embedding = weight.detach()
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self._embedding is None:
-            raise RuntimeError("the draft has no embedding table: call set_embedding(target.embedding_weight())")
-        return nn.functional.embedding(input_ids, self._embedding)
-
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    def init_lm_head_from_target(self, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.lm_head.weight.copy_(target_lm_head.index_select(0, draft_to_target.to(target_lm_head.device)))
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.state_dict())
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def draft_vocab_ids(self) -> torch.Tensor:
-        return self.draft_to_target(torch.arange(self.spec.draft_vocab_size, device=self.d2t.device))
-
     def compute_logits(self, state: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(state))
 
     def soft_cross_entropy(self, state, teacher_logits, teacher_rows, teacher_top, row_weights, chunk_rows):
         return self.lm_head(self.norm(state), teacher=(teacher_logits, teacher_rows, teacher_top, row_weights,
                                                        chunk_rows))
-
-    def forward(self, inputs, objective):
-        return objective.unroll(self, inputs)
 
     # ---- forward pieces -------------------------------------------------------------------------
     def context_states(self, aux: list[torch.Tensor]) -> torch.Tensor:

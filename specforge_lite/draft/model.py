@@ -199,43 +199,19 @@ class DraftDecoderLayer(DraftLayer):
         return self.feed_forward(self.self_attn(x, cos, sin, cache, q_offset) + residual)
 
 
-class Eagle3Draft(nn.Module):
-    def __init__(self, spec: Eagle3Spec, embedding_weight: torch.Tensor | None = None):
+class TargetWiredDraft(nn.Module):
+    """What every draft method offers the pipeline: the target's frozen embedding shared by reference, the
+    draft vocabulary (d2t/t2d, the lm_head's rows), its trainable state, and the forward a training engine
+    wraps (the objective's unroll). Subclasses build ``lm_head``, ``d2t`` and ``t2d``."""
+
+    def __init__(self, spec: Eagle3Spec):
         super().__init__()
         self.spec = spec
         # The target's frozen embedding table, held by reference and not as a parameter: the draft never
         # owns or trains it (servers hand the draft the target's table), and a ZeRO engine wrapping the
         # draft must not partition a tensor the target's own forward still reads.
         self._embedding: torch.Tensor | None = None
-        if embedding_weight is not None:
-            self.set_embedding(embedding_weight)
-        n_aux = len(spec.aux_layer_ids)
-        self.fc = nn.Linear(n_aux * spec.target_hidden_size, spec.hidden_size, bias=False)
-        if spec.use_aux_norm:
-            self.fc_norm = nn.ModuleList(LlamaRMSNorm(spec.target_hidden_size, eps=spec.rms_norm_eps)
-                                         for _ in range(n_aux))
-        if spec.norm_before_fc:
-            self.input_norm = LlamaRMSNorm(n_aux * spec.target_hidden_size, eps=spec.rms_norm_eps)
-        self.midlayer = DraftDecoderLayer(spec)
-        # keyed "1", "2", ...: the weights are named layers.{i}.*, as the servers load them
-        self.layers = nn.ModuleDict({str(i): DraftLayer(spec) for i in range(1, spec.num_layers)})
-        self.norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.lm_head = DraftHead(spec.hidden_size, spec.draft_vocab_size)
-        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))
-        self.rotary_emb = LlamaRotaryEmbedding(spec.llama_config())
-        self._init_weights()
-        if spec.parallel_drafting:  # after the Linear init, so an EAGLE3 draft's init draws are unchanged
-            self.mask_hidden = new_mask_hidden(n_aux * spec.target_hidden_size)
 
-    def _init_weights(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-
-    # ---- wiring to the target ----------------------------------------------------------------
     def set_embedding(self, weight: torch.Tensor) -> None:
         """Share the target's embedding tensor (frozen; SGLang and vLLM substitute it at load too)."""
         if tuple(weight.shape) != (self.spec.vocab_size, self.spec.hidden_size):
@@ -273,11 +249,42 @@ class Eagle3Draft(nn.Module):
         """The target id of every draft token, in draft order."""
         return self.draft_to_target(torch.arange(self.spec.draft_vocab_size, device=self.d2t.device))
 
-    # ---- training forward ------------------------------------------------------------------------
     def forward(self, inputs, objective):
-        """The TTT unroll and its loss over a batch (``objective.unroll``, draft/objective.py); the
-        module's forward so that a training engine (DeepSpeed) wraps exactly what is trained."""
+        """The unroll and its loss over a batch (``objective.unroll``); the module's forward so that a
+        training engine (DeepSpeed) wraps exactly what is trained."""
         return objective.unroll(self, inputs)
+
+
+class Eagle3Draft(TargetWiredDraft):
+    def __init__(self, spec: Eagle3Spec, embedding_weight: torch.Tensor | None = None):
+        super().__init__(spec)
+        if embedding_weight is not None:
+            self.set_embedding(embedding_weight)
+        n_aux = len(spec.aux_layer_ids)
+        self.fc = nn.Linear(n_aux * spec.target_hidden_size, spec.hidden_size, bias=False)
+        if spec.use_aux_norm:
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(spec.target_hidden_size, eps=spec.rms_norm_eps)
+                                         for _ in range(n_aux))
+        if spec.norm_before_fc:
+            self.input_norm = LlamaRMSNorm(n_aux * spec.target_hidden_size, eps=spec.rms_norm_eps)
+        self.midlayer = DraftDecoderLayer(spec)
+        # keyed "1", "2", ...: the weights are named layers.{i}.*, as the servers load them
+        self.layers = nn.ModuleDict({str(i): DraftLayer(spec) for i in range(1, spec.num_layers)})
+        self.norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.lm_head = DraftHead(spec.hidden_size, spec.draft_vocab_size)
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))
+        self.rotary_emb = LlamaRotaryEmbedding(spec.llama_config())
+        self._init_weights()
+        if spec.parallel_drafting:  # after the Linear init, so an EAGLE3 draft's init draws are unchanged
+            self.mask_hidden = new_mask_hidden(n_aux * spec.target_hidden_size)
+
+    def _init_weights(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
 
     # ---- forward pieces ------------------------------------------------------------------------
     def project_aux(self, aux: list[torch.Tensor]) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from ..device import dtype_name
 from ..draft.model import Eagle3Spec
 from .format import ExportFormat, ExportRefused
-from .layout import PROVENANCE_KEY
+from .layout import PROVENANCE_KEY, decoder_shape
 
 ARCH = "DFlashDraftModel"
 _WEIGHTS = (r"fc\.weight|hidden_norm\.weight|norm\.weight|lm_head\.weight|d2t|t2d|embed_tokens\.weight"
@@ -37,22 +37,12 @@ class DFlashFormat(ExportFormat):
         if 0 in spec.aux_layer_ids:
             raise ExportRefused("aux id 0 (the embedding output) has no DFlash target_layer_id (it would be -1); "
                                 "train with ids >= 1")
-        rope = dict(spec.rope_parameters)
         return {
             "architectures": [ARCH],
             "model_type": "qwen3",
-            "hidden_size": spec.hidden_size,
-            "intermediate_size": spec.intermediate_size,
-            "num_attention_heads": spec.num_attention_heads,
-            "num_key_value_heads": spec.num_key_value_heads,
-            "head_dim": spec.head_dim,
-            "num_hidden_layers": spec.num_layers,
-            "rms_norm_eps": spec.rms_norm_eps,
-            "hidden_act": spec.hidden_act,
-            "max_position_embeddings": spec.max_position_embeddings,
-            # written out: vLLM's DFlash layer defaults rope_theta to 1e6 when the config has none
-            "rope_theta": rope.get("rope_theta", 10000.0),
-            "rope_parameters": rope,
+            # rope_theta written out: vLLM's DFlash layer defaults it to 1e6 when the config has none
+            **decoder_shape(spec),
+            "rope_parameters": dict(spec.rope_parameters),
             "attention_bias": False,
             "tie_word_embeddings": False,
             "vocab_size": spec.vocab_size,  # the TARGET vocabulary (d2t maps into it)

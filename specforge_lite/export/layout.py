@@ -24,6 +24,15 @@ LATER_LAYER_WEIGHTS = (r"layers\.[1-9]\d*\.(?:(?:self_attn\.(?:q|k|v|o)_proj|mlp
                        r"|(?:input_layernorm|post_attention_layernorm)\.weight)")
 
 
+def decoder_shape(spec: Eagle3Spec) -> dict:
+    """The decoder layers' config fields every draft layout writes alike."""
+    return {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+            "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_key_value_heads,
+            "head_dim": spec.head_dim, "num_hidden_layers": spec.num_layers, "rms_norm_eps": spec.rms_norm_eps,
+            "hidden_act": spec.hidden_act, "max_position_embeddings": spec.max_position_embeddings,
+            "rope_theta": spec.rope_parameters.get("rope_theta", 10000.0)}
+
+
 def llama_draft_config(spec: Eagle3Spec, server_aux_ids: list[int], dtype: torch.dtype) -> dict:
     rope = dict(spec.rope_parameters)
     scaling = None
@@ -32,16 +41,7 @@ def llama_draft_config(spec: Eagle3Spec, server_aux_ids: list[int], dtype: torch
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_key_value_heads,
-        "head_dim": spec.head_dim,
-        "num_hidden_layers": spec.num_layers,
-        "rms_norm_eps": spec.rms_norm_eps,
-        "hidden_act": spec.hidden_act,
-        "max_position_embeddings": spec.max_position_embeddings,
-        "rope_theta": rope.get("rope_theta", 10000.0),
+        **decoder_shape(spec),
         "rope_scaling": scaling,
         "attention_bias": spec.attention_bias,
         "mlp_bias": spec.mlp_bias,
