@@ -56,7 +56,6 @@ class DraftContext:
         self.kept, self.rows = cache.context_kv(), n
         return cache, h
 
-
     def propose(self, aux_new: list[torch.Tensor], context: list[int], next_token: int, k: int) -> list[int]:
         return draft_chain(self, aux_new, context, next_token, k)
 
