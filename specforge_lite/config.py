@@ -383,11 +383,11 @@ def check_settings(config: Config) -> None:
         problems.append(f"draft.num_layers={config.draft.num_layers}: a draft has at least one layer")
     d = config.draft
     if d.method == "dflash":
-        unsupported = [name for name, on in (("draft.use_aux_norm", d.use_aux_norm), ("draft.norm_before_fc",
-                       d.norm_before_fc), ("draft.norm_output", d.norm_output), ("draft.parallel_drafting",
-                       d.parallel_drafting), ("draft.checkpointing", d.checkpointing), ("data.packing",
-                       config.data.packing), ("trainer.deepspeed.sequence_parallel",
-                       config.trainer.deepspeed.sequence_parallel != 1)) if on]
+        settings = {"draft.use_aux_norm": d.use_aux_norm, "draft.norm_before_fc": d.norm_before_fc,
+                    "draft.norm_output": d.norm_output, "draft.parallel_drafting": d.parallel_drafting,
+                    "draft.checkpointing": d.checkpointing, "data.packing": config.data.packing,
+                    "trainer.deepspeed.sequence_parallel": config.trainer.deepspeed.sequence_parallel != 1}
+        unsupported = [name for name, on in settings.items() if on]
         if unsupported:
             problems.append(f"draft.method=dflash does not take {', '.join(unsupported)} (EAGLE3 options, or not "
                             "implemented for DFlash): turn them off")

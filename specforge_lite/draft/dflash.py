@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, repeat_kv, \
-    rotate_half
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, repeat_kv, rotate_half
 
 from .attention import causal_attention_lse
-from .head_loss import DraftHead
 from .model import TargetWiredDraft
 from .objective import Eagle3Objective, StepStats, TTTOutput, UnrollInputs
 
@@ -89,14 +87,7 @@ class DFlashDraft(TargetWiredDraft):
         self.fc = nn.Linear(len(spec.aux_layer_ids) * spec.target_hidden_size, spec.hidden_size, bias=False)
         self.hidden_norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(spec) for _ in range(spec.num_layers))
-        self.norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.lm_head = DraftHead(spec.hidden_size, spec.draft_vocab_size)
-        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))
-        self.rotary_emb = LlamaRotaryEmbedding(spec.llama_config())
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=0.02)
+        self._finish_build()
 
     def compute_logits(self, state: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(state))

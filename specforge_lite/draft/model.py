@@ -202,7 +202,7 @@ class DraftDecoderLayer(DraftLayer):
 class TargetWiredDraft(nn.Module):
     """What every draft method offers the pipeline: the target's frozen embedding shared by reference, the
     draft vocabulary (d2t/t2d, the lm_head's rows), its trainable state, and the forward a training engine
-    wraps (the objective's unroll). Subclasses build ``lm_head``, ``d2t`` and ``t2d``."""
+    wraps (the objective's unroll). Subclasses build their layers, then call ``_finish_build``."""
 
     def __init__(self, spec: Eagle3Spec):
         super().__init__()
@@ -211,6 +211,24 @@ class TargetWiredDraft(nn.Module):
         # owns or trains it (servers hand the draft the target's table), and a ZeRO engine wrapping the
         # draft must not partition a tensor the target's own forward still reads.
         self._embedding: torch.Tensor | None = None
+
+    def _finish_build(self) -> None:
+        """After a subclass's own layers: the final norm, the draft-vocabulary head and maps, the rotary
+        table, then every Linear initialised (in registration order)."""
+        spec = self.spec
+        self.norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.lm_head = DraftHead(spec.hidden_size, spec.draft_vocab_size)
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))
+        self.rotary_emb = LlamaRotaryEmbedding(spec.llama_config())
+        self._init_weights()
+
+    def _init_weights(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
 
     def set_embedding(self, weight: torch.Tensor) -> None:
         """Share the target's embedding tensor (frozen; SGLang and vLLM substitute it at load too)."""
@@ -270,21 +288,9 @@ class Eagle3Draft(TargetWiredDraft):
         self.midlayer = DraftDecoderLayer(spec)
         # keyed "1", "2", ...: the weights are named layers.{i}.*, as the servers load them
         self.layers = nn.ModuleDict({str(i): DraftLayer(spec) for i in range(1, spec.num_layers)})
-        self.norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.lm_head = DraftHead(spec.hidden_size, spec.draft_vocab_size)
-        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))
-        self.rotary_emb = LlamaRotaryEmbedding(spec.llama_config())
-        self._init_weights()
+        self._finish_build()
         if spec.parallel_drafting:  # after the Linear init, so an EAGLE3 draft's init draws are unchanged
             self.mask_hidden = new_mask_hidden(n_aux * spec.target_hidden_size)
-
-    def _init_weights(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
 
     # ---- forward pieces ------------------------------------------------------------------------
     def project_aux(self, aux: list[torch.Tensor]) -> torch.Tensor:

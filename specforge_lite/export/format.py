@@ -24,18 +24,12 @@ class ExportFormat:
     server = ""  # who reads it, as the check's report names it
     layout = "llama-eagle3"  # the config layout: several servers may read one
     layer_prefix = "midlayer."  # the decoder layer's weight prefix in the written file
+    writes_mask_slots = False  # a parallel (P-EAGLE) draft's mask_token_id and mask_hidden
 
     # ---- writing ----------------------------------------------------------------------------------
     def server_aux_ids(self, spec: Eagle3Spec, warn) -> list[int]:
         """Our aux ids (targets/capture.py) in the server's own convention."""
         return list(spec.aux_layer_ids)
-
-    def refuse_parallel(self, spec: Eagle3Spec) -> None:
-        """A parallel (P-EAGLE) draft is written only for a server that runs its mask slots."""
-        if spec.parallel_drafting:
-            raise ExportRefused(f"draft.parallel_drafting=true: the {self.name} format has no mask slots (this "
-                                "version writes P-EAGLE for vLLM only); export with export.format=vllm and serve "
-                                "it with speculative_config method=eagle3, parallel_drafting=true")
 
     def with_vocab_maps(self, spec: Eagle3Spec) -> bool:
         """Whether d2t/t2d are written (by default only for a reduced draft vocabulary)."""
@@ -46,6 +40,10 @@ class ExportFormat:
         if spec.method != "eagle3":
             raise ExportRefused(f"a {spec.method} draft has no {self.name} EAGLE3 layout: export it with "
                                 "export.format=vllm (vLLM's own layout for it)")
+        if spec.parallel_drafting and not self.writes_mask_slots:
+            raise ExportRefused(f"draft.parallel_drafting=true: the {self.name} format has no mask slots (this "
+                                "version writes P-EAGLE for vLLM only); export with export.format=vllm and serve "
+                                "it with speculative_config method=eagle3, parallel_drafting=true")
         config = llama_draft_config(spec, self.server_aux_ids(spec, warn), dtype)
         config[PROVENANCE_KEY]["format"] = self.name
         return config

@@ -23,7 +23,6 @@ class SGLangFormat(ExportFormat):
     name, server = "sglang", "SGLang"
 
     def write_config(self, spec: Eagle3Spec, dtype, verifier: dict, num_speculative_tokens: int, warn) -> dict:
-        self.refuse_parallel(spec)
         if spec.num_layers != 1:
             raise ExportRefused(f"draft.num_layers={spec.num_layers}: SGLang's EAGLE3 draft is one layer (its builds "
                                 "refuse more, or load them under other names); export this draft for vLLM "

@@ -26,7 +26,6 @@ class SpeculatorsFormat(ExportFormat):
 
     def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:
-        self.refuse_parallel(spec)
         config = super().write_config(spec, dtype, verifier, num_speculative_tokens, warn)
         layer = {k: config[k] for k in _LAYER_KEYS if k in config}
         layer["architectures"] = ["LlamaForCausalLM"]

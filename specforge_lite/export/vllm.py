@@ -13,6 +13,7 @@ from .layout import eagle_flag
 
 class VLLMFormat(ExportFormat):
     name, server = "vllm", "vLLM"
+    writes_mask_slots = True  # served with speculative_config parallel_drafting=true
 
     def check(self, config: dict, shapes: dict, report) -> None:
         unknown = self.unknown_weights(shapes)
