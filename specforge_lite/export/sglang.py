@@ -27,10 +27,11 @@ class SGLangFormat(ExportFormat):
             raise ExportRefused(f"draft.num_layers={spec.num_layers}: SGLang's EAGLE3 draft is one layer (its builds "
                                 "refuse more, or load them under other names); export this draft for vLLM "
                                 "(export.format=vllm or speculators)")
+        config = super().write_config(spec, dtype, verifier, num_speculative_tokens, warn)  # (its refusals first)
         if spec.norm_before_fc or spec.norm_output:
             warn("norm_before_fc/norm_output (EAGLE 3.1): SGLang builds before 2026 ignore them and would serve the "
                  "draft without what it was trained with")
-        return super().write_config(spec, dtype, verifier, num_speculative_tokens, warn)
+        return config
 
     def server_aux_ids(self, spec: Eagle3Spec, warn) -> list[int]:
         ids = list(spec.aux_layer_ids)
