@@ -105,16 +105,22 @@ class DraftConfig:
     norm_before_fc: bool = False
     norm_output: bool = False
     # P-EAGLE (draft/parallel.py): all k draft tokens in one forward, the later ones from mask slots (vLLM:
-    # method=eagle3, parallel_drafting=true). mask_token_id: the token the mask slots embed (any id of the
-    # target vocabulary: the learned mask_hidden is what marks a slot).
+    # method=eagle3, parallel_drafting=true). mask_token_id: the token the mask slots (P-EAGLE, DFlash)
+    # embed; null chooses one no conversation uses (data/vocab.py choose_mask_token: the tokenizer's mask
+    # token, else an unused special token), recorded in the checkpoint and the export.
     parallel_drafting: bool = False
-    mask_token_id: int = 0
+    mask_token_id: Optional[int] = None
     attn_implementation: str = "eager"  # eager: the TTT attention pattern in plain PyTorch
     step_loss_decay: float = 0.8  # step k's loss weight is decay**k
     # soft_ce: cross-entropy to the teacher's draft-vocabulary distribution (EAGLE3). acceptance: -log of
-    # the expected acceptance sum_v min(p_target(v), p_draft(v)), what speculative sampling accepts.
+    # the expected acceptance sum_v min(p_target(v), p_draft(v)), what speculative sampling accepts (LK).
+    # tv: the total variation 1 - sum_v min(p_target(v), p_draft(v)) (DSpark's main term).
     loss: str = "soft_ce"
     init_lm_head_from_target: bool = True
+    # Warm start: the draft's layers begin as the target's layers after the top aux id (attention, MLP, norms;
+    # the embedding half of the first layer's input zero), fc passing the top aux state through, the target's
+    # final norm. Llama-layout targets only (the draft's layer is a Llama layer); EAGLE3 drafts.
+    init_layers_from_target: bool = False
     # Long rows: blockwise holds no [T, T] scores (memory linear in T); dense is the reference that does.
     ttt_attention: str = "blockwise"
     # Rows per chunk of the lm_head + loss: no [N, draft_vocab] logits of a whole step are kept (soft_ce:
@@ -270,6 +276,10 @@ class TrainerConfig:
     resume: str = "auto"  # auto: continue from the newest checkpoint in output_dir | never | PATH
     # Stop cleanly at this step (the schedule still follows max_steps): split a job across allocations.
     stop_at_step: Optional[int] = None
+    # A time budget: train for this many minutes of the loop's wall time (capture included), the schedule's
+    # warmup and cosine running over the share of the budget spent (or of max_steps done, whichever is
+    # further; max_steps stays a cap). For comparing recipes at equal cost; resumed runs spend what is left.
+    max_minutes: Optional[float] = None
     num_threads: Optional[int] = None  # torch CPU threads; null keeps torch's default
     progress_bar: bool = True
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
@@ -386,6 +396,7 @@ def check_settings(config: Config) -> None:
         settings = {"draft.use_aux_norm": d.use_aux_norm, "draft.norm_before_fc": d.norm_before_fc,
                     "draft.norm_output": d.norm_output, "draft.parallel_drafting": d.parallel_drafting,
                     "draft.checkpointing": d.checkpointing, "data.packing": config.data.packing,
+                    "draft.init_layers_from_target": d.init_layers_from_target,
                     "trainer.deepspeed.sequence_parallel": config.trainer.deepspeed.sequence_parallel != 1}
         unsupported = [name for name, on in settings.items() if on]
         if unsupported:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from .config import Config
 from .data import DraftVocab, build_draft_vocab
+from .data.vocab import choose_mask_token
 from .draft import Draft, Eagle3Spec, draft_method
 from .targets import HFTarget, Target
 from .targets.hf import BACKENDS
@@ -241,11 +243,29 @@ def build_vocab(config: Config, target: Target, train_dataset, tokenizer) -> Dra
                              f"{tokenizer.name_or_path}|{len(tokenizer)}")
 
 
-def build_draft(config: Config, target: Target, vocab: DraftVocab) -> Draft:
+def mask_slot_token(config: Config, target: Target, tokenizer=None, log=print) -> int | None:
+    """draft.mask_token_id, or for a draft with mask slots and none set, the one ``choose_mask_token`` picks
+    from the target's tokenizer (``tokenizer``; None: loaded from the target's checkpoint folder)."""
+    d = config.draft
+    if d.mask_token_id is not None or not (d.parallel_drafting or d.method != "eagle3"):
+        return d.mask_token_id
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        from .targets.acquire import resolve_model_dir
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.model))
+    token, why = choose_mask_token(tokenizer, target.vocab_size)
+    log(f"[draft] mask slots embed token {token}: {why} (set draft.mask_token_id to choose another)")
+    return token
+
+
+def build_draft(config: Config, target: Target, vocab: DraftVocab, tokenizer=None, log=print) -> Draft:
     if config.draft.attn_implementation != "eager":
         raise ValueError(f"draft.attn_implementation={config.draft.attn_implementation!r}: only 'eager' (the TTT "
                          "attention pattern in plain PyTorch, draft/ttt.py) is implemented")
-    spec = Eagle3Spec.from_target(target.config, config.draft, target.aux_layer_ids, target.convention,
+    draft_config = dataclasses.replace(config.draft, mask_token_id=mask_slot_token(config, target, tokenizer, log))
+    spec = Eagle3Spec.from_target(target.config, draft_config, target.aux_layer_ids, target.convention,
                                   vocab_size=target.vocab_size, draft_vocab_size=vocab.size,
                                   target_hidden_size=target.hidden_size)
     torch.manual_seed(config.trainer.seed)
@@ -254,6 +274,15 @@ def build_draft(config: Config, target: Target, vocab: DraftVocab) -> Draft:
     if config.draft.init_lm_head_from_target:
         rows = target.head_rows(vocab.draft_to_target)[0].float()
         draft.init_lm_head_from_target(rows, torch.arange(vocab.size))
+    if config.draft.init_layers_from_target:
+        top = max(spec.aux_layer_ids)
+        if top + spec.num_layers > target.num_layers:
+            raise ValueError(f"draft.init_layers_from_target: the draft's {spec.num_layers} layer(s) start as target "
+                             f"layers {top}.. after the top aux id {top}, and the target has {target.num_layers}; "
+                             "lower "
+                             "the top of draft.aux_layer_ids or draft.num_layers")
+        draft.start_from_target([target.llama_layer(top + i) for i in range(spec.num_layers)],
+                                target.final_norm_weight())
     draft.to(target.device)
     draft.set_embedding(target.embedding_weight())
     return draft

@@ -71,7 +71,8 @@ class Run:
     def build_draft(self) -> Draft:
         from .pipeline import build_draft
 
-        return build_draft(self.config, self.target, self.vocab)
+        return build_draft(self.config, self.target, self.vocab, self.tokenizer,
+                           log=print if self.ctx.is_main else lambda message: None)
 
     def batches(self) -> BatchStream:
         """This rank's share of every global batch (the ranks of a sequence-parallel group read the same rows)."""

@@ -1,7 +1,8 @@
-"""Run by tests/test_distributed.py under ``torchrun --nproc_per_node 2``:
+"""Run by tests/test_distributed.py and tests/test_matrix.py under ``torchrun --nproc_per_node 2``:
 ``sharded_target``: a ZeRO-3 sharded target against a whole copy of the same target in the same process,
 on each rank's own batch; ``ulysses``: the draft's TTT unroll split across the ranks by sequence
-parallelism against the whole unroll on one rank."""
+parallelism against the whole unroll on one rank; ``matrix``: the matrix's cases (tests/matrix_cases.py)
+under DeepSpeed ZeRO-2 (the option:precision pairs test_matrix.py names), each rank training on its own row."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from specforge_lite.config import load_config  # noqa: E402
 from specforge_lite.data.vocab import DraftVocab  # noqa: E402
@@ -110,5 +112,22 @@ def ulysses_unroll(ctx, shape: str, draft_cfg) -> dict:
             "own_valid": [float(s.valid) for s in part.steps], "grad_rel_diff": grad_diff}
 
 
+def matrix(cases: str, out: Path) -> None:
+    """``cases``: comma-separated ``option:precision`` pairs."""
+    from matrix_cases import case_losses
+
+    from specforge_lite.training.distributed import init_distributed
+
+    ctx = init_distributed(load_config(["tracker=none", "trainer=zero2"]).trainer)
+    results = [{"option": option, "precision": precision, "rank": ctx.rank,
+                "losses": case_losses(option, precision, ctx=ctx, deepspeed=True, row=ctx.rank)}
+               for option, precision in (case.split(":") for case in cases.split(","))]
+    gathered = [None] * ctx.world_size
+    torch.distributed.all_gather_object(gathered, results)
+    if ctx.is_main:
+        out.write_text(json.dumps([r for per_rank in gathered for r in per_rank]))
+
+
 if __name__ == "__main__":
-    {"sharded_target": sharded_target, "ulysses": ulysses}[sys.argv[1]](sys.argv[2], Path(sys.argv[3]))
+    entries = {"sharded_target": sharded_target, "ulysses": ulysses, "matrix": matrix}
+    entries[sys.argv[1]](sys.argv[2], Path(sys.argv[3]))

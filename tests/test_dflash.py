@@ -150,3 +150,35 @@ def test_dflash_settings_refused_and_export_round_trip(tmp_path):
     cfg["dflash_config"]["causal"] = True
     (out / "config.json").write_text(json.dumps(cfg))
     assert any("runs the block causally" in w for w in check_export(out).warnings)
+
+
+def test_the_block_size_is_recorded_and_every_tool_that_takes_a_k_refuses_another(tmp_path):
+    """A DFlash block (the next token and k mask slots) is the draft's input: its size is in the spec and the
+    export, and evaluation, the served check and the ranking refuse a k the draft was not trained for, with
+    the reason, before anything is loaded or served."""
+    from specforge_lite.config import DraftConfig, load_config
+    from specforge_lite.evaluate.acceptance import evaluate_export
+    from specforge_lite.evaluate.served import serve
+    from specforge_lite.export import check_draft_tokens, export_draft
+
+    target = tiny_target(aux_ids=[2, 4, 6])
+    vocab = tiny_vocab(target, target.vocab_size)
+    spec = Eagle3Spec.from_target(target.config, DraftConfig(method="dflash", mask_token_id=MASK, ttt_length=3),
+                                  target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
+                                  target.hidden_size)
+    assert spec.block_size == 4
+    draft = DFlashDraft(spec)
+    run = tmp_path / "run"
+    out = export_draft(draft.trainable_state_dict(), spec, "vllm", run / "final", num_speculative_tokens=5)
+    config = json.loads((out / "config.json").read_text())
+    assert config["block_size"] == 4 and config["specforge_lite"]["spec"]["block_size"] == 4  # not the 5 asked
+    check_draft_tokens(out, 3)
+    with pytest.raises(ValueError, match="trained with blocks of k=3 draft tokens.*at k=3"):
+        check_draft_tokens(out, 5)
+    with pytest.raises(ValueError, match="blocks of k=3"):
+        evaluate_export(load_config(["tracker=none", "eval.num_draft_tokens=5"]), None, None, None, out)
+    (run / "eval_inputs.json").write_text(json.dumps({"num_draft_tokens": 5}))
+    with pytest.raises(ValueError, match="blocks of k=3"):
+        serve([run])  # (no serving environment needed: refused first)
+    with pytest.raises(ValueError, match="blocks of k=3"):
+        serve([run], k=2)

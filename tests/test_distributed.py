@@ -203,3 +203,44 @@ def test_sequence_parallel_training_follows_the_one_process_trajectory(tmp_path)
     one, sp = metrics(tmp_path / "one"), metrics(tmp_path / "sp")
     assert len(sp) == 3
     assert_same_trajectory(sp, one)
+
+
+def test_a_build_lock_left_by_a_killed_run_does_not_hang_the_next_one(tmp_path):
+    """A run killed while torch built or loaded DeepSpeed's JIT ops leaves ``<extension>/lock``; torch takes
+    that lock on every later load and waits on it without end. The next DeepSpeed start removes it, naming
+    it, and starts; a lock a live build holds (a process working in its folder) is left alone. Fails on the
+    old code by timing out."""
+    from specforge_lite.training.distributed import clear_stale_build_locks, extensions_root
+
+    extensions = tmp_path / "extensions"
+    built = extensions_root()
+    if built.is_dir():  # the ops the earlier tests built: a copy, so that nothing is rebuilt here
+        shutil.copytree(built, extensions, ignore=shutil.ignore_patterns("lock"))
+    stale = extensions / "deepspeed_shm_comm" / "lock"
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.touch()
+    old = time.time() - 600
+    os.utime(stale, (old, old))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "OMP_NUM_THREADS": "1"}
+    code = ("from specforge_lite.config import load_config\n"
+            "from specforge_lite.training.distributed import init_distributed\n"
+            "ctx = init_distributed(load_config(['tracker=none', 'trainer=zero2']).trainer)\n"
+            "print('started', ctx.world_size)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0 and "started 1" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"removed a stale build lock left by a killed run: {stale}" in proc.stdout + proc.stderr
+    busy = extensions / "busy_op" / "lock"  # a live build: this test's own process works in the folder
+    busy.parent.mkdir()
+    busy.touch()
+    os.utime(busy, (old, old))
+    here, before = os.getcwd(), os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.chdir(busy.parent)
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions)
+    try:
+        assert clear_stale_build_locks(log=lambda m: None) == [] and busy.exists()
+    finally:
+        os.chdir(here)
+        os.environ.pop("TORCH_EXTENSIONS_DIR")
+        if before is not None:
+            os.environ["TORCH_EXTENSIONS_DIR"] = before

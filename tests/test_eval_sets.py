@@ -146,3 +146,35 @@ def test_estimated_speedup_uses_the_measured_costs():
     costs = {"target_decode_s": 0.010, "target_verify_s": 0.012, "draft_round_s": 0.003}
     assert estimated_speedup(3.0, costs) == pytest.approx(3.0 * 0.010 / 0.015)
     assert estimated_speedup(1.0, costs) < 1.0  # nothing accepted: drafting and verifying only cost time
+
+
+def test_the_ranking_refuses_runs_measured_at_another_k_dtype_or_prompt_sets(tmp_path):
+    """evaluate.rank sorts acceptance lengths only when they measure the same thing: one k, one dtype, the
+    same prompt sets; otherwise it names what differs (vLLM's reports are written here, as the served check
+    writes them, so nothing is served)."""
+    import json
+
+    import pytest
+
+    from specforge_lite.evaluate.rank import rank
+
+    def served_run(name, k=3, dtype="float32", sets=("heldout",)):
+        run = tmp_path / name
+        (run / "final").mkdir(parents=True)
+        (run / "final" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+        (run / "eval_inputs.json").write_text(json.dumps({"target": "t", "prompts": [[1, 2]], "max_new_tokens": 8,
+                                                          "prompt_sets": list(sets), "num_draft_tokens": k}))
+        (run / "vllm_eval.json").write_text(json.dumps({
+            "num_draft_tokens": k, "dtype": dtype, "mean_acceptance_length": 1.5, "per_position_acceptance": [0.5],
+            "speedup_vs_target_alone": 1.0, "served_tokens_per_s": 1.0, "outputs_equal_our_greedy": 1,
+            "outputs_compared": 1}))
+        return run
+
+    a = served_run("a")
+    assert len(rank([a, served_run("b")])) == 2
+    with pytest.raises(ValueError, match="served at different k"):
+        rank([a, served_run("c", k=5)], k=None)
+    with pytest.raises(ValueError, match="served at different dtype"):
+        rank([a, served_run("d", dtype="bfloat16")])
+    with pytest.raises(ValueError, match="another prompt_sets"):
+        rank([a, served_run("e", sets=("assistant",))])

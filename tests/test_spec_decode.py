@@ -322,3 +322,36 @@ def test_tree_decoding_refuses_targets_that_cannot_verify_a_tree():
     target.family = get_family("qwen3_next")
     with pytest.raises(ValueError, match="eval.drafting=chain"):
         tree_generate(target, draft, [1, 2, 3], 5, depth=2, topk=2, budget=4, stop_ids=set())
+
+
+def test_parallel_draft_proposes_in_one_forward_what_the_chain_proposes():
+    """P-EAGLE drafting as vLLM runs it: each round is ONE draft forward (the new rows and k-1 mask slots),
+    and it proposes what the k-step chain (draft_chain, each later step reading the mask slot's inputs)
+    proposes, round after round with the committed rows' keys kept, for rounds committing 1 to k+1 rows;
+    speculative decoding with it still equals greedy. Fails when the parallel draft runs k forwards."""
+    from specforge_lite.evaluate.spec_decode import ParallelDraftContext, drafting_context, greedy_generate
+
+    target = tiny_target()
+    for options in ({}, EAGLE31):
+        draft = tiny_draft(target, seed=5, parallel_drafting=True, mask_token_id=7, **options)
+        ids = torch.randint(0, target.vocab_size, (1, 40))
+        aux = target.capture(ids).aux
+        for k in (1, 3, 5):
+            drafted = drafting_context(draft)
+            assert isinstance(drafted, ParallelDraftContext)
+            chain, n, forwards = DraftContext(draft), 6, []
+            real_step = draft.step
+            for commit in [1, 4, 2, 3, 1, 4]:
+                context, nxt = ids[0, :n].tolist(), int(ids[0, n])
+                want = draft_chain(chain, [a[:, chain.rows:n] for a in aux], context, nxt, k)
+                draft.step = lambda *a, **kw: forwards.append(1) or real_step(*a, **kw)
+                try:
+                    got = drafted.propose([a[:, drafted.rows:n] for a in aux], context, nxt, k)
+                finally:
+                    del draft.step
+                assert got == want, (options, k, n)
+                n += commit
+            assert len(forwards) == 6, f"k={k}: {len(forwards)} draft forwards in 6 rounds"
+    prompt = ids[0, :8].tolist()
+    out = spec_decode.speculative_generate(target, draft, prompt, 20, 3, set())
+    assert out.tokens == greedy_generate(target, prompt, 20, set())

@@ -34,15 +34,16 @@ def synthetic_dataset(n=24, vocab=256, seed=0, answers=True):
 
 
 def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, resume="auto", draft_vocab=None,
-                 vocab_offset=0, answers=True, log=lambda m: None):
+                 vocab_offset=0, answers=True, log=lambda m: None, max_minutes=None, save_every=2):
     target = tiny_target()
     draft = tiny_draft(target, draft_vocab_size=draft_vocab or target.vocab_size, seed=seed)
     if vocab_offset:  # another mapping of the same size
         ids = (draft.draft_vocab_ids() + vocab_offset) % target.vocab_size
         vocab = DraftVocab(ids.sort().values, target.vocab_size, float("nan"))
         draft.set_vocab(vocab.d2t, vocab.t2d)
-    cfg = TrainerConfig(max_steps=max_steps, micro_batch_size=2, grad_accum_steps=accum, lr=lr, save_every=2,
-                        stop_at_step=stop_at, progress_bar=False, precision="fp32", warmup_ratio=0.1, resume=resume)
+    cfg = TrainerConfig(max_steps=max_steps, micro_batch_size=2, grad_accum_steps=accum, lr=lr, save_every=save_every,
+                        stop_at_step=stop_at, progress_bar=False, precision="fp32", warmup_ratio=0.1, resume=resume,
+                        max_minutes=max_minutes)
     stream = BatchStream(synthetic_dataset(answers=answers), cfg.micro_batch_size, pad_id=0, seed=seed)
     result = train(cfg, Eagle3Objective.from_config(DraftConfig(ttt_length=3)), tiny_teacher(target, draft), draft,
                    stream, run_dir,
@@ -212,6 +213,45 @@ def test_a_checkpoint_written_before_a_draft_option_existed_resumes(tmp_path):
     assert resumed.step == 4
 
 
+def test_every_spec_field_added_later_reads_as_its_old_behaviour(tmp_path):
+    """A checkpoint from before the draft methods existed records no method, layers, mask token or parallel
+    drafting: each absent field is its default (method eagle3, one layer, ...), so the run resumes. A field whose
+    default is a non-empty string (the method) once refused every such checkpoint."""
+    from specforge_lite.draft import Eagle3Spec
+
+    run_training(tmp_path, max_steps=4, stop_at=2)
+    spec_file = tmp_path / "checkpoints" / "step_00000002" / "spec.json"
+    spec = json.loads(spec_file.read_text())
+    later = [f for f in ("method", "num_layers", "parallel_drafting", "mask_token_id", "norm_before_fc",
+                         "norm_output", "extra") if f in Eagle3Spec.__dataclass_fields__]
+    spec_file.write_text(json.dumps({k: v for k, v in spec.items() if k not in later}))
+    resumed, _ = run_training(tmp_path, max_steps=4)
+    assert resumed.step == 4
+    # a saved value that differs from the run's still refuses
+    spec_file = tmp_path / "checkpoints" / "step_00000004" / "spec.json"
+    spec_file.write_text(json.dumps({**spec, "method": "dflash"}))
+    with pytest.raises(ckpt_mod.CheckpointError, match="does not fit this draft.*method"):
+        run_training(tmp_path, max_steps=6)
+
+
+def test_a_time_budget_ends_the_run_and_its_schedule_and_a_resume_spends_only_what_is_left(tmp_path):
+    """trainer.max_minutes: the run stops when the budget is spent, long before max_steps, with its warmup
+    and cosine decay run over the budget (so it ends near min_lr, not at full lr as a step schedule cut short
+    would), and counts as finished (it is exported). A resume from a checkpoint that spent the budget
+    trains no further step."""
+    result, _ = run_training(tmp_path, max_steps=100_000, accum=1, max_minutes=0.1, save_every=40)
+    assert result.finished and 10 < result.step < 100_000
+    lrs = [json.loads(x)["lr"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[0] < 0.5 * max(lrs) and max(lrs) > 0.9 * 3e-3 and lrs[-1] < 0.1 * max(lrs)
+    latest = ckpt_mod.latest_checkpoint(tmp_path)
+    state = json.loads((latest / "trainer_state.json").read_text())
+    assert state["elapsed_s"] >= 0.1 * 60
+    again, _ = run_training(tmp_path, max_steps=100_000, accum=1, max_minutes=0.1, save_every=40)
+    assert again.step == state["step"] and again.finished
+    with pytest.raises(ValueError, match="trainer.max_minutes=0"):
+        run_training(tmp_path / "zero", max_steps=5, max_minutes=0)
+
+
 def test_acceptance_loss_is_zero_on_agreement_and_trains():
     from specforge_lite.draft.objective import token_loss
 
@@ -223,6 +263,8 @@ def test_acceptance_loss_is_zero_on_agreement_and_trains():
     expected = -torch.log(torch.minimum(p, torch.softmax(other, -1)).sum(-1))  # 1 - total variation, by hand
     assert torch.allclose(token_loss("acceptance", p, other), expected)
     assert not torch.allclose(token_loss("acceptance", p, other), token_loss("soft_ce", p, other))
+    assert torch.allclose(token_loss("tv", p, other), 1 - torch.exp(-expected))  # total variation, bounded by 1
+    assert torch.allclose(token_loss("tv", p, logits), torch.zeros(5), atol=1e-6)
     with pytest.raises(ValueError, match="draft.loss"):
         token_loss("hinge", p, other)
 

@@ -298,6 +298,29 @@ def test_fused_head_loss_equals_logits_then_log_softmax_with_gradients():
                     assert gap <= tol, (dtype, chunk_rows, gap)
 
 
+def test_the_fused_head_loss_does_no_gradient_work_under_no_grad(monkeypatch):
+    """Held-out evaluation runs the objective under torch.no_grad: the fused lm_head + loss must then do its
+    logits' matmul only, not the row and weight gradients it makes in the forward when training (an autograd
+    Function is told its inputs require grad even under no_grad); the values are the same."""
+    from specforge_lite.draft import head_loss
+
+    g = torch.Generator().manual_seed(4)
+    h, w = torch.randn(9, 16, generator=g, requires_grad=True), torch.randn(40, 16, generator=g, requires_grad=True)
+    teacher, rows = torch.randn(12, 40, generator=g), torch.randint(0, 12, (9,), generator=g)
+    args = (teacher, rows, teacher[rows].argmax(-1), torch.rand(9, generator=g), 4)
+    calls = []
+    real_matmul = torch.matmul
+    monkeypatch.setattr(head_loss.torch, "matmul", lambda *a: calls.append(1) or real_matmul(*a))
+    trained = head_loss.head_soft_cross_entropy(h, w, *args)
+    with_grad = len(calls)
+    calls.clear()
+    with torch.no_grad():
+        evaluated = head_loss.head_soft_cross_entropy(h, w, *args)
+    # 3 chunks: their logits only, against logits, row gradients and the first weight gradient (addmm_ after)
+    assert len(calls) == 3 and with_grad == 7
+    torch.testing.assert_close(evaluated[0], trained[0].detach())
+
+
 def test_settings_no_run_can_use_are_refused_before_anything_is_built(tmp_path):
     """draft.ttt_length=0 once ended in 'stack expects a non-empty TensorList'; trainer.max_steps=-1 trained
     nothing, exited 0 and exported an untrained draft. Both are refused, naming the setting, before the run

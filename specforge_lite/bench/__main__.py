@@ -1,6 +1,7 @@
 """python -m specforge_lite.bench <benchmark> [options]
 
-Benchmarks: train_step, regenerate, capture, memory, store, packing, seq_scaling, draft_cache, kill_resume."""
+Benchmarks: train_step, regenerate, capture, memory, store, packing, seq_scaling, draft_cache, kill_resume, levers,
+recipe_parity, recipe_card."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ BENCHMARKS = {"train_step": "specforge_lite.bench.train_step", "regenerate": "sp
               "capture": "specforge_lite.bench.capture", "memory": "specforge_lite.bench.zero_memory",
               "store": "specforge_lite.bench.store", "packing": "specforge_lite.bench.packing",
               "seq_scaling": "specforge_lite.bench.seq_scaling", "draft_cache": "specforge_lite.bench.draft_cache",
-              "kill_resume": "specforge_lite.bench.kill_resume"}
+              "kill_resume": "specforge_lite.bench.kill_resume", "levers": "specforge_lite.bench.levers",
+              "recipe_parity": "specforge_lite.bench.recipe_parity", "recipe_card": "specforge_lite.bench.recipe_card"}
 
 
 def main() -> None:

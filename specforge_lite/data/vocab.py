@@ -76,3 +76,30 @@ def build_draft_vocab(train, target_vocab_size: int, size: int, tokenizer_id: st
     torch.save({"draft_to_target": vocab.draft_to_target, "coverage": coverage}, tmp)
     tmp.replace(path)
     return vocab
+
+
+# Names of special tokens made to stand for nothing (a mask, reserved or unused slots), preferred in this order.
+_MASK_LIKE = ("mask", "reserved", "unused")
+
+
+def choose_mask_token(tokenizer, target_vocab_size: int) -> tuple[int, str]:
+    """The token a draft's mask slots embed (P-EAGLE, DFlash), and why it was chosen. The slots are marked
+    by their learned state, but their token's embedding is added to it: a frequent real token (id 0 is
+    "!" in Llama 3 and the end-of-text token in SmolLM2) would tie the slot to that token's meaning.
+    In order: the tokenizer's own mask token; a special token no conversation uses (not bos/eos/pad/unk,
+    absent from the chat template), mask-, reserved- or unused-named ones first, lowest id first; an
+    embedding row past the tokenizer's last id (no text encodes to it)."""
+    if tokenizer.mask_token_id is not None:
+        return int(tokenizer.mask_token_id), f"the tokenizer's mask token {tokenizer.mask_token!r}"
+    in_use = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    unused = [(i, str(t)) for i, t in sorted(tokenizer.added_tokens_decoder.items())
+              if getattr(t, "special", False) and i not in in_use and str(t) not in template]
+    if unused:
+        rank = lambda item: next((r for r, word in enumerate(_MASK_LIKE) if word in item[1].lower()), len(_MASK_LIKE))  # noqa: E731
+        i, text = min(unused, key=lambda item: (rank(item), item[0]))
+        return i, f"the special token {text!r}, which no conversation uses"
+    if len(tokenizer) < target_vocab_size:
+        return len(tokenizer), "the first embedding row past the tokenizer's ids"
+    raise ValueError("no token to mark the mask slots with: the tokenizer has no mask token and no unused special "
+                     "token; set draft.mask_token_id to a rare token of the target vocabulary")

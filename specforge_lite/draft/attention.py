@@ -46,12 +46,18 @@ class _CausalAttentionLSE(torch.autograd.Function):
             out[:, :, s:e] = torch.matmul(probs, v[:, :, :end])
         ctx.save_for_backward(q, k, v, out, lse, segments)
         ctx.scale, ctx.q_offset, ctx.block = scale, q_offset, block
+        # The backward recomputes the scores as the forward computed them: under bf16 autocast the forward's
+        # matmul cast q and k to one dtype, which they need not share (with norm_output a later step's queries
+        # come from an fp32 norm, the step-0 keys from bf16 projections).
+        device = q.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, segments = ctx.saved_tensors
         scale, q_offset, block = ctx.scale, ctx.q_offset, ctx.block
+        device, autocast_on, autocast_dtype = ctx.autocast
         g = grad_out.float() if grad_out is not None else torch.zeros_like(out, dtype=torch.float32)
         # d(loss)/d(score) = p * (dp - D): D = rowsum(dO * O), less the log-sum-exp's own gradient (d lse/ds = p)
         D = (g * out.float()).sum(-1)
@@ -66,7 +72,9 @@ class _CausalAttentionLSE(torch.autograd.Function):
             end = min(q_offset + e, k.shape[-2])
             rows = torch.arange(s, e, device=q.device) + q_offset
             qb, kb, vb, gb = q[:, :, s:e].float(), kf[:, :, :end], vf[:, :, :end], g[:, :, s:e]
-            probs = torch.exp(_block_scores(q[:, :, s:e], k[:, :, :end], scale, rows, segments) - lse[:, :, s:e, None])
+            with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_on):
+                scores = _block_scores(q[:, :, s:e], k[:, :, :end], scale, rows, segments)
+            probs = torch.exp(scores - lse[:, :, s:e, None])
             dv[:, :, :end] += torch.matmul(probs.transpose(-1, -2), gb)
             ds = probs * (torch.matmul(gb, vb.transpose(-1, -2)) - D[:, :, s:e, None])
             dq[:, :, s:e] = torch.matmul(ds, kb) * scale

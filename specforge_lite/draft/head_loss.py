@@ -93,5 +93,7 @@ def head_soft_cross_entropy(h: torch.Tensor, weight: torch.Tensor, teacher_logit
     in draft ids (``teacher_top`` [N]) and its weight (``row_weights`` [N]): (sum of weight x soft
     cross-entropy, differentiable; each row's soft cross-entropy [N] and whether its draft argmax is
     the teacher's [N], both detached), ``chunk_rows`` rows at a time (0: all at once)."""
+    if not torch.is_grad_enabled():  # (an autograd Function is told its inputs need grad even under no_grad)
+        h, weight = h.detach(), weight.detach()
     return _HeadSoftCrossEntropy.apply(h, weight, teacher_logits, teacher_rows, teacher_top,
                                        row_weights.float(), chunk_rows)

@@ -67,6 +67,9 @@ class Eagle3Spec:
     # P-EAGLE (draft/parallel.py): k - 1 mask slots fed mask_token_id and the learned mask_hidden
     parallel_drafting: bool = False
     mask_token_id: int | None = None
+    # DFlash: positions per block, the next token and k mask slots (vLLM's block_size = k + 1). The block is the
+    # draft's input, so it is served at that k only. None: a draft that proposes step by step, at any k.
+    block_size: int | None = None
     method: str = "eagle3"  # draft/methods.py: eagle3 (this module) | dflash (the same fields, draft/dflash.py)
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -124,6 +127,7 @@ class Eagle3Spec:
             parallel_drafting=draft_cfg.parallel_drafting,
             mask_token_id=draft_cfg.mask_token_id if draft_cfg.parallel_drafting or draft_cfg.method != "eagle3"
             else None,
+            block_size=draft_cfg.ttt_length + 1 if draft_cfg.method == "dflash" else None,
             method=draft_cfg.method,
         )
 
@@ -292,6 +296,35 @@ class Eagle3Draft(TargetWiredDraft):
         if spec.parallel_drafting:  # after the Linear init, so an EAGLE3 draft's init draws are unchanged
             self.mask_hidden = new_mask_hidden(n_aux * spec.target_hidden_size)
 
+    def start_from_target(self, layers: list[dict[str, torch.Tensor]], final_norm: torch.Tensor) -> None:
+        """draft.init_layers_from_target: begin as the target's own layers after the top aux id.
+
+        ``layers``: Llama-layer weights (``TargetFamily.llama_layer``) of target layers top, top + 1, ... for
+        draft layers 0, 1, ...; ``final_norm``: the target's final norm weight. The first layer's attention
+        reads the hidden half of its input only (the embedding half of q/k/v zero), with the target layer's
+        input norm as ``hidden_norm``; ``fc`` passes the top aux state through unchanged (exactly, without
+        aux norms; their scale otherwise). At step 0 the draft then computes the target's layer ``top`` on the
+        target's own state: the state the target itself has one layer later (tests/test_ttt.py checks it
+        against transformers' forward). The lm_head keeps the target's rows (init_lm_head_from_target)."""
+        spec, H = self.spec, self.spec.hidden_size
+        if spec.target_hidden_size != H or len(layers) != spec.num_layers:
+            raise ValueError(f"draft.init_layers_from_target needs the target's width ({spec.target_hidden_size}, the "
+                             f"draft has {H}) and one target layer per draft layer ({len(layers)} for "
+                             f"{spec.num_layers})")
+        top = spec.aux_layer_ids.index(max(spec.aux_layer_ids))
+        with torch.no_grad():
+            first = dict(layers[0])
+            first["hidden_norm.weight"] = first.pop("input_layernorm.weight")
+            for name in ("q_proj", "k_proj", "v_proj"):
+                w = first[f"self_attn.{name}.weight"]
+                first[f"self_attn.{name}.weight"] = torch.cat([torch.zeros_like(w), w], dim=1)  # [embedding | hidden]
+            _copy_weights(self.midlayer, first, keep={"input_layernorm.weight"})
+            for i, layer in self.layers.items():
+                _copy_weights(layer, layers[int(i)], keep=set())
+            self.fc.weight.zero_()
+            self.fc.weight[:, top * H : (top + 1) * H] = torch.eye(H)
+            self.norm.weight.copy_(final_norm)
+
     # ---- forward pieces ------------------------------------------------------------------------
     def project_aux(self, aux: list[torch.Tensor]) -> torch.Tensor:
         """Fuse the captured aux states [B, T, H_t] x n into the draft's hidden input [B, T, H]."""
@@ -342,3 +375,17 @@ class Eagle3Draft(TargetWiredDraft):
         [R, Vd], without their [N, Vd] logits ever held whole (draft/head_loss.py: what it returns)."""
         return self.lm_head(self.head_input(state), teacher=(teacher_logits, teacher_rows, teacher_top, row_weights,
                                                              chunk_rows))
+
+
+def _copy_weights(module: nn.Module, weights: dict[str, torch.Tensor], keep: set[str]) -> None:
+    """Copy ``weights`` into ``module``'s parameters of the same names and shapes; every parameter but those
+    in ``keep`` must be given."""
+    own = dict(module.named_parameters())
+    wrong = sorted(set(weights) - set(own)) + sorted(set(own) - set(weights) - keep)
+    shapes = [f"{n} {tuple(w.shape)} != {tuple(own[n].shape)}" for n, w in weights.items()
+              if n in own and w.shape != own[n].shape]
+    if wrong or shapes:
+        raise ValueError(f"draft.init_layers_from_target: the target layer does not fit the draft's layer "
+                         f"({', '.join(wrong + shapes)})")
+    for n, w in weights.items():
+        own[n].copy_(w.to(own[n].dtype))

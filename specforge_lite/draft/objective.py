@@ -21,7 +21,7 @@ from .ttt import TTT_ATTENTION, TTTCache, shift_left
 if TYPE_CHECKING:  # (only named in signatures: the draft stage imports nothing of the target's at run time)
     from ..targets.teacher import Teacher
 
-LOSSES = ("soft_ce", "acceptance")
+LOSSES = ("soft_ce", "acceptance", "tv")
 
 
 @dataclass
@@ -58,12 +58,14 @@ def token_loss(kind: str, teacher_p: torch.Tensor, draft_logits: torch.Tensor) -
 
     soft_ce: -sum_v p_t(v) log p_d(v). acceptance: -log sum_v min(p_t(v), p_d(v)), the log of the
     probability that speculative sampling accepts the draft's token (1 - total variation): zero exactly
-    when the two distributions agree, and it spends no effort on the teacher's tail beyond the overlap."""
+    when the two distributions agree, and it spends no effort on the teacher's tail beyond the overlap.
+    tv: 1 - sum_v min(p_t(v), p_d(v)), that probability's complement itself (bounded: a hopeless row
+    weighs no more than 1, where -log grows without bound)."""
     if kind == "soft_ce":
         return -(teacher_p * torch.log_softmax(draft_logits, dim=-1)).sum(-1)
-    if kind == "acceptance":
+    if kind in ("acceptance", "tv"):
         accept = torch.minimum(teacher_p, torch.softmax(draft_logits, dim=-1)).sum(-1)
-        return -torch.log(accept.clamp_min(1e-6))
+        return -torch.log(accept.clamp_min(1e-6)) if kind == "acceptance" else 1 - accept
     raise ValueError(f"draft.loss={kind!r}: use one of {LOSSES}")
 
 

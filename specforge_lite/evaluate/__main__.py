@@ -44,7 +44,10 @@ def main(argv=None) -> None:
                                    "drafting": a.drafting, "tree_topk": a.tree_topk, "tree_budget": a.tree_budget,
                                    "prompt_sets": a.prompt_sets, "prompt_files": files or None}.items()
                  if v is not None}
-    evaluate_finished_run(a.run_dir, overrides)
+    try:
+        evaluate_finished_run(a.run_dir, overrides)
+    except (ValueError, FileNotFoundError) as e:  # the user's input, with the reason and the fix
+        raise SystemExit(f"error: {e}")
     print((a.run_dir / "eval.md").read_text())
     print(f"wrote {a.run_dir / 'eval.json'}, eval.md, eval.png")
 

@@ -21,8 +21,8 @@ from ..draft.ttt import TreeCache
 from ..targets.teacher import Teacher
 from .heldout import heldout_accuracy
 from .prompts import PromptSet, load_prompt_sets
-from .spec_decode import (Generation, _new_cache, acceptance_by_context_length, acceptance_summary, greedy_generate,
-                          speculative_generate, speculative_sample)
+from .spec_decode import (Generation, ParallelDraftContext, _new_cache, acceptance_by_context_length,
+                          acceptance_summary, greedy_generate, speculative_generate, speculative_sample)
 from .tree import check_tree_support, tree_generate
 
 DRAFTING = ("chain", "tree")
@@ -129,6 +129,10 @@ def measure_step_costs(target, draft, prompt: list[int], ev: EvalConfig, repeats
             drafted = DFlashContext(draft)
             drafted.propose(aux, prompt, prompt[-1], ev.num_draft_tokens)
             return lambda: drafted.propose([a[:, :0] for a in aux], prompt, prompt[-1], ev.num_draft_tokens)
+        if draft.spec.parallel_drafting:  # P-EAGLE: one forward per round (the newest row + k-1 mask slots)
+            drafted = ParallelDraftContext(draft)
+            drafted.propose([a[:, :-1] for a in aux], prompt[:-1], prompt[-1], ev.num_draft_tokens)
+            return lambda: drafted.propose([a[:, -1:] for a in aux], prompt, prompt[-1], ev.num_draft_tokens)
         dcache = TreeCache()
         h = draft.step(torch.tensor([prompt[1:] + prompt[-1:]], device=device), draft.project_aux(aux),
                        torch.arange(n, device=device)[None], dcache)[:, -1:].expand(1, width, -1)
@@ -152,9 +156,10 @@ def estimated_speedup(mean_acceptance_length: float, costs: dict) -> float:
 
 
 def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, log=print) -> dict:
-    from ..export import load_export
+    from ..export import check_draft_tokens, load_export
     from ..pipeline import draft_from_weights, pad_id, stop_ids
 
+    check_draft_tokens(export_dir, config.eval.num_draft_tokens)
     spec, weights = load_export(export_dir)
     if list(spec.aux_layer_ids) != list(target.aux_layer_ids):
         raise ValueError(f"the export was trained on aux ids {spec.aux_layer_ids}, the target captures "

@@ -26,7 +26,7 @@ def finish(run: Run, result, draft: Draft, run_dir: Path, log=print) -> dict:
     config, ctx = run.config, run.ctx
     summary = {"run_dir": str(run_dir), "step": result.step, "checkpoint": str(result.checkpoint),
                "metrics": str(run_dir / "metrics.jsonl")}
-    if result.step < config.trainer.max_steps:
+    if not result.finished:
         log(f"[train] stopped at step {result.step} of {config.trainer.max_steps} (trainer.stop_at_step); "
             f"run again with the same output_dir to resume")
         return summary

@@ -51,17 +51,25 @@ def training_tokens_per_s(run: Path) -> float | None:
 
 
 def check_comparable(runs: list[Path]) -> None:
-    """Ranked drafts must have been evaluated for one target on the same prompts."""
-    seen = {}
-    for run in runs:
-        inputs = eval_inputs(run)
-        seen[run] = (inputs["target"], inputs["prompts"], inputs["max_new_tokens"])
+    """Ranked drafts must have been evaluated for one target on the same prompt sets and prompts."""
+    fields = ("target", "prompt_sets", "prompts", "max_new_tokens")
+    seen = {run: {f: eval_inputs(run).get(f) for f in fields} for run in runs}
     first = runs[0]
     for run in runs[1:]:
-        if seen[run] != seen[first]:
-            what = "target" if seen[run][0] != seen[first][0] else "prompts or max_new_tokens"
-            raise ValueError(f"{run} was evaluated with another {what} than {first}: a ranking compares drafts "
-                             "on the same prompts (evaluate both with the same data and eval settings)")
+        differ = [f for f in fields if seen[run][f] != seen[first][f]]
+        if differ:
+            raise ValueError(f"{run} was evaluated with another {' and '.join(differ)} than {first}: a ranking "
+                             "compares drafts on the same prompts (evaluate both with the same data and eval settings)")
+
+
+def check_same_measure(rows: list[dict]) -> None:
+    """Acceptance at one k and in one dtype only: a longer chain or other rounding is another measure."""
+    for key in ("k", "dtype"):
+        values = {r["run"]: r[key] for r in rows}
+        if len(set(values.values())) > 1:
+            raise ValueError(f"the runs were served at different {key} ({values}): acceptance lengths measured at "
+                             f"different {key} cannot be ranked together; rank them with one --k (and evaluate them "
+                             "in one model.dtype)")
 
 
 def rank(runs: list[Path], k: int | None = None, serve_again: bool = False, log=print) -> list[dict]:
@@ -80,12 +88,14 @@ def rank(runs: list[Path], k: int | None = None, serve_again: bool = False, log=
     for run in runs:
         served = json.loads((run / "vllm_eval.json").read_text())
         rows.append({"run": str(run), "method": method(run), "k": served["num_draft_tokens"],
+                     "dtype": served.get("dtype", "float32"),
                      "acceptance_length": served["mean_acceptance_length"],
                      "per_position": served["per_position_acceptance"],
                      "speedup_vs_target_alone": served["speedup_vs_target_alone"],
                      "served_tokens_per_s": served["served_tokens_per_s"],
                      "training_tokens_per_s": training_tokens_per_s(run),
                      "outputs_equal_greedy": f"{served['outputs_equal_our_greedy']}/{served['outputs_compared']}"})
+    check_same_measure(rows)
     rows.sort(key=lambda r: -r["acceptance_length"])
     return rows
 

@@ -29,9 +29,13 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
           log=print, speed: bool = False) -> list[dict]:
     """Serve each run with vLLM (one process), report it, and raise ServedMismatch if any run failed.
     ``speed``: also time the served pass and the target served alone (eval/vllm_acceptance.py --speed)."""
+    from ..export import check_draft_tokens
+
     run_dirs = [Path(r) for r in run_dirs]
     for run_dir in run_dirs:
-        eval_inputs(run_dir)
+        served_k = k or eval_inputs(run_dir).get("num_draft_tokens")
+        if served_k is not None:  # (without it the serving script names what eval_inputs.json lacks)
+            check_draft_tokens(run_dir / "final", served_k)
     if not SCRIPT.is_file():  # (a non-editable install carries the package, not the checkout's eval/ scripts)
         raise FileNotFoundError(f"{SCRIPT} is missing: run the served check from a checkout of specforge_lite")
     python = python or serving_python()
@@ -109,7 +113,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     try:
         serve(a.run_dirs, a.k)
-    except (ServedMismatch, FileNotFoundError) as e:
+    except (ServedMismatch, FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}")
 
 

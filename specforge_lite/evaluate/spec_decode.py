@@ -41,13 +41,18 @@ class DraftContext:
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per draft layer
         self.rows = 0
 
+    def new_rows(self, aux_new: list[torch.Tensor], context: list[int]) -> tuple[int, int]:
+        """(rows held, rows in the context): ``aux_new`` must hold the aux states of the rows in between."""
+        first, n = self.rows, len(context)
+        if aux_new[0].shape[1] != n - first:
+            raise ValueError(f"{type(self).__name__} holds {first} rows and the context has {n}: expected the aux "
+                             f"states of {n - first} new rows, got {aux_new[0].shape[1]}")
+        return first, n
+
     def open_round(self, aux_new: list[torch.Tensor], context: list[int], next_token: int, cache_type=TTTCache):
         """The round's draft cache (holding every committed row's step-0 keys) and the draft state of the
         last committed row [1, 1, H]. ``aux_new``: the aux states of the rows ``self.rows .. len(context)-1``."""
-        first, n = self.rows, len(context)
-        if aux_new[0].shape[1] != n - first:
-            raise ValueError(f"DraftContext holds {first} rows and the context has {n}: expected the aux states of "
-                             f"{n - first} new rows, got {aux_new[0].shape[1]}")
+        first, n = self.new_rows(aux_new, context)
         device = aux_new[0].device
         tokens = torch.tensor([(context + [next_token])[first + 1:]], device=device)
         cache = cache_type(context=self.kept)
@@ -60,9 +65,32 @@ class DraftContext:
         return draft_chain(self, aux_new, context, next_token, k)
 
 
-def drafting_context(draft) -> "DraftContext | DFlashContext":
+class ParallelDraftContext(DraftContext):
+    """P-EAGLE drafting as vLLM runs it (``parallel_drafting=true``): ONE draft forward per round, over the
+    rows committed since the last round followed by k - 1 mask slots, causal over all of them. Mask slot d
+    sits at position n - 1 + d and sees the step-0 keys of every committed row and the slots before it:
+    exactly the keys unroll step d at row n - 1 sees (draft/ttt.py), so the proposals equal the k-step
+    ``draft_chain``'s. Only the committed rows' keys are kept for the next round."""
+
+    def propose(self, aux_new: list[torch.Tensor], context: list[int], next_token: int, k: int) -> list[int]:
+        (first, n), draft, device = self.new_rows(aux_new, context), self.draft, aux_new[0].device
+        rows = draft.project_aux(aux_new)
+        mask_ids, mask_states = draft.next_step_inputs(torch.zeros(1, k - 1, dtype=torch.long, device=device),
+                                                       rows.new_zeros(1, k - 1, rows.shape[-1]))
+        ids = torch.cat([torch.tensor([(context + [next_token])[first + 1:]], device=device), mask_ids], dim=1)
+        cache = TTTCache(context=self.kept)
+        states = draft.step(ids, torch.cat([rows, mask_states.to(rows.dtype)], dim=1),
+                            torch.arange(first, n + k - 1, device=device)[None], cache, q_offset=first)
+        self.kept, self.rows = [(k_[..., :n, :], v_[..., :n, :]) for k_, v_ in cache.context_kv()], n
+        logits = draft.compute_logits(states[:, n - first - 1:])  # row n-1, then the k-1 mask slots
+        return draft.draft_to_target(logits[0].argmax(-1)).tolist()
+
+
+def drafting_context(draft) -> "DraftContext | ParallelDraftContext | DFlashContext":
     """What keeps a draft's context across rounds and proposes each round's k tokens, by draft method."""
-    return DFlashContext(draft) if draft.spec.method == "dflash" else DraftContext(draft)
+    if draft.spec.method == "dflash":
+        return DFlashContext(draft)
+    return ParallelDraftContext(draft) if draft.spec.parallel_drafting else DraftContext(draft)
 
 
 def _new_cache(target):

@@ -78,4 +78,24 @@ def load_export(export_dir: Path) -> tuple[Eagle3Spec, dict[str, torch.Tensor]]:
     return spec, weights
 
 
-__all__ = ["FORMATS", "ExportFormat", "export_draft", "export_run", "load_export"]
+def fixed_draft_tokens(export_dir: Path) -> int | None:
+    """The one k an export can be served and evaluated at, or None when any k will do: a DFlash draft's
+    block (the next token and k mask slots) is its input, so its k is fixed at training (block_size - 1)."""
+    config = json.loads((Path(export_dir) / "config.json").read_text())
+    spec = (config.get(PROVENANCE_KEY) or {}).get("spec") or {}
+    size = spec.get("block_size") or (config.get("block_size") if DFlashFormat().reads(config) else None)
+    return size - 1 if size else None
+
+
+def check_draft_tokens(export_dir: Path, k: int) -> None:
+    """Refuse serving or evaluating an export at a k it cannot run as trained (``fixed_draft_tokens``)."""
+    fixed = fixed_draft_tokens(export_dir)
+    if fixed is not None and k != fixed:
+        raise ValueError(f"{export_dir} is a DFlash draft trained with blocks of k={fixed} draft tokens (block_size "
+                         f"{fixed + 1}): a block of another size is an input it never saw, so its acceptance at k={k} "
+                         f"says nothing of it. Serve and evaluate it at k={fixed}, or train a draft for k={k} "
+                         f"(draft.ttt_length={k} eval.num_draft_tokens={k})")
+
+
+__all__ = ["FORMATS", "ExportFormat", "check_draft_tokens", "export_draft", "export_run", "fixed_draft_tokens",
+           "load_export"]

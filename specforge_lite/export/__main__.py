@@ -19,11 +19,14 @@ def main(argv=None) -> None:
     p.add_argument("--checkpoint", type=Path, default=None, help="a checkpoint folder (default: the newest)")
     p.add_argument("--dtype", default="auto", help="auto (as trained) | bfloat16 | float16 | float32")
     p.add_argument("--check", type=Path, metavar="DIR", help="validate an export folder and exit (1 on errors)")
+    p.add_argument("--server", choices=sorted(FORMATS), default=None,
+                   help="with --check: the format the folder will be served as (default: the one it was exported "
+                        "for); aux ids that server would read other than the trained ones are an error")
     a = p.parse_args(argv)
     if a.check:
         from .check import check_export
 
-        report = check_export(a.check)
+        report = check_export(a.check, a.server)
         print(report.text())
         sys.exit(0 if report.ok else 1)
     if a.run_dir is None or a.out is None:

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .layout import eagle_flag
+from .layout import PROVENANCE_KEY, eagle_flag
 
 
 @dataclass
@@ -43,9 +43,12 @@ def _shapes(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
         return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
 
 
-def check_export(folder: str | Path) -> Report:
+def check_export(folder: str | Path, server: str | None = None) -> Report:
+    """``server``: the export format (FORMATS) the folder is meant for; None: the one its provenance names."""
     from . import FORMATS
 
+    if server is not None and server not in FORMATS:
+        raise ValueError(f"--server {server!r}: choose one of {sorted(FORMATS)}")
     folder = Path(folder)
     report = Report(folder)
     if not (folder / "config.json").is_file():
@@ -71,7 +74,34 @@ def check_export(folder: str | Path) -> Report:
     readers[0].check_shared(layer, config, shapes, report)
     for fmt in readers:
         fmt.check(config, shapes, report)
+    _check_trained_ids(config, readers, server, report)
     return report
+
+
+def _check_trained_ids(config: dict, readers: list, server: str | None, report: Report) -> None:
+    """The aux ids each server will capture against the ids the draft was trained on (our provenance block,
+    in our convention): a shift means the server feeds the draft other layers than it learned from. An
+    error for the server the folder is meant for (``server``, else the format the provenance names), a
+    warning for the others (another server may read the folder, but not as trained)."""
+    provenance = config.get(PROVENANCE_KEY) or {}
+    trained = provenance.get("aux_layer_ids")
+    if not trained:
+        return
+    intended = server or provenance.get("format")
+    if server is not None and server not in {fmt.name for fmt in readers}:
+        report.errors.append(f"--server {server}: no {server} loader reads this folder (it is a {report.format} "
+                             f"draft); export the run with export.format={server}")
+    for fmt in readers:
+        read = fmt.read_aux_ids(config)
+        if read is None or list(read) == list(trained):
+            continue
+        shifts = sorted({r - t for r, t in zip(read, trained)})
+        shift = (f"shifted by {shifts[0]:+d} layer{'s' if abs(shifts[0]) != 1 else ''}" if len(shifts) == 1
+                 and len(read) == len(trained) else "a different set")
+        message = (f"{fmt.server} would capture aux ids {list(read)} (the inputs of those layers), the draft was "
+                   f"trained on {list(trained)} ({shift}): it would be fed other layers than it learned from. "
+                   f"Export the run with export.format={fmt.name} for {fmt.server}")
+        (report.errors if fmt.name == intended else report.warnings).append(message)
 
 
 def check_layout(layer: dict, top: dict, shapes: dict, prefix: str, report: Report) -> None:

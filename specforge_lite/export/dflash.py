@@ -48,7 +48,8 @@ class DFlashFormat(ExportFormat):
             "vocab_size": spec.vocab_size,  # the TARGET vocabulary (d2t maps into it)
             "draft_vocab_size": spec.draft_vocab_size,
             "target_hidden_size": spec.target_hidden_size,
-            "block_size": num_speculative_tokens + 1,  # informational: vLLM drafts num_speculative_tokens
+            # the next token and k mask slots: the k it was trained for (vLLM drafts num_speculative_tokens)
+            "block_size": spec.block_size or num_speculative_tokens + 1,
             "dflash_config": {"mask_token_id": spec.mask_token_id,
                               "target_layer_ids": [i - 1 for i in spec.aux_layer_ids]},
             "torch_dtype": dtype_name(dtype),
@@ -59,6 +60,11 @@ class DFlashFormat(ExportFormat):
     # ---- reading (the check) ----------------------------------------------------------------------
     def reads(self, config: dict) -> bool:
         return ARCH in (config.get("architectures") or [])
+
+    def read_aux_ids(self, config: dict) -> list[int] | None:
+        """vLLM's DFlash reads target_layer_ids as layer outputs: ours are one more."""
+        ids = (config.get("dflash_config") or {}).get("target_layer_ids")
+        return [i + 1 for i in ids] if ids else None
 
     def check_shared(self, layer: dict, config: dict, shapes: dict, report) -> None:
         """(The Llama-EAGLE3 layout's rules do not apply: everything is checked in ``check``.)"""

@@ -72,6 +72,12 @@ class ExportFormat:
     def check(self, config: dict, shapes: dict, report) -> None:
         """This server's own reading rules, beyond the layout's shared ones (check.py)."""
 
+    def read_aux_ids(self, config: dict) -> list[int] | None:
+        """The aux ids this server captures when it loads the folder, in OUR convention (targets/capture.py:
+        id i = the input of layer i); None when the config names none. vLLM and speculators read ours."""
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
+        return list(ids) if ids else None
+
     def unknown_weights(self, shapes: dict) -> list[str]:
         layer = re.escape(self.layer_prefix) + f"(?:{LAYER_WEIGHTS})"
         known = rf"fc\.weight|norm\.weight|lm_head\.weight|d2t|t2d|embed_tokens\.weight|input_norm\.weight" \

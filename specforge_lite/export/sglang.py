@@ -50,6 +50,12 @@ class SGLangFormat(ExportFormat):
     def with_vocab_maps(self, spec: Eagle3Spec) -> bool:
         return True
 
+    def read_aux_ids(self, config: dict) -> list[int] | None:
+        """SGLang reads eagle_config's ids (else the top-level ones) as layer outputs: ours are one more."""
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or \
+            config.get("eagle_aux_hidden_state_layer_ids")
+        return [i + 1 for i in ids] if ids else None
+
     def check(self, config: dict, shapes: dict, report) -> None:
         unknown = self.unknown_weights(shapes)
         if unknown:

@@ -24,23 +24,30 @@ from ..training.distributed import DistributedContext
 from .store import StoreError, StoreReader, teacher_fields
 
 
-def _final_norm_module(family, target_config: dict, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """The target's own final-norm class (Gemma's (1+w) norms included), built on the meta device from
-    the stored config and filled with the stored weights: no target checkpoint needed."""
+def _meta_model(target_config: dict) -> torch.nn.Module:
+    """The target's own architecture built on the meta device from the stored config: its modules and
+    parameter names, no weights."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(**target_config)
     arch = next((getattr(transformers, a, None) for a in (cfg.architectures or []) if hasattr(transformers, a)), None)
     with torch.device("meta"):
-        model = arch(cfg) if arch is not None else AutoModelForCausalLM.from_config(cfg)
+        return arch(cfg) if arch is not None else AutoModelForCausalLM.from_config(cfg)
+
+
+def _final_norm_module(family, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The target's own final-norm class (Gemma's (1+w) norms included), filled with the stored weights: no
+    target checkpoint needed."""
     norm = copy.deepcopy(family.final_norm(model)).to_empty(device="cpu")
     norm.load_state_dict(state)
     return norm.float().eval()
 
 
 class StoreTarget:
-    def __init__(self, reader: StoreReader, device: torch.device | str = "cpu"):
+    def __init__(self, reader: StoreReader, device: torch.device | str = "cpu", model_dir=None):
+        """``model_dir``: a callable giving the target checkpoint's folder, for what a store does not keep
+        (a decoder layer to start a draft from); None: no checkpoint is reachable."""
         from transformers import AutoConfig
 
         self.reader, self.manifest = reader, reader.manifest
@@ -59,15 +66,19 @@ class StoreTarget:
         self._draft_rows = parts["draft_rows"].float().to(self.device)
         self._draft_bias = parts["draft_bias"].float().to(self.device) if "draft_bias" in parts else None
         norm_state = {k.removeprefix("final_norm."): v for k, v in parts.items() if k.startswith("final_norm.")}
-        self.final_norm = _final_norm_module(self.family, m.target_config, norm_state).to(self.device)
+        self._model = _meta_model(m.target_config)
+        self.final_norm = _final_norm_module(self.family, self._model, norm_state).to(self.device)
         self.vocab = DraftVocab.from_d2t(parts["d2t"], m.vocab_size)
+        self._model_dir = model_dir
 
     @classmethod
     def open(cls, config: Config, device: str = "cpu") -> "StoreTarget":
         """The store named by ``data.store``, checked against the run's config."""
         if not config.data.store:
             raise StoreError("data.source=offline needs data.store=DIR (made by python -m specforge_lite.offline dump)")
-        target = cls(StoreReader(config.data.store), device)
+        from ..targets.acquire import resolve_model_dir
+
+        target = cls(StoreReader(config.data.store), device, model_dir=lambda: resolve_model_dir(config.model))
         target.check_against(config)
         return target
 
@@ -99,6 +110,15 @@ class StoreTarget:
 
     def full_head(self) -> None:
         return None  # (the flags it would give were stored: each capture carries in_vocab)
+
+    def llama_layer(self, index: int) -> dict[str, torch.Tensor]:
+        """A store keeps no decoder layer: read from the target's checkpoint (the run's model settings)."""
+        if self._model_dir is None:
+            raise StoreError("this store target has no checkpoint to read a decoder layer from")
+        return self.family.llama_layer(self._model, self._model_dir(), index)
+
+    def final_norm_weight(self) -> torch.Tensor:
+        return self.final_norm.weight
 
     def close(self) -> None:
         pass

@@ -122,6 +122,14 @@ class HFTarget:
         ids = ids.to(weight.device)
         return weight.index_select(0, ids), None if bias is None else bias.index_select(0, ids)
 
+    def llama_layer(self, index: int) -> dict[str, torch.Tensor]:
+        """Decoder layer ``index`` as a Llama layer's weights (the family's ``llama_layer``), gathered where
+        partitioned: what a draft warm-started from the target copies."""
+        return {k: gathered(v) for k, v in self.family.llama_layer(self.model, self.location, index).items()}
+
+    def final_norm_weight(self) -> torch.Tensor:
+        return gathered(self.family.final_norm(self.model).weight)
+
     @property
     def image_inputs(self) -> Any:
         """How this target takes images (data.images.ImageInputs), or None for text-only targets."""

@@ -54,4 +54,11 @@ class Target(Protocol):
         """The whole lm_head and bias (a collective call under a sharded target), or None where only the
         draft rows are kept (a store: its captures carry ``in_vocab``)."""
 
+    def llama_layer(self, index: int) -> dict[str, torch.Tensor]:
+        """Decoder layer ``index``'s weights as a plain Llama layer's (``TargetFamily.llama_layer``), for a
+        draft started from the target; ValueError naming what differs when the layer is not one."""
+
+    def final_norm_weight(self) -> torch.Tensor:
+        """The final norm's weight (read by the lm_head after it)."""
+
     def close(self) -> None: ...

@@ -195,9 +195,14 @@ class CheckpointManager:
     schedule), the batch stream's position, every rank's RNG and the step counters. ``trainer.resume``
     says where a run starts from: auto (the newest complete checkpoint), never, or a checkpoint folder."""
 
-    def __init__(self, run_dir: Path, cfg, spec: dict, ctx, engine, stream):
+    def __init__(self, run_dir: Path, cfg, spec: dict, ctx, engine, stream, budget=None,
+                 spec_defaults: dict | None = None):
+        """``budget``: the run's optim.Budget, whose elapsed training time is saved and restored.
+        ``spec_defaults``: the value each spec field has when a checkpoint does not record it (a field added
+        since it was written): its default, which is the behaviour the draft had before the field existed."""
         self.run_dir, self.cfg, self.spec, self.ctx = Path(run_dir), cfg, spec, ctx
-        self.engine, self.stream = engine, stream
+        self.engine, self.stream, self.budget = engine, stream, budget
+        self.spec_defaults = spec_defaults or {}
 
     def resume(self, log=print) -> tuple[int, int]:
         """Restore every part from the checkpoint ``trainer.resume`` names; (step, tokens seen)."""
@@ -210,10 +215,11 @@ class CheckpointManager:
         if path is None:
             return 0, 0
         weights, state, saved_spec = load_checkpoint(path)
-        # A key the saved spec lacks is an option added since it was written: options arrive off (false,
-        # 0, None), so the saved draft has it off, and only a run with it on differs.
-        changed = {k: (saved_spec.get(k), v) for k, v in self.spec.items()
-                   if (saved_spec[k] != v if k in saved_spec else bool(v))}
+        # A key the saved spec lacks is a field added since it was written: the draft it holds behaves as the
+        # field's default says (an option off, method eagle3), so only a run that differs from that differs.
+        missing = object()
+        saved = {**self.spec_defaults, **saved_spec}
+        changed = {k: (saved.get(k), v) for k, v in self.spec.items() if saved.get(k, missing) != v}
         if changed:
             raise CheckpointError(f"checkpoint {path} does not fit this draft (saved vs now: {changed}); "
                                   "resume with the same model and draft settings, or use a new output_dir")
@@ -222,6 +228,8 @@ class CheckpointManager:
         self.engine.load(path, weights, ctx)
         self.stream.load_state_dict(state["data"])
         load_rng(path, ctx.rank)  # (none for a rank the writing run did not have)
+        if self.budget is not None:
+            self.budget.elapsed = float(state.get("elapsed_s", 0.0))  # (not recorded before trainer.max_minutes)
         log(f"[train] resumed from {path} at step {state['step']}"
             + (f" (written by {saved_world} ranks, now {ctx.world_size})" if saved_world != ctx.world_size else ""))
         return state["step"], state["tokens_seen"]
@@ -240,7 +248,8 @@ class CheckpointManager:
 
     def save(self, step: int, tokens_seen: int) -> Path:
         state = {"data": self.stream.state_dict(), "step": step, "tokens_seen": tokens_seen,
-                 "world_size": self.ctx.world_size, "engine": self.engine.kind}
+                 "world_size": self.ctx.world_size, "engine": self.engine.kind,
+                 "elapsed_s": self.budget.elapsed if self.budget is not None else 0.0}
         return save_checkpoint(self.run_dir, step, self.engine.full_state_dict(), state, self.spec,
                                keep=self.cfg.keep_checkpoints, ctx=self.ctx,
                                save_engine=lambda folder: self.engine.save(folder, self.ctx))

@@ -9,7 +9,9 @@ trainer config, so batch sizes, accumulation, clipping and precision are written
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -114,11 +116,55 @@ def init_distributed(cfg: TrainerConfig) -> DistributedContext:
                           MASTER_PORT=str(_free_port()))
     if torch.cuda.is_available():
         torch.cuda.set_device(ctx.local_rank)
+    clear_stale_build_locks()
     if not torch.distributed.is_initialized():
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return with_sequence_parallel(ctx, cfg.deepspeed.sequence_parallel)
+
+
+# A lock younger than this may belong to a build that is only starting (its compiler not yet running).
+_BUILD_LOCK_GRACE_S = 30.0
+
+
+def extensions_root() -> Path:
+    """Where torch builds JIT extensions (DeepSpeed's ops: shm_comm on CPU, cpu_adam, ...)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory("specforge_lite_probe", False)).parent
+
+
+def _someone_builds_in(folder: Path) -> bool:
+    """Whether a live process works inside ``folder`` (ninja and the compilers run with it as their cwd)."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if Path(os.readlink(proc / "cwd")).is_relative_to(folder):
+                return True
+        except OSError:  # gone, or not ours to read
+            continue
+    return False
+
+
+def clear_stale_build_locks(log=print) -> list[Path]:
+    """Remove the build locks a killed run left behind. torch takes ``<extension>/lock`` on EVERY load of a JIT
+    extension, built or not, and waits for it without end: a run killed while building (or loading)
+    DeepSpeed's ops made every later DeepSpeed run hang silently. A lock is stale when it is older than a
+    starting build and no live process works in its folder. Returns the locks removed (each one logged)."""
+    if not Path("/proc/self/cwd").exists():  # no /proc to tell a live build from a dead one: leave them
+        return []
+    removed = []
+    for lock in sorted(extensions_root().glob("*/lock")):
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if age > _BUILD_LOCK_GRACE_S and not _someone_builds_in(lock.parent.resolve()):
+            lock.unlink(missing_ok=True)
+            removed.append(lock)
+            log(f"[deepspeed] removed a stale build lock left by a killed run: {lock} (no process builds there; "
+                "torch would have waited on it forever)")
+    return removed
 
 
 def with_sequence_parallel(ctx: DistributedContext, size: int) -> DistributedContext:

@@ -17,7 +17,7 @@ import torch
 
 from ..config import TrainerConfig
 from .distributed import DistributedContext, deepspeed_config, sequence_parallel_mpu, use_bf16
-from .optim import build_optimizer, build_scheduler
+from .optim import Budget, build_optimizer, build_scheduler
 from .optimizer_state import (MASTER, MOMENTS, OptimizerState, adam_state, adam_step, ensure_adam_state,
                               set_adam_step, set_lrs)
 
@@ -40,10 +40,10 @@ class PlainEngine:
 
     kind = "plain"
 
-    def __init__(self, draft: torch.nn.Module, cfg: TrainerConfig):
+    def __init__(self, draft: torch.nn.Module, cfg: TrainerConfig, budget: Budget | None = None):
         self.module, self.cfg = draft, cfg
         self.optimizer = build_optimizer(draft.parameters(), cfg)
-        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg, budget)
 
     def forward(self, *args: Any, **kwargs: Any):
         device = next(self.module.parameters()).device
@@ -96,12 +96,13 @@ class DeepSpeedEngine:
 
     kind = "deepspeed"
 
-    def __init__(self, draft: torch.nn.Module, cfg: TrainerConfig, ctx: DistributedContext):
+    def __init__(self, draft: torch.nn.Module, cfg: TrainerConfig, ctx: DistributedContext,
+                 budget: Budget | None = None):
         import deepspeed
 
         self.cfg, self.ctx = cfg, ctx
         optimizer = build_optimizer(draft.parameters(), cfg)
-        scheduler = build_scheduler(optimizer, cfg)
+        scheduler = build_scheduler(optimizer, cfg, budget)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=draft, optimizer=optimizer, lr_scheduler=scheduler, mpu=sequence_parallel_mpu(ctx),
             config=deepspeed_config(cfg, ctx.data_world_size))
@@ -218,5 +219,6 @@ def load_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor], wher
                            f"unexpected {result.unexpected_keys}")
 
 
-def build_engine(draft: torch.nn.Module, cfg: TrainerConfig, ctx: DistributedContext):
-    return DeepSpeedEngine(draft, cfg, ctx) if cfg.deepspeed.enabled else PlainEngine(draft, cfg)
+def build_engine(draft: torch.nn.Module, cfg: TrainerConfig, ctx: DistributedContext, budget: Budget | None = None):
+    """``budget``: the run's progress, which a time-budgeted schedule (trainer.max_minutes) reads."""
+    return DeepSpeedEngine(draft, cfg, ctx, budget) if cfg.deepspeed.enabled else PlainEngine(draft, cfg, budget)

@@ -16,6 +16,7 @@ from ..targets.teacher import Teacher
 from .checkpoint import CheckpointManager
 from .distributed import DistributedContext
 from .engine import build_engine
+from .optim import Budget
 
 
 # steps in a row that may score no token before the run stops: one such batch happens (a batch of short
@@ -25,6 +26,17 @@ UNSCORED_STEPS_LIMIT = 5
 
 class NothingScored(RuntimeError):
     """Training steps in a row whose batches held no position the loss counts."""
+
+
+def spec_field_defaults(spec) -> dict:
+    """Each field default of a draft's spec dataclass (what a checkpoint written before the field existed means)."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(spec):
+        return {}
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(spec)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
 
 
 def check_scored(step: int, scored: int, unscored: int, log) -> int:
@@ -44,6 +56,7 @@ def check_scored(step: int, scored: int, unscored: int, log) -> int:
 @dataclass
 class TrainResult:
     step: int
+    finished: bool = True  # False when trainer.stop_at_step ended it before the run's end
     last_metrics: dict = field(default_factory=dict)
     checkpoint: Path | None = None
     weights: dict = field(default_factory=dict)  # the full trained weights (gathered from ZeRO shards)
@@ -55,9 +68,12 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
     """The loop every rank runs. Each rank draws its own share of every global batch (``stream``),
     metrics are summed over ranks before logging, and only rank 0 logs and writes shared files."""
     ctx = ctx or DistributedContext()
-    engine = build_engine(draft, cfg, ctx)
-    checkpoints = CheckpointManager(run_dir, cfg, spec, ctx, engine=engine, stream=stream)
+    budget = Budget(cfg)
+    engine = build_engine(draft, cfg, ctx, budget)
+    checkpoints = CheckpointManager(run_dir, cfg, spec, ctx, engine=engine, stream=stream, budget=budget,
+                                    spec_defaults=spec_field_defaults(getattr(draft, "spec", None)))
     step, tokens_seen = checkpoints.resume(log)
+    started = time.perf_counter() - budget.elapsed
 
     stop_at = min(cfg.max_steps, cfg.stop_at_step) if cfg.stop_at_step is not None else cfg.max_steps
     tracker = tracker_factory(step) if ctx.is_main else None
@@ -72,7 +88,7 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
     unscored = 0
     t_window, tok_window = time.perf_counter(), 0
     try:
-        while step < stop_at:
+        while step < stop_at and not budget.spent(step):
             tally = objective.tally()  # summed over micro-batches here and over ranks below
             for _ in range(cfg.grad_accum_steps):
                 batch = next(stream).to(teacher.device)
@@ -83,15 +99,19 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
             grad_norm = engine.step()
             ctx.all_reduce_sum(tally.sums)
             step += 1
+            if budget.seconds is not None:  # every rank stops at the same step and schedules the same lr
+                budget.elapsed = float(ctx.all_reduce_sum(torch.tensor([time.perf_counter() - started],
+                                                                      dtype=torch.float64))) / ctx.world_size
             unscored = check_scored(step, tally.scored, unscored, log)
             tokens_seen += tally.tokens
             tok_window += tally.tokens
 
-            if ctx.is_main and (step % cfg.log_every == 0 or step == stop_at):
+            if ctx.is_main and (step % cfg.log_every == 0 or step == stop_at or budget.spent(step)):
                 elapsed = time.perf_counter() - t_window
                 scores = tally.metrics(ranks=ctx.data_world_size)
                 metrics = {"step": step, "loss": scores.pop("loss"), "lr": engine.lr, "grad_norm": grad_norm,
-                           "tokens_seen": tokens_seen, "tokens_per_s": tok_window / max(elapsed, 1e-9), **scores}
+                           "tokens_seen": tokens_seen, "tokens_per_s": tok_window / max(elapsed, 1e-9),
+                           "elapsed_s": time.perf_counter() - started, **scores}
                 tracker.log(metrics)
                 t_window, tok_window = time.perf_counter(), 0
                 if bar is not None:
@@ -108,4 +128,7 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
             bar.close()
         if tracker is not None:
             tracker.close()
-    return TrainResult(step=step, last_metrics=metrics, checkpoint=last_ckpt, weights=engine.full_state_dict())
+    if budget.seconds is not None and budget.spent(step) and step < cfg.max_steps:
+        log(f"[train] time budget of {cfg.max_minutes} min spent at step {step} (trainer.max_minutes)")
+    return TrainResult(step=step, finished=step >= cfg.max_steps or budget.spent(step), last_metrics=metrics,
+                       checkpoint=last_ckpt, weights=engine.full_state_dict())

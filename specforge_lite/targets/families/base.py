@@ -7,6 +7,12 @@ from typing import Any
 import torch
 from torch import nn
 
+# The parameters of a plain Llama decoder layer, by their names inside the layer: what the EAGLE3 draft's
+# layer holds, so a target layer with exactly these (and silu) can start a draft (``llama_layer``).
+LLAMA_LAYER_WEIGHTS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                       "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                       "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
 
 class TargetFamily:
     """How to find the parts of an HF causal LM that capture and the teacher need.
@@ -85,6 +91,33 @@ class TargetFamily:
 
     def lm_head_bias(self, model: nn.Module) -> torch.Tensor | None:
         return getattr(model.get_output_embeddings(), "bias", None)
+
+    def llama_layer(self, model: nn.Module, location: str, index: int) -> dict[str, torch.Tensor]:
+        """Decoder layer ``index`` as a plain Llama layer's weights (``LLAMA_LAYER_WEIGHTS``), to start a draft
+        from (draft.init_layers_from_target). Read from the checkpoint at ``location`` where the model holds
+        no weights (the meta device of a store's or a parts-only target). A layer of another shape (per-head
+        q/k norms, biases, fused projections, four norms, another activation) is refused with what differs:
+        its weights would mean something else in the draft's Llama layer."""
+        config = self.text_config(model.config)
+        layers = self.layers(model)
+        if not 0 <= index < len(layers):
+            raise ValueError(f"the target has {len(layers)} layers: there is no layer {index} to start the draft from")
+        params = dict(layers[index].named_parameters())
+        extra, missing = sorted(set(params) - set(LLAMA_LAYER_WEIGHTS)), sorted(set(LLAMA_LAYER_WEIGHTS) - set(params))
+        act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+        if extra or missing or act != "silu":
+            raise ValueError(f"draft.init_layers_from_target: layer {index} of this {self.name}-family target is not a "
+                             f"plain Llama layer (extra {extra or 'none'}, missing {missing or 'none'}, activation "
+                             f"{act}), so its weights cannot start the draft's Llama layer; set "
+                             "draft.init_layers_from_target=false")
+        if not any(p.is_meta for p in params.values()):
+            return {name: p.detach() for name, p in params.items()}
+        from .parts import load_named_tensors
+
+        full = {id(p): n for n, p in model.named_parameters()}
+        names = {name: full[id(p)] for name, p in params.items()}
+        tensors = load_named_tensors(location, list(names.values()))
+        return {name: tensors[full_name] for name, full_name in names.items()}
 
     # ---- numerics ----------------------------------------------------------------------------
     def logit_softcap(self, config: Any) -> float | None:

@@ -1,0 +1,147 @@
+"""The small-target recipe card: every draft method trained for the same wall time on a real small target,
+its acceptance per prompt set at k = 1, 3 and 5.
+
+    python -m specforge_lite.bench recipe_card [--targets smollm2_135m gemma3_270m] [--minutes 8]
+        [--out runs/bench/recipe_card] [--card docs/recipe_card.md]
+
+Per target: EAGLE3, EAGLE 3.1 (norms before fc and on the output), P-EAGLE (mask slots, one forward) trained
+with a TTT unroll of 6 (enough for k = 5), each served at k = 1, 3 and 5; DFlash trained once per k (its block
+is its input, so its size is the served k). Every draft is the target's embedded-default recipe (the same
+data, vocabulary and optimizer) with the method's settings, trained online by train.py for ``--minutes`` of
+its training loop. The prompts (8 per set) and the target's greedy outputs come from our evaluation of the
+first draft; vLLM serves every export on them where vLLM can serve the target's drafts (SmolLM2), and our
+own speculative decoding measures them where it cannot (Gemma 3: vLLM 0.32's Gemma3ForCausalLM exposes no
+aux hidden states, so no EAGLE3-family draft can run on it there; ours equals vLLM's acceptance to the third
+decimal on the targets vLLM serves, tests/test_serving.py). The card (markdown) holds the table and the
+exact commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from ..serving import ROOT
+from .served_recipes import (CHAT_SET, Candidate, evaluate_reference, pooled, serve_candidates, share_prompts,
+                             train_candidate)
+
+KS = (1, 3, 5)
+CHAIN_TTT = 6  # an unroll one longer than the largest served k
+TARGETS = {
+    "smollm2_135m": {"overrides": [], "served_by": "vllm"},
+    # a base model: no instruction-following to write its own requests, so its data is the chit-chat openings
+    "gemma3_270m": {"overrides": ["model=gemma3_270m", "data=chitchat"], "served_by": "ours"},
+}
+
+
+def candidates() -> list[tuple[Candidate, tuple[int, ...]]]:
+    """(the draft, the k it is served at)."""
+    chain = [f"draft.ttt_length={CHAIN_TTT}"]
+    out = [(Candidate("EAGLE3", chain), KS),
+           (Candidate("EAGLE 3.1", [*chain, "draft.norm_before_fc=true", "draft.norm_output=true"]), KS),
+           (Candidate("P-EAGLE", [*chain, "draft.parallel_drafting=true"]), KS)]
+    out += [(Candidate(f"DFlash (block {k})", ["draft.method=dflash", f"draft.ttt_length={k}",
+                                               f"eval.num_draft_tokens={k}"]), (k,)) for k in KS]
+    return out
+
+
+def folder(name: str) -> str:
+    return name.lower().replace(" ", "_").replace("(", "").replace(")", "").replace(".", "")
+
+
+def measure_ours(run: Path, k: int, prompts: int, max_new_tokens: int) -> dict:
+    """Our speculative decoding of one export at k (python -m specforge_lite.evaluate), as vllm_eval.json's sets."""
+    path = run / f"ours_k{k}.json"
+    if not path.is_file():
+        cmd = [sys.executable, "-m", "specforge_lite.evaluate", "--run-dir", str(run), "--k", str(k),
+               "--num-prompts", str(prompts), "--max-new-tokens", str(max_new_tokens)]
+        with open(run / "eval.log", "a") as out:
+            if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT).returncode != 0:
+                raise SystemExit(f"error: evaluating {run} at k={k} failed; its log: {run / 'eval.log'}")
+        shutil.copyfile(run / "eval.json", path)
+    return {name: {**s, "drafts": s["rounds"]} for name, s in json.loads(path.read_text())["sets"].items()}
+
+
+def served_sets(run: Path, k: int, how: str, prompts: int, max_new_tokens: int) -> dict:
+    if how == "ours":
+        return measure_ours(run, k, prompts, max_new_tokens)
+    serve_candidates([run], k)
+    served = json.loads((run / "vllm_eval.json").read_text())
+    shutil.copyfile(run / "vllm_eval.json", run / f"vllm_k{k}.json")
+    return served["sets"]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m specforge_lite.bench recipe_card", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    p.add_argument("--minutes", type=float, default=8.0, help="training-loop wall time of every draft")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--out", type=Path, default=Path("runs/bench/recipe_card"))
+    p.add_argument("--card", type=Path, default=ROOT / "docs" / "recipe_card.md")
+    a = p.parse_args(argv)
+    sections = []
+    for target in a.targets:
+        spec = TARGETS[target]
+        out = a.out / target
+        rows = []
+        drafts = candidates()
+        for cand, ks in drafts:
+            run = out / folder(cand.name)
+            overrides = [*spec["overrides"], *cand.overrides, f"trainer.max_minutes={a.minutes}",
+                         "trainer.max_steps=100000", "trainer.save_every=0"]
+            train_candidate(run, overrides)
+            if cand is drafts[0][0]:
+                evaluate_reference(run, 3, a.prompts, a.max_new_tokens)
+            share_prompts(out / folder(drafts[0][0].name), [run])
+            for k in ks:
+                sets = served_sets(run, k, spec["served_by"], a.prompts, a.max_new_tokens)
+                general = [n for n in sets if n != CHAT_SET]
+                rows.append({"method": cand.name, "k": k,
+                             "sets": {n: s["mean_acceptance_length"] for n, s in sets.items()},
+                             "general": pooled(sets, general)["mean_acceptance_length"],
+                             "chat": pooled(sets, [CHAT_SET])["mean_acceptance_length"],
+                             "command": "python train.py " + " ".join(overrides)})
+        sections.append((target, spec, rows))
+        (out / "card.json").write_text(json.dumps(rows, indent=2) + "\n")
+    write_card(a, sections)
+
+
+def write_card(a, sections) -> None:
+    import torch
+
+    from ..device import cpu_flags
+
+    lines = ["# Recipe card: draft methods on small real targets", "",
+             "No public draft exists for these targets; these are the reference figures. Regenerated by "
+             f"`python -m specforge_lite.bench recipe_card --minutes {a.minutes:g}` (every draft trained for "
+             f"{a.minutes:g} minutes of its training loop, online, the target's embedded-default recipe with the "
+             f"method's settings; {a.prompts} prompts per set, {a.max_new_tokens} new tokens, greedy). Machine: CPU "
+             f"capability {torch.backends.cpu.get_cpu_capability()} ({', '.join(cpu_flags()) or 'no avx512/bf16'}).",
+             "", "Acceptance length = 1 + accepted draft tokens per verification round. general = every prompt set "
+             "but the held-out chit-chat, pooled; chat = the held-out chit-chat.", ""]
+    for target, spec, rows in sections:
+        judge = ("served by vLLM 0.32 (CPU build)" if spec["served_by"] == "vllm" else
+                 "measured by our speculative decoding: vLLM 0.32 cannot serve an EAGLE3-family draft for Gemma 3 "
+                 "(its Gemma3ForCausalLM exposes no aux hidden states)")
+        sets = list(dict.fromkeys(n for r in rows for n in r["sets"]))
+        lines += [f"## {target}", "", f"Acceptance {judge}.", "",
+                  "| method | k | " + " | ".join(sets) + " | general | chat |", "|" + "---|" * (len(sets) + 4)]
+        for r in rows:
+            lines.append(f"| {r['method']} | {r['k']} | " + " | ".join(f"{r['sets'].get(n, float('nan')):.3f}"
+                                                                       for n in sets)
+                         + f" | {r['general']:.3f} | {r['chat']:.3f} |")
+        lines += ["", "Commands (each run's export in its `final/`):", "", "```bash"]
+        lines += list(dict.fromkeys(r["command"] for r in rows)) + ["```", ""]
+    a.card.parent.mkdir(parents=True, exist_ok=True)
+    a.card.write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

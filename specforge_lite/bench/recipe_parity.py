@@ -1,0 +1,136 @@
+"""Our recipe against SpecForge's and speculators' own, on identical inputs, judged by vLLM.
+
+    python -m specforge_lite.bench recipe_parity [--steps 400] [--minutes 10] [--out DIR]
+
+1. The embedded default's data (SmolLM2-135M-Instruct, the cpu_20min recipe: its regenerated answers and
+   draft vocabulary) is captured once into a float32 hidden-state store (``offline dump``).
+2. The batches our own offline run reads from it (same seed, micro-batch 2) are written out as a schedule of
+   store sample indices, so every trainer sees the same token ids, loss masks, aux states and teacher.
+3. Three drafts train on them: ours (train.py data.source=offline: our default recipe), SpecForge 0.2.0's
+   EAGLE3 draft, loss, optimizer and schedule with its training script's defaults, and speculators
+   0.9.0's (its CLI defaults: EAGLE 3.1 norms, kl_div, TTT 3, Muon), the peers' model and loss code run
+   by their own packages in their own venv (``scripts/setup_peers.sh``; drivers in ``scripts/peers/``),
+   each exported by the peer's own save code.
+4. Once at equal optimizer steps (``--steps``) and once at equal wall time (``--minutes``: ours through
+   trainer.max_minutes, the peers with the steps that fit the budget after a timing of their own step).
+5. Our evaluation of our draft fixes the prompts (8 per set) and the target's greedy outputs; vLLM serves all
+   six exports on them; the table compares acceptance per set, general and chat.
+
+What the peers' drivers had to adapt to run on a CPU is printed by them and listed in the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..serving import ROOT
+from .served_recipes import (evaluate_reference, serve_candidates, served_row, share_prompts, train_candidate,
+                             write_report)
+
+PEERS = ("specforge", "speculators")
+
+
+def make_store(out: Path, log=print) -> Path:
+    store = out / "store"
+    if (store / "manifest.json").is_file():
+        return store
+    log(f"[bench] capturing the default's data into {store} (float32)")
+    cmd = [sys.executable, "-m", "specforge_lite.offline", "dump", f"store={store}", "store.dtype=float32"]
+    with open(out / "dump.log", "a") as log_file:
+        if subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT).returncode != 0:
+            raise SystemExit(f"error: the store dump failed; its log: {out / 'dump.log'}")
+    return store
+
+
+def write_schedule(store: Path, steps: int, path: Path) -> Path:
+    """The store sample indices of each of our offline run's first ``steps`` micro-batches."""
+    if path.is_file() and len(json.loads(path.read_text())["batches"]) >= steps:
+        return path
+    from ..config import load_config
+    from ..offline import store_run
+
+    run = store_run(load_config(["tracker=none", "data.source=offline", f"data.store={store}"]), log=lambda m: None)
+    stream = run.batches()
+    batches = [next(stream).inputs["store_index"].tolist() for _ in range(steps)]
+    path.write_text(json.dumps({"batches": batches}))
+    return path
+
+
+def peer_python() -> str:
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "setup_peers.sh")], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: the peers' venv could not be built:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def train_peer(peer: str, python: str, store: Path, schedule: Path, run_dir: Path, budget: list[str],
+               log=print) -> None:
+    """One peer's driver (its own model, loss, optimizer and save code) on the schedule; resumable."""
+    if (run_dir / "final" / "config.json").is_file():
+        return
+    from ..config import load_config
+    from ..targets.acquire import resolve_model_dir
+
+    target = resolve_model_dir(load_config(["tracker=none"]).model)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    cmd = [python, str(ROOT / "scripts" / "peers" / f"{peer}_train.py"), "--store", str(store), "--schedule",
+           str(schedule), "--target", str(target), "--out", str(run_dir / "final"), "--metrics",
+           str(run_dir / "metrics.jsonl"), "--threads", "2", *budget]
+    log(f"[bench] training {run_dir.name} with {peer}'s own code ({' '.join(budget)})")
+    t0 = time.perf_counter()
+    with open(run_dir / "train.log", "a") as out:
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    if code != 0:
+        raise SystemExit(f"error: {peer}'s driver failed (exit {code}); its log: {run_dir / 'train.log'}")
+    (run_dir / "bench_train.json").write_text(json.dumps({"seconds": time.perf_counter() - t0, "command": cmd}))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m specforge_lite.bench recipe_parity", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps of the equal-steps comparison")
+    p.add_argument("--minutes", type=float, default=5.0, help="training wall time of the equal-time comparison")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path("runs/bench/recipe_parity"))
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    store = make_store(a.out)
+    # enough batches for the equal-time runs too (a peer step is never faster than 0.05 s here)
+    schedule = write_schedule(store, max(a.steps, int(a.minutes * 60 / 0.05)), a.out / "schedule.json")
+    python = peer_python()
+    from_store = ["data.source=offline", f"data.store={store}"]
+    budgets = {"steps": ([f"trainer.max_steps={a.steps}"], ["--steps", str(a.steps)]),
+               "time": ([f"trainer.max_minutes={a.minutes}", "trainer.max_steps=100000", "trainer.save_every=0"],
+                        ["--minutes", str(a.minutes)])}
+    runs: dict[str, Path] = {}
+    for budget, (ours, theirs) in budgets.items():
+        runs[f"ours_{budget}"] = a.out / f"ours_{budget}"
+        train_candidate(runs[f"ours_{budget}"], [*from_store, *ours])
+        for peer in PEERS:
+            runs[f"{peer}_{budget}"] = a.out / f"{peer}_{budget}"
+            train_peer(peer, python, store, schedule, runs[f"{peer}_{budget}"], theirs)
+    reference = runs["ours_steps"]
+    evaluate_reference(reference, a.k, a.prompts, a.max_new_tokens)
+    share_prompts(reference, list(runs.values()))
+    serve_candidates(list(runs.values()), a.k)
+    rows = [served_row(name, run) for name, run in runs.items()]
+    preamble = (f"One capture of the embedded default's data (float32 store, {store}); the same batches in the same "
+                f"order for every trainer; equal steps: {a.steps} optimizer steps each; equal time: {a.minutes:g} "
+                f"minutes of training each. Served by vLLM at k={a.k} on {a.prompts} prompts per set. Ratios are to "
+                "our draft at equal steps. Regenerate: python -m specforge_lite.bench recipe_parity "
+                f"--steps {a.steps} --minutes {a.minutes:g}. What each peer driver adapted to run on CPU is in its "
+                "train.log.")
+    print(write_report(a.out, "Recipe parity: ours, SpecForge 0.2.0, speculators 0.9.0 on identical inputs", rows,
+                       "ours_steps", preamble))
+
+
+if __name__ == "__main__":
+    main()
