@@ -117,17 +117,30 @@ def main(argv=None) -> None:
         for peer in PEERS:
             runs[f"{peer}_{budget}"] = a.out / f"{peer}_{budget}"
             train_peer(peer, python, store, schedule, runs[f"{peer}_{budget}"], theirs)
+    # The peers' drivers train in fp32 (their CPU adaptation); ours trains at trainer.precision=auto, which is
+    # bf16 autocast on a CPU with native bf16. The same budget in fp32 separates recipe from precision there.
+    runs["ours_time_fp32"] = a.out / "ours_time_fp32"
+    train_candidate(runs["ours_time_fp32"], [*from_store, *budgets["time"][0], "trainer.precision=fp32"])
     reference = runs["ours_steps"]
     evaluate_reference(reference, a.k, a.prompts, a.max_new_tokens)
     share_prompts(reference, list(runs.values()))
     serve_candidates(list(runs.values()), a.k)
     rows = [served_row(name, run) for name, run in runs.items()]
+    import torch
+
+    from ..device import cpu_flags, native_bf16
+
+    bf16 = native_bf16("cpu")
+    machine = (f"CPU capability {torch.backends.cpu.get_cpu_capability()} ({', '.join(cpu_flags()) or 'no avx512/bf16'}"
+               f"), 2 threads; our runs at trainer.precision=auto, {'bf16 autocast' if bf16.native else 'fp32'} here "
+               f"({bf16.reason}); the peers' drivers in fp32 "
+               "(their CPU adaptation), and ours_time_fp32 is our equal-time run in fp32")
     preamble = (f"One capture of the embedded default's data (float32 store, {store}); the same batches in the same "
                 f"order for every trainer; equal steps: {a.steps} optimizer steps each; equal time: {a.minutes:g} "
                 f"minutes of training each. Served by vLLM at k={a.k} on {a.prompts} prompts per set. Ratios are to "
                 "our draft at equal steps. Regenerate: python -m specforge_lite.bench recipe_parity "
                 f"--steps {a.steps} --minutes {a.minutes:g}. What each peer driver adapted to run on CPU is in its "
-                "train.log.")
+                "train.log. " + machine + ".")
     print(write_report(a.out, "Recipe parity: ours, SpecForge 0.2.0, speculators 0.9.0 on identical inputs", rows,
                        "ours_steps", preamble))
 
