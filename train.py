@@ -7,7 +7,6 @@ subpackage of specforge_lite; this file only wires them. `python train.py --help
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -15,24 +14,10 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from specforge_lite.config import Config, available_presets, check_settings, register_configs, to_config
+from specforge_lite.errors import said_in_one_line
+from specforge_lite.training.output_dir import OutputDirError, check_output_dir
 
 register_configs()
-
-# Errors about the user's input or settings, each raised with the reason and the fix: printed as that
-# message alone. Anything else is a defect and keeps its traceback.
-TRACEBACK_ENV = "SPECFORGE_LITE_TRACEBACK"
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from specforge_lite.data import DataError
-    from specforge_lite.offline.store import StoreError
-    from specforge_lite.targets.acquire import ModelUnavailableError
-    from specforge_lite.training.checkpoint import CheckpointError
-    from specforge_lite.training.loop import NothingScored
-
-    return (*USER_ERRORS, DataError, StoreError, ModelUnavailableError, CheckpointError, NothingScored)
-
 
 def run(config: Config, run_dir: Path, log=print) -> dict:
     import torch
@@ -43,6 +28,7 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
     from specforge_lite.run import Run
     from specforge_lite.training.distributed import init_distributed
     from specforge_lite.training.loop import train
+    from specforge_lite.training.output_dir import hold_output_dir
 
     check_settings(config)
     check_served_setting(config)
@@ -53,22 +39,35 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
         log = lambda message: None  # noqa: E731  (rank 0 speaks for the run)
     if config.trainer.num_threads:
         torch.set_num_threads(config.trainer.num_threads)
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(OmegaConf.structured(config), run_dir / "config.yaml")
+    with hold_output_dir(run_dir, holder=ctx.is_main):  # (one run writes a folder at a time)
+        if ctx.is_main:
+            OmegaConf.save(OmegaConf.structured(config), run_dir / "config.yaml")
+        # the target (live, or read back from a store), data, draft vocabulary, teacher and objective
+        job = store_run(config, ctx, log) if config.data.source == "offline" else Run.online(config, ctx, log)
+        draft = job.build_draft()
+        job.write_stats(run_dir)
+        result = train(config.trainer, job.objective, job.teacher, draft, job.batches(), run_dir,
+                       lambda step: job.tracker(run_dir, step), draft.spec.to_dict(), log=log, ctx=ctx)
+        return finish(job, result, draft, run_dir, log)  # export, evaluation, served check
 
-    # the target (live, or read back from a store), data, draft vocabulary, teacher and objective
-    job = store_run(config, ctx, log) if config.data.source == "offline" else Run.online(config, ctx, log)
-    draft = job.build_draft()
-    job.write_stats(run_dir)
-    result = train(config.trainer, job.objective, job.teacher, draft, job.batches(), run_dir,
-                   lambda step: job.tracker(run_dir, step), draft.spec.to_dict(), log=log, ctx=ctx)
-    return finish(job, result, draft, run_dir, log)  # export, evaluation, served check
 
+def _check_arguments(argv: list[str]) -> None:
+    """Hydra's own messages for a mistyped group or key do not list what exists, and for an unknown model
+    preset do not say how to use a local model."""
+    import dataclasses
 
-def _check_preset_argument(argv: list[str]) -> None:
-    """Hydra's own message for an unknown group option does not say how to use a local model."""
+    groups = sorted(p.name for p in (Path(__file__).parent / "conf").iterdir() if p.is_dir())
+    keys = [f.name for f in dataclasses.fields(Config)]
     for arg in argv:
+        name = arg.split("=", 1)[0].split(".", 1)[0].split("/", 1)[0]
+        if "=" in arg and not arg.startswith(("+", "~", "-")) and name not in {*groups, *keys, "hydra"}:
+            sys.exit(f"error: {arg!r}: no config group or key {name!r}. Groups: {', '.join(groups)}; top-level keys: "
+                     f"{', '.join(keys)} (python train.py --help lists every key)")
+        if arg.startswith("output_dir="):  # (Hydra creates the folder before run() could say what is wrong)
+            try:
+                check_output_dir(Path(arg.split("=", 1)[1]))
+            except OutputDirError as e:
+                sys.exit(f"error: {e}")
         if arg.startswith("model=") and "," not in arg:
             name = arg.split("=", 1)[1]
             if name not in available_presets("model"):
@@ -86,18 +85,13 @@ def main(cfg: DictConfig) -> None:
     if hc.mode == RunMode.MULTIRUN:  # one wandb group per sweep, each run named by its overrides
         config.tracker.group = config.tracker.group or Path(hc.sweep.dir).name
         config.tracker.name = config.tracker.name or (hc.job.override_dirname or f"job{hc.job.num}")
-    try:
+    with said_in_one_line():  # what went wrong and the fix, as one message; a traceback only when asked for
         run(config, Path(hc.runtime.output_dir))
-    except _user_errors() as e:
-        if os.environ.get(TRACEBACK_ENV) == "1":
-            raise
-        # what went wrong and the fix, as one message; a traceback only when asked for
-        sys.exit(f"error: {e}\n(set {TRACEBACK_ENV}=1 for the traceback)")
 
 
 if __name__ == "__main__":
     from specforge_lite.training.distributed import strip_launcher_args
 
     sys.argv = [sys.argv[0], *strip_launcher_args(sys.argv[1:])]
-    _check_preset_argument(sys.argv[1:])
+    _check_arguments(sys.argv[1:])
     main()

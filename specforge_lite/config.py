@@ -382,15 +382,55 @@ def model_preset(name: str) -> ModelConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path)))
 
 
+# Every number a run reads and the values it may take, as an interval ("[" "]": the bound allowed, "(" ")": not),
+# checked before anything is built; a null (an Optional left unset) is not checked.
+RANGES = {
+    "draft.num_layers": "[1, inf)", "draft.ttt_length": "[1, inf)", "draft.draft_vocab_size": "[1, inf)",
+    "draft.mask_token_id": "[0, inf)", "draft.step_loss_decay": "(0, 1]", "draft.loss_chunk_rows": "[1, inf)",
+    "data.max_length": "[2, inf)", "data.max_samples": "[1, inf)", "data.heldout_samples": "[0, inf)",
+    "data.max_malformed_fraction": "[0, 1]", "data.num_proc": "[1, inf)",
+    "data.self_generated.temperature": "[0, inf)", "data.self_generated.top_p": "(0, 1]",
+    "data.self_generated.max_new_tokens": "[1, inf)", "data.self_generated.min_words": "[0, inf)",
+    "data.generation.max_turns": "[1, inf)", "data.generation.max_conversations": "[1, inf)",
+    "data.generation.temperature": "[0, inf)", "data.generation.top_p": "(0, 1]",
+    "data.generation.max_new_tokens": "[1, inf)", "data.generation.concurrency": "[1, inf)",
+    "data.generation.server_memory_fraction": "(0, 1]", "data.generation.batch_size": "[1, inf)",
+    "trainer.max_steps": "[1, inf)", "trainer.micro_batch_size": "[1, inf)", "trainer.grad_accum_steps": "[1, inf)",
+    "trainer.lr": "[0, inf)", "trainer.weight_decay": "[0, inf)", "trainer.warmup_ratio": "[0, 1]",
+    "trainer.min_lr_ratio": "[0, 1]", "trainer.grad_clip": "[0, inf)", "trainer.log_every": "[1, inf)",
+    "trainer.save_every": "[0, inf)", "trainer.keep_checkpoints": "[1, inf)", "trainer.stop_at_step": "[1, inf)",
+    "trainer.max_minutes": "(0, inf)", "trainer.num_threads": "[1, inf)", "trainer.deepspeed.zero_stage": "[0, 3]",
+    "trainer.deepspeed.reduce_bucket_size": "[1, inf)", "trainer.deepspeed.allgather_bucket_size": "[1, inf)",
+    "trainer.deepspeed.sequence_parallel": "[1, inf)",
+    "eval.num_prompts": "[1, inf)", "eval.max_new_tokens": "[1, inf)", "eval.num_draft_tokens": "[1, inf)",
+    "eval.baseline_prompts": "[0, inf)", "eval.tree_topk": "[1, inf)", "eval.tree_budget": "[1, inf)",
+    "eval.temperature": "[0, inf)", "eval.heldout_batches": "[0, inf)",
+    "store.samples_per_shard": "[1, inf)", "store.batch_size": "[1, inf)", "store.topk": "[1, inf)",
+}
+
+
+def out_of_range(config: Config) -> list[str]:
+    """Each number of ``RANGES`` outside its interval, as "key=value: allowed [low, high]"."""
+    import math
+
+    problems = []
+    for key, interval in RANGES.items():
+        value = config
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value is None:
+            continue
+        low, high = (float(x) for x in interval[1:-1].split(","))
+        below = value < low or (interval[0] == "(" and value == low)
+        above = value > high or (interval[-1] == ")" and value == high)
+        if below or above or (isinstance(value, float) and math.isnan(value)):
+            problems.append(f"{key}={value}: allowed {interval}")
+    return problems
+
+
 def check_settings(config: Config) -> None:
     """Refuse, before anything is built, settings with which no run can do its job (each with the fix)."""
-    problems = []
-    if config.draft.ttt_length < 1:
-        problems.append(f"draft.ttt_length={config.draft.ttt_length}: unroll at least 1 step (EAGLE3 trains with 7)")
-    if config.trainer.max_steps < 1:
-        problems.append(f"trainer.max_steps={config.trainer.max_steps}: train at least 1 step")
-    if config.draft.num_layers < 1:
-        problems.append(f"draft.num_layers={config.draft.num_layers}: a draft has at least one layer")
+    problems = out_of_range(config)
     d = config.draft
     if d.method == "dflash":
         settings = {"draft.use_aux_norm": d.use_aux_norm, "draft.norm_before_fc": d.norm_before_fc,

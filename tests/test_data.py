@@ -310,3 +310,56 @@ def test_evaluation_prompts_follow_the_training_length_rule(tmp_path, smollm2, m
                                    max_malformed_fraction=0.6), tok, log=lambda m: None)
     assert data.heldout_prompts and all(len(p) < 64 for p in data.heldout_prompts)
     assert data.stats["skipped"]["first prompt of data.max_length=64 tokens or more"] == 6
+
+
+def test_hostile_files_are_counted_skips_naming_the_file(tmp_path, smollm2, monkeypatch):
+    """A data folder with a symlink loop and a dangling link, JSON nested past the parser's limit, text with a
+    lone surrogate, and an image whose header declares a decompression bomb: each a counted skip with the
+    file (and line) and the reason; the good rows train. Data given as a pipe (a process substitution) is
+    read once and prepares like the same file."""
+    import os
+    import zlib
+
+    from PIL import Image
+
+    from specforge_lite.data.images import ImageInputs
+
+    monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
+    tok = smollm2[2]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    _write(folder / "good.jsonl", distinct(30))
+    (folder / "loop.jsonl").symlink_to(folder / "loop.jsonl")
+    (folder / "gone.jsonl").symlink_to(tmp_path / "missing.jsonl")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "up").symlink_to(folder, target_is_directory=True)  # a folder loop: not followed
+    deep = '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    surrogate = '{"messages": [{"role": "user", "content": "hi \\ud800"}, {"role": "assistant", "content": "yo"}]}'
+    _write(folder / "odd.jsonl", [deep, surrogate])
+    data = prepare_data(DataConfig(source="path", path=str(folder), heldout_samples=4, max_malformed_fraction=0.2),
+                        tok, log=lambda m: None)
+    assert len(data.train) + len(data.heldout) == 30
+    skipped = data.stats["skipped"]
+    assert skipped["the file cannot be read (Too many levels of symbolic links)"] == 1
+    assert skipped["the file cannot be read (No such file or directory)"] == 1
+    assert skipped["JSON nested deeper than any conversation (the parser's recursion limit)"] == 1
+    assert any("lone UTF-16 surrogate" in reason for reason in skipped)
+
+    bomb = folder / "bomb.png"
+    Image.new("L", (1, 1)).save(bomb)
+    raw = bytearray(bomb.read_bytes())
+    raw[16:24] = (200_000).to_bytes(4, "big") * 2  # the IHDR width and height: 4e10 pixels declared
+    raw[29:33] = zlib.crc32(bytes(raw[12:29])).to_bytes(4, "big")  # (and its checksum, so the header reads)
+    bomb.write_bytes(bytes(raw))
+    with pytest.raises(MalformedRow, match="bomb.png declares more pixels than any training image has"):
+        ImageInputs(None, "<img>", 0, 2).open(str(bomb))
+
+    read, write = os.pipe()
+    with os.fdopen(write, "w") as w:  # (small enough for the pipe's buffer)
+        w.write("".join(json.dumps(r) + "\n" for r in distinct(30)))
+    try:
+        piped = prepare_data(DataConfig(source="path", path=f"/dev/fd/{read}", heldout_samples=4), tok,
+                             log=lambda m: None)
+    finally:
+        os.close(read)
+    assert sorted(map(tuple, piped.train["input_ids"])) == sorted(map(tuple, data.train["input_ids"]))

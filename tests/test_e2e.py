@@ -162,6 +162,36 @@ def test_input_errors_are_one_message_said_before_the_target_is_built(tmp_path):
                 "tracker=none"], timeout=300)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "\nerror: 3 of 4 rows" in proc.stderr and f"(first at {bad}:2)" in proc.stderr
+    # a mistyped config group lists the groups and keys that exist (Hydra's own message lists neither)
+    proc = run(["train.py", "modle=llama3_tiny", f"output_dir={tmp_path / 'c'}"], timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and not (tmp_path / "c").exists()
+    assert proc.stderr.startswith("error: 'modle=llama3_tiny': no config group or key 'modle'. Groups: data, draft, "
+                                  "model, recipe, tracker, trainer; top-level keys: model, target, draft")
+
+
+def test_the_stage_tools_say_a_users_mistake_in_one_line_like_train_py(tmp_path):
+    """export, export --check, evaluate, offline and the sweep report: a damaged run folder, a missing file or
+    folder, an empty sweep is one `error:` line naming the path, exit 1, no traceback."""
+    damaged = tmp_path / "run" / "checkpoints" / "step_00000002"
+    damaged.mkdir(parents=True)
+    (damaged / "draft.safetensors").write_bytes(b"not a safetensors file")
+    (damaged / "trainer_state.json").write_text("{}")
+    (damaged / "spec.json").write_text("{}")
+    tools = {
+        "export": ["-m", "specforge_lite.export", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "x")],
+        "export --check": ["-m", "specforge_lite.export", "--check", str(tmp_path / "missing")],
+        "evaluate": ["-m", "specforge_lite.evaluate", "--run-dir", str(tmp_path / "missing")],
+        "offline ingest": ["-m", "specforge_lite.offline", "ingest", "--from", "vllm", str(tmp_path / "missing"),
+                           "model=llama3_tiny", f"store={tmp_path / 'store'}"],
+        "sweep": ["-m", "specforge_lite.evaluate.sweep", str(tmp_path)],
+    }
+    expected = {"export": "step_00000002: trainer_state.json is damaged: it lacks step, tokens_seen, data",
+                "export --check": str(tmp_path / "missing"), "evaluate": str(tmp_path / "missing"),
+                "offline ingest": str(tmp_path / "missing"), "sweep": f"no runs (metrics.jsonl) under {tmp_path}"}
+    for tool, args in tools.items():
+        proc = run(args, timeout=300)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, (tool, proc.stdout[-2000:], proc.stderr[-3000:])
+        assert proc.stderr.startswith("error: ") and expected[tool] in proc.stderr.splitlines()[0], (tool, proc.stderr)
 
 
 def test_a_sweep_runs_and_reports(tmp_path):

@@ -396,3 +396,29 @@ def test_mask_slots_embed_a_token_no_conversation_uses(smollm2, tmp_path):
     assert explicit.spec.mask_token_id == 9
     tokenizer_with_mask = type("T", (), {"mask_token_id": 42, "mask_token": "<mask>"})()
     assert choose_mask_token(tokenizer_with_mask, target.vocab_size)[0] == 42
+
+
+def test_an_export_cut_short_leaves_no_config_and_says_why(tmp_path, monkeypatch):
+    """A full disk while the weights are written: the folder is left without config.json (what every tool and
+    server reads first), so a half-written export is never taken for a whole one; the error says where and
+    why. Written again with room, it is whole."""
+    import errno
+
+    from specforge_lite.export import layout
+
+    draft = tiny_draft(tiny_target())
+    out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "final")
+    assert (out / "config.json").is_file()
+
+    def disk_full(tensors, path, *a, **kw):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)  # part of the file reached the disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(layout, "save_file", disk_full)
+    with pytest.raises(layout.ExportWriteError, match=f"{out} could not be written .No space left on device"):
+        export_draft(draft.trainable_state_dict(), draft.spec, "vllm", out)
+    assert not (out / "config.json").exists() and [p.name for p in out.iterdir()] == ["model.safetensors"]
+    monkeypatch.undo()
+    export_draft(draft.trainable_state_dict(), draft.spec, "vllm", out)
+    assert load_export(out)[0] == draft.spec

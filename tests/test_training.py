@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import datasets
@@ -34,7 +35,8 @@ def synthetic_dataset(n=24, vocab=256, seed=0, answers=True):
 
 
 def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, resume="auto", draft_vocab=None,
-                 vocab_offset=0, answers=True, log=lambda m: None, max_minutes=None, save_every=2):
+                 vocab_offset=0, answers=True, log=lambda m: None, max_minutes=None, save_every=2,
+                 stream_cls=BatchStream, **stream_kw):
     target = tiny_target()
     draft = tiny_draft(target, draft_vocab_size=draft_vocab or target.vocab_size, seed=seed)
     if vocab_offset:  # another mapping of the same size
@@ -44,7 +46,7 @@ def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, res
     cfg = TrainerConfig(max_steps=max_steps, micro_batch_size=2, grad_accum_steps=accum, lr=lr, save_every=save_every,
                         stop_at_step=stop_at, progress_bar=False, precision="fp32", warmup_ratio=0.1, resume=resume,
                         max_minutes=max_minutes)
-    stream = BatchStream(synthetic_dataset(answers=answers), cfg.micro_batch_size, pad_id=0, seed=seed)
+    stream = stream_cls(synthetic_dataset(answers=answers), cfg.micro_batch_size, pad_id=0, seed=seed, **stream_kw)
     result = train(cfg, Eagle3Objective.from_config(DraftConfig(ttt_length=3)), tiny_teacher(target, draft), draft,
                    stream, run_dir,
                    lambda step: Tracker(TrackerConfig(kind="none"), run_dir, {}, resume_step=step),
@@ -147,6 +149,141 @@ def test_every_file_and_folder_is_on_disk_before_a_checkpoint_is_published(tmp_p
     assert ("fsync", str(tmp_path / "checkpoints")) in events[publish:]  # the rename itself made durable
 
 
+DAMAGE = {"weights": ckpt_mod.WEIGHTS, "optimizer": "optimizer.safetensors", "state": ckpt_mod.STATE,
+          "state_key": ckpt_mod.STATE, "optimizer_json": "optimizer.json", "rng": "rng_rank0.json"}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_newest_checkpoint_is_named_and_the_older_one_resumed(tmp_path, damage):
+    """A checkpoint file cut short by a full disk, or JSON that is garbled or lacks a key: pointed at it, a run
+    refuses in one line naming the file and the older checkpoint to use; resume=auto passes over it to the
+    older intact one, says so, and ends where an uninterrupted run ends."""
+    straight, d1 = run_training(tmp_path / "straight", max_steps=8)
+    run_training(tmp_path / "run", max_steps=8, stop_at=4)  # saves steps 2 and 4
+    newest = tmp_path / "run" / "checkpoints" / "step_00000004"
+    damaged = newest / DAMAGE[damage]
+    if damage == "state_key":
+        state = json.loads(damaged.read_text())
+        del state["data"]
+        damaged.write_text(json.dumps(state))
+    else:
+        damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    with pytest.raises(ckpt_mod.CheckpointError, match=f"{DAMAGE[damage]} is damaged.*resume from .*step_00000002"):
+        run_training(tmp_path / "other", max_steps=8, resume=str(newest))
+    said = []
+    resumed, d2 = run_training(tmp_path / "run", max_steps=8, log=said.append)
+    assert any(f"step_00000004 ({DAMAGE[damage]} is damaged" in m and "resuming from the older" in m for m in said)
+    assert resumed.step == 8
+    for name, tensor in d1.trainable_state_dict().items():
+        assert torch.equal(tensor, d2.trainable_state_dict()[name]), name
+
+
+def test_checkpoints_that_cannot_be_resumed_stop_auto_resume_and_a_fresh_start_keeps_them(tmp_path):
+    """An output folder whose checkpoints all fail to read (here: an older version's pickles) must not be
+    trained over from step 0 by resume=auto; starting anew is said explicitly, and the old ones are kept."""
+    run_training(tmp_path, max_steps=8, stop_at=4)
+    for folder in (tmp_path / "checkpoints").glob("step_*"):
+        (folder / ckpt_mod.STATE).unlink()
+        torch.save({"step": 4}, folder / "trainer_state.pt")
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(ckpt_mod.CheckpointError, match="none can be resumed.*pickles.*trainer.resume=never"):
+        run_training(tmp_path, max_steps=8)
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics  # nothing trained, nothing written
+    said = []
+    fresh, _ = run_training(tmp_path, max_steps=4, resume="never", log=said.append)
+    assert fresh.step == 4 and any("earlier checkpoints are kept in" in m for m in said)
+    kept = list(tmp_path.glob("checkpoints.before-*/step_00000004/trainer_state.pt"))
+    assert len(kept) == 1 and (tmp_path / "checkpoints" / "step_00000004" / ckpt_mod.STATE).is_file()
+
+
+def test_a_setting_changed_on_resume_is_applied_with_a_notice_or_refused(tmp_path):
+    """A resume restores the saved optimizer and schedule: a changed learning rate would be silently ignored,
+    so it is refused with the reason; a changed schedule length or clipping is applied, and said."""
+    run_training(tmp_path, max_steps=8, stop_at=4, lr=3e-3)
+    with pytest.raises(ckpt_mod.CheckpointError, match=r"trainer.lr 0.003 -> 0.001 \(the optimizer and schedule"):
+        run_training(tmp_path, max_steps=8, lr=1e-3)
+    said = []
+    result, _ = run_training(tmp_path, max_steps=10, lr=3e-3, log=said.append)
+    assert result.step == 10
+    assert "[train] trainer.max_steps changed since step_00000004 (8 -> 10): applied from step 4" in said
+
+
+class SignalledStream(BatchStream):
+    """Sends this process ``signum`` as it hands out its ``at``-th micro-batch: a scheduler's SIGTERM, or a
+    Ctrl-C, in the middle of a step."""
+
+    def __init__(self, *args, at: int, signum: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.at, self.signum, self.handed = at, signum, 0
+
+    def __next__(self):
+        self.handed += 1
+        if self.handed == self.at:
+            os.kill(os.getpid(), self.signum)
+        return super().__next__()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_ends_the_step_saves_it_and_the_run_resumes_exactly(tmp_path, signum):
+    """SIGTERM (a scheduler's preemption) or SIGINT mid-step: the step under way finishes, a checkpoint of it
+    is written, the run ends with Interrupted (train.py: a one-line error, exit 1, no export), and the same
+    command resumes to what an uninterrupted run ends with."""
+    from specforge_lite.training.loop import Interrupted, StopRequests
+
+    _, d1 = run_training(tmp_path / "straight", max_steps=8)
+    with pytest.raises(Interrupted, match=f"stopped by {signum.name} at step 3; the checkpoint .*step_00000003"):
+        run_training(tmp_path / "run", max_steps=8, save_every=100, stream_cls=SignalledStream, at=5, signum=signum)
+    assert ckpt_mod.latest_checkpoint(tmp_path / "run").name == "step_00000003"
+    assert not isinstance(getattr(signal.getsignal(signum), "__self__", None), StopRequests)  # handler given back
+    resumed, d2 = run_training(tmp_path / "run", max_steps=8, save_every=100)
+    assert resumed.step == 8
+    for name, tensor in d1.trainable_state_dict().items():
+        assert torch.equal(tensor, d2.trainable_state_dict()[name]), name
+
+
+def test_a_checkpoint_that_cannot_be_written_is_said_and_never_the_newest(tmp_path, monkeypatch):
+    """A full disk at a save: the run stops with the path and the reason, the half-written folder is gone, the
+    previous checkpoint stays the newest, and the same command resumes once there is room."""
+    import errno
+
+    run_training(tmp_path, max_steps=8, stop_at=2)
+    real_save = ckpt_mod.save_file
+
+    def disk_full(tensors, path, *a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt_mod, "save_file", disk_full)
+    with pytest.raises(ckpt_mod.CheckpointError, match="step 4 could not be written .*No space left on device.*"
+                                                       "newest complete one is still .*step_00000002"):
+        run_training(tmp_path, max_steps=8, stop_at=4)
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    assert ckpt_mod.latest_checkpoint(tmp_path).name == "step_00000002"
+    monkeypatch.setattr(ckpt_mod, "save_file", real_save)
+    assert run_training(tmp_path, max_steps=8)[0].step == 8
+
+
+def test_a_metrics_line_cut_short_by_a_kill_is_dropped_and_an_edited_one_is_named(tmp_path):
+    """A kill in the middle of writing metrics.jsonl leaves a partial last line: the resume drops it (it
+    raised a JSONDecodeError traceback before, and the run could not resume). A damaged line elsewhere is
+    named by path and line, here and in the tools that read the record."""
+    from specforge_lite.evaluate.sweep import collect
+    from specforge_lite.training.tracking import DamagedRecord
+
+    run_training(tmp_path, max_steps=6, stop_at=4)
+    metrics = tmp_path / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join(lines) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    resumed, _ = run_training(tmp_path, max_steps=6)
+    assert resumed.step == 6
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, 7))
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], "{oops", *lines[2:]]) + "\n")
+    with pytest.raises(DamagedRecord, match=f"{metrics}:2 is not a JSON object"):
+        collect(tmp_path)
+    with pytest.raises(DamagedRecord, match=f"{metrics}:2 is not a JSON object"):
+        run_training(tmp_path, max_steps=8)
+
+
 class _Payload:
     """Unpickling this creates a file: proof that loading ran code."""
 
@@ -234,11 +371,18 @@ def test_every_spec_field_added_later_reads_as_its_old_behaviour(tmp_path):
         run_training(tmp_path, max_steps=6)
 
 
-def test_a_time_budget_ends_the_run_and_its_schedule_and_a_resume_spends_only_what_is_left(tmp_path):
+def test_a_time_budget_ends_the_run_and_its_schedule_and_a_resume_spends_only_what_is_left(tmp_path, monkeypatch):
     """trainer.max_minutes: the run stops when the budget is spent, long before max_steps, with its warmup
     and cosine decay run over the budget (so it ends near min_lr, not at full lr as a step schedule cut short
     would), and counts as finished (it is exported). A resume from a checkpoint that spent the budget
-    trains no further step."""
+    trains no further step. The loop's clock advances 0.1 s per reading, so the budget holds the same
+    number of steps on any machine, busy or not."""
+    from types import SimpleNamespace
+
+    from specforge_lite.training import loop
+
+    clock = iter(0.1 * n for n in range(1, 10**9))
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
     result, _ = run_training(tmp_path, max_steps=100_000, accum=1, max_minutes=0.1, save_every=40)
     assert result.finished and 10 < result.step < 100_000
     lrs = [json.loads(x)["lr"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -323,8 +323,10 @@ def test_the_fused_head_loss_does_no_gradient_work_under_no_grad(monkeypatch):
 
 def test_settings_no_run_can_use_are_refused_before_anything_is_built(tmp_path):
     """draft.ttt_length=0 once ended in 'stack expects a non-empty TensorList'; trainer.max_steps=-1 trained
-    nothing, exited 0 and exported an untrained draft. Both are refused, naming the setting, before the run
-    folder or the target exist; so are a draft of no layers and both aux-norm kinds at once."""
+    nothing, exited 0 and exported an untrained draft. Both are refused, naming the setting and the values it
+    may take, before the run folder or the target exist; so is every other number out of its range (zero or
+    negative batch sizes, accumulation steps, vocabulary size, a ratio past 1, a nan) and both aux-norm kinds
+    at once."""
     import sys
 
     import pytest
@@ -335,9 +337,15 @@ def test_settings_no_run_can_use_are_refused_before_anything_is_built(tmp_path):
     sys.path.insert(0, str(ROOT))
     from train import run
 
-    for overrides, message in ((["draft.ttt_length=0"], "draft.ttt_length=0: unroll at least 1 step"),
-                               (["trainer.max_steps=-1"], "trainer.max_steps=-1: train at least 1 step"),
-                               (["draft.num_layers=0"], "draft.num_layers=0: a draft has at least one layer"),
+    for overrides, message in ((["draft.ttt_length=0"], r"draft.ttt_length=0: allowed \[1, inf\)"),
+                               (["trainer.max_steps=-1"], r"trainer.max_steps=-1: allowed \[1, inf\)"),
+                               (["draft.num_layers=0"], r"draft.num_layers=0: allowed \[1, inf\)"),
+                               (["trainer.micro_batch_size=0", "trainer.grad_accum_steps=-2"],
+                                r"trainer.micro_batch_size=0: allowed \[1, inf\); trainer.grad_accum_steps=-2"),
+                               (["draft.draft_vocab_size=0"], r"draft.draft_vocab_size=0: allowed \[1, inf\)"),
+                               (["trainer.warmup_ratio=1.5"], r"trainer.warmup_ratio=1.5: allowed \[0, 1\]"),
+                               (["data.generation.top_p=0"], r"data.generation.top_p=0.0: allowed \(0, 1\]"),
+                               (["trainer.lr=nan"], "trainer.lr=nan: allowed"),
                                (["draft.norm_before_fc=true", "draft.use_aux_norm=true"], "not both")):
         with pytest.raises(ValueError, match=message):
             run(load_config(["model=llama3_tiny", "tracker=none", *overrides]), tmp_path / "run", log=lambda m: None)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..serving import ROOT
+from ..training.tracking import read_metrics
 
 # The held-out chit-chat (the training data's own held-out conversations) against prompts of kinds the
 # default never trains on: the two figures the embedded default is judged by.
@@ -57,7 +58,7 @@ def train_candidate(run_dir: Path, overrides: list[str], log=print) -> float:
 
 def training_time(run_dir: Path) -> dict:
     """Steps and seconds of the training loop itself (metrics.jsonl), and of the whole process."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = read_metrics(run_dir / "metrics.jsonl")
     timing = run_dir / "bench_train.json"
     process = json.loads(timing.read_text())["seconds"] if timing.is_file() else None
     tokens = rows[-1].get("tokens_seen") if rows else None

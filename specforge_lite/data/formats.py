@@ -86,6 +86,7 @@ def normalize_conversation(row: Any, base_dir: Path | None = None, confine_image
             text, images = _content_parts(text, base_dir, confine_images)
         if not isinstance(text, str):
             raise MalformedRow(f"turn content is {type(text).__name__}, not text")
+        _check_encodable(text)
         messages.append({"role": ROLES[role], "content": text, **({"images": images} if images else {})})
     _attach_row_images(row, messages, base_dir, confine_images)
     if any(m["role"] == "system" for m in messages[1:]):
@@ -97,6 +98,15 @@ def normalize_conversation(row: Any, base_dir: Path | None = None, confine_image
     if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
         raise MalformedRow("no non-empty assistant turn to learn from")
     return messages
+
+
+def _check_encodable(text: str) -> None:
+    """JSON's \\u escapes can spell half of a UTF-16 pair (a lone surrogate), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise MalformedRow(f"text holds {text[e.start]!r} at character {e.start}, a lone UTF-16 surrogate (half of "
+                           "an escaped pair) that is not Unicode text: fix the escape in the file") from None
 
 
 def _attach_row_images(row: dict, messages: list[dict[str, Any]], base_dir: Path | None, confine: bool) -> None:
@@ -133,35 +143,51 @@ def iter_rows(path: str | Path) -> Iterator[tuple[Path, str, Any]]:
     if not files:
         raise FileNotFoundError(f"no .jsonl or .json files under {path}")
     for f in files:
-        if f.suffix == ".json":
+        try:
+            yield from _file_rows(f)
+        except OSError as e:  # a symlink loop or a dangling link, a file that cannot be read: one counted skip
+            yield f, f"{f}", MalformedRow(f"the file cannot be read ({e.strerror or e})")
+
+
+def _file_rows(f: Path) -> Iterator[tuple[Path, str, Any]]:
+    if f.suffix == ".json":
+        try:
+            rows = _parse(_utf8(f.read_bytes()))
+        except UnicodeDecodeError as e:
+            before = e.object[: e.start]
+            line = before.count(b"\n") + 1
+            yield f, f"{f}:{line}", _not_utf8(e, e.start - before.rfind(b"\n"))
+            return
+        except MalformedRow as e:
+            yield f, f"{f}", e
+            return
+        if not isinstance(rows, list):
+            rows = [rows]
+        for i, row in enumerate(rows):
+            yield f, f"{f}[{i}]", row
+        return
+    with open(f, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
             try:
-                rows = json.loads(_utf8(f.read_bytes()))
+                line = _utf8(raw) if n == 1 else raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                before = e.object[: e.start]
-                line = before.count(b"\n") + 1
-                yield f, f"{f}:{line}", _not_utf8(e, e.start - before.rfind(b"\n"))
+                yield f, f"{f}:{n}", _not_utf8(e, e.start + 1)
                 continue
-            except json.JSONDecodeError as e:
-                yield f, f"{f}", MalformedRow(f"invalid JSON: {e}")
+            if not line.strip():
                 continue
-            if not isinstance(rows, list):
-                rows = [rows]
-            for i, row in enumerate(rows):
-                yield f, f"{f}[{i}]", row
-        else:
-            with open(f, "rb") as fh:
-                for n, raw in enumerate(fh, 1):
-                    try:
-                        line = _utf8(raw) if n == 1 else raw.decode("utf-8")
-                    except UnicodeDecodeError as e:
-                        yield f, f"{f}:{n}", _not_utf8(e, e.start + 1)
-                        continue
-                    if not line.strip():
-                        continue
-                    try:
-                        yield f, f"{f}:{n}", json.loads(line)
-                    except json.JSONDecodeError as e:
-                        yield f, f"{f}:{n}", MalformedRow(f"invalid JSON: {e.msg}")
+            try:
+                yield f, f"{f}:{n}", _parse(line)
+            except MalformedRow as e:
+                yield f, f"{f}:{n}", e
+
+
+def _parse(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise MalformedRow(f"invalid JSON: {e.msg}") from None
+    except RecursionError:
+        raise MalformedRow("JSON nested deeper than any conversation (the parser's recursion limit)") from None
 
 
 def _utf8(data: bytes) -> str:

@@ -38,6 +38,8 @@ class ImageInputs:
                 return im.convert("RGB")
         except OSError as e:  # (PIL's UnidentifiedImageError included)
             raise MalformedRow(f"{path} is not an image file that can be read ({e})") from None
+        except Image.DecompressionBombError as e:  # a small file declaring a huge size
+            raise MalformedRow(f"{path} declares more pixels than any training image has ({e})") from None
 
     def num_tokens(self, path: str) -> int:
         """Image tokens the model reads for this image (grid t*h*w / merge^2), as its processor computes."""

@@ -143,7 +143,8 @@ class BatchStream:
 
     def load_state_dict(self, state: dict) -> None:
         if state["size"] != len(self.dataset):
-            raise RuntimeError(f"the checkpoint was taken on {state['size']} training conversations, this run has "
-                               f"{len(self.dataset)}: resume with the same data settings")
+            raise ValueError(f"the checkpoint was taken on {state['size']} training conversations, this run has "
+                             f"{len(self.dataset)}: the data settings changed since. Resume with the same data, or "
+                             "start anew (a new output_dir, or trainer.resume=never)")
         self.epoch, self.cursor, self.seed = state["epoch"], state["cursor"], state["seed"]
         self._order = self._make_order()

@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..config import DataConfig, MixSource, cache_dir
+from ..errors import UserError
 from .builtin import chitchat_path, shapes_path
 from .chat import LOSS_TURNS, prompt_ids, tokenize_samples
 from .formats import MalformedRow, conversation_images, iter_rows, normalize_conversation
@@ -22,7 +24,7 @@ _PREP_VERSION = "4"  # bump when tokenisation or masking changes, so stale cache
 _HELDOUT_SEED = 1234  # fixed: the held-out split does not move with trainer.seed
 
 
-class DataError(RuntimeError):
+class DataError(UserError):
     pass
 
 
@@ -75,10 +77,30 @@ def data_file(cfg: DataConfig | MixSource) -> Path:
             raise FileNotFoundError(
                 f"data.path={str(path)!r} does not exist; give a JSONL/JSON file or folder of them "
                 "(ShareGPT 'conversations' or OpenAI 'messages' rows), or data.source=builtin_chitchat")
-        return path
+        return _read_once(path)
     raise DataError(f"data.source={cfg.source!r}: use builtin_chitchat, builtin_shapes (image conversations, for "
                     "vision targets), path (with data.path=...) or mix (with data.mix=...; its sources may also be "
                     "self_generated)")
+
+
+_PIPED: dict[str, Path] = {}
+
+
+def _read_once(path: Path) -> Path:
+    """A pipe (data.path=/dev/stdin, a process substitution such as <(zcat chats.jsonl.gz)) can be read once, and
+    the data is read more than once (its fingerprint, then its rows): its bytes are kept in a file of the
+    cache, read from there. A regular file or a folder is read where it is."""
+    mode = path.stat().st_mode
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return path
+    if str(path) not in _PIPED:
+        data = path.read_bytes()
+        suffix = ".json" if data.lstrip()[:1] == b"[" else ".jsonl"
+        copy = cache_dir() / "piped" / f"{hashlib.sha256(data).hexdigest()[:20]}{suffix}"
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_bytes(data)
+        _PIPED[str(path)] = copy
+    return _PIPED[str(path)]
 
 
 def check_data_sources(cfg: DataConfig) -> None:
@@ -98,14 +120,20 @@ def _fingerprint(paths: list[Path], tokenizer: Any, cfg: DataConfig, images: Ima
         files = sorted(path.rglob("*.json*")) if path.is_dir() else [path]
         for f in files:
             h.update(str(f.name).encode())
-            with open(f, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
+            try:
+                with open(f, "rb") as fh:
+                    for chunk in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(chunk)
+            except OSError as e:  # (reading its rows counts it as a skipped file, with the reason)
+                h.update(str(e).encode())
         if images is not None:  # token counts follow image sizes and the processor; pixels are read per batch
             folder = path if path.is_dir() else path.parent
             for f in sorted(p for p in folder.rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES):
-                st = f.stat()
-                h.update(f"{f.relative_to(folder)}|{st.st_size}|{st.st_mtime_ns}".encode())
+                try:
+                    st = f.stat()
+                    h.update(f"{f.relative_to(folder)}|{st.st_size}|{st.st_mtime_ns}".encode())
+                except OSError as e:  # (a dangling or looping link: the row naming it is skipped, with the reason)
+                    h.update(str(e).encode())
     if images is not None:
         h.update(images.processor.to_json_string().encode())
     tok_state = json.dumps([tokenizer.name_or_path, len(tokenizer), tokenizer.chat_template,

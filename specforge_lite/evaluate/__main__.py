@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..errors import said_in_one_line
+
 
 def main(argv=None) -> None:
     from .finish import evaluate_finished_run
@@ -44,10 +46,8 @@ def main(argv=None) -> None:
                                    "drafting": a.drafting, "tree_topk": a.tree_topk, "tree_budget": a.tree_budget,
                                    "prompt_sets": a.prompt_sets, "prompt_files": files or None}.items()
                  if v is not None}
-    try:
+    with said_in_one_line():
         evaluate_finished_run(a.run_dir, overrides)
-    except (ValueError, FileNotFoundError) as e:  # the user's input, with the reason and the fix
-        raise SystemExit(f"error: {e}")
     print((a.run_dir / "eval.md").read_text())
     print(f"wrote {a.run_dir / 'eval.json'}, eval.md, eval.png")
 

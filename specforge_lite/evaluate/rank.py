@@ -16,7 +16,9 @@ import json
 import statistics
 from pathlib import Path
 
-from .served import ServedMismatch, eval_inputs, serve
+from ..errors import said_in_one_line
+from ..training.tracking import read_metrics
+from .served import eval_inputs, serve
 
 
 def method(run: Path) -> str:
@@ -45,7 +47,7 @@ def training_tokens_per_s(run: Path) -> float | None:
     path = run / "metrics.jsonl"
     if not path.is_file():
         return None
-    speeds = [json.loads(x).get("tokens_per_s") for x in path.read_text().splitlines() if x.strip()]
+    speeds = [row.get("tokens_per_s") for row in read_metrics(path)]
     speeds = [s for s in speeds if s]
     return statistics.median(speeds) if speeds else None
 
@@ -119,10 +121,8 @@ def main(argv=None) -> None:
     p.add_argument("--serve-again", action="store_true", help="serve every run, even one already timed")
     p.add_argument("--out", type=Path, default=None, help="write rank.md and rank.json here")
     a = p.parse_args(argv)
-    try:
+    with said_in_one_line():
         rows = rank(a.run_dirs, a.k, a.serve_again)
-    except (ServedMismatch, FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}")
     table = markdown(rows)
     print(table)
     if a.out:

@@ -17,11 +17,12 @@ import json
 import subprocess
 from pathlib import Path
 
+from ..errors import UserError, said_in_one_line
 from ..serving import ROOT, serving_python
 SCRIPT = ROOT / "eval" / "vllm_acceptance.py"
 
 
-class ServedMismatch(RuntimeError):
+class ServedMismatch(UserError):
     """vLLM refused the export, or served outputs other than the target's greedy output."""
 
 
@@ -111,10 +112,8 @@ def main(argv=None) -> None:
     p.add_argument("run_dirs", nargs="+", type=Path, help="finished, evaluated runs (final/ and eval_inputs.json)")
     p.add_argument("--k", type=int, default=None, help="draft tokens per step (default: the k our evaluation used)")
     a = p.parse_args(argv)
-    try:
+    with said_in_one_line():
         serve(a.run_dirs, a.k)
-    except (ServedMismatch, FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 
 from ..draft.objective import sim_accepted_drafts
+from ..errors import said_in_one_line
+from ..training.tracking import read_metrics
 
 
 def _overrides(run: Path) -> list[str]:
@@ -30,7 +32,7 @@ def collect(sweep: Path) -> list[dict]:
     rows = []
     for metrics in sorted(sweep.rglob("metrics.jsonl")):
         run = metrics.parent
-        lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        lines = read_metrics(metrics)
         if not lines:
             continue
         last = lines[-1]
@@ -101,9 +103,10 @@ def main(argv=None) -> None:
     p.add_argument("sweep_dir", type=Path)
     p.add_argument("--out", type=Path, default=None, help="where to write report.* (default: SWEEP_DIR)")
     a = p.parse_args(argv)
-    rows = collect(a.sweep_dir)
+    with said_in_one_line():
+        rows = collect(a.sweep_dir)
     if not rows:
-        raise SystemExit(f"no runs (metrics.jsonl) under {a.sweep_dir}")
+        raise SystemExit(f"error: no runs (metrics.jsonl) under {a.sweep_dir}")
     out = a.out or a.sweep_dir
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)

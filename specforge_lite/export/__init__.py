@@ -11,7 +11,7 @@ import torch
 
 from ..device import resolve_dtype
 from ..draft.model import DRAFT_ACT, Eagle3Spec
-from ..training.checkpoint import latest_checkpoint, load_checkpoint
+from ..training.checkpoint import latest_checkpoint, load_checkpoint, unusable_checkpoints
 from .dflash import DFlashFormat
 from .format import ExportFormat
 from .layout import PROVENANCE_KEY, draft_weights, write_export
@@ -46,9 +46,11 @@ def export_draft(weights: dict[str, torch.Tensor], spec: Eagle3Spec, fmt: str, o
 
 
 def export_run(run_dir: Path, fmt: str, out_dir: Path, checkpoint: Path | None = None, dtype: str = "auto") -> Path:
-    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(Path(run_dir))
+    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(Path(run_dir), log=print)
     if ckpt is None:
-        raise FileNotFoundError(f"no checkpoint under {Path(run_dir) / 'checkpoints'}; train first or pass "
+        unusable = unusable_checkpoints(Path(run_dir))
+        raise FileNotFoundError(f"no checkpoint under {Path(run_dir) / 'checkpoints'} can be read"
+                                + (f" ({'; '.join(unusable)})" if unusable else "") + "; train first or pass "
                                 "--checkpoint")
     weights, _, spec = load_checkpoint(ckpt)
     verifier, k = {}, 3

@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..errors import said_in_one_line
 from . import FORMATS, export_run
 
 
@@ -23,8 +24,17 @@ def main(argv=None) -> None:
                    help="with --check: the format the folder will be served as (default: the one it was exported "
                         "for); aux ids that server would read other than the trained ones are an error")
     a = p.parse_args(argv)
+    with said_in_one_line():
+        run(p, a)
+
+
+def run(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.check:
         from .check import check_export
+
+        if not a.check.is_dir():
+            raise FileNotFoundError(f"{a.check} is not a folder: give --check an export folder (config.json and "
+                                    "model.safetensors)")
 
         report = check_export(a.check, a.server)
         print(report.text())

@@ -7,6 +7,7 @@ format classes (vllm.py, sglang.py, speculators.py); nothing here knows a server
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from safetensors.torch import save_file
 
 from ..device import dtype_name
 from ..draft.model import Eagle3Spec
+from ..errors import UserError
 
 PROVENANCE_KEY = "specforge_lite"
 # The first decoder layer's weights, after its prefix (midlayer. or layers.0.), as a regular expression.
@@ -93,9 +95,33 @@ def draft_weights(state: dict[str, torch.Tensor], dtype: torch.dtype, with_vocab
     return out
 
 
+class ExportWriteError(UserError):
+    """An export that could not be written (a full disk, a folder that cannot be written)."""
+
+
 def write_export(out_dir: Path, config: dict, weights: dict[str, torch.Tensor]) -> Path:
+    """config.json last, each file written under a temporary name and renamed into place: a folder holding a
+    config.json holds the whole export, and a write cut short (a kill, a full disk) leaves none."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").unlink(missing_ok=True)  # (the folder is incomplete until the new one is in)
+        _write_then_rename(out_dir / "model.safetensors",
+                           lambda tmp: save_file(weights, str(tmp), metadata={"format": "pt"}))
+        _write_then_rename(out_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
+    except OSError as e:
+        raise ExportWriteError(f"the export to {out_dir} could not be written ({e.strerror or e}); it is left "
+                               "without config.json (incomplete). Free space or choose a writable folder, then "
+                               f"export again: python -m specforge_lite.export --run-dir RUN --out {out_dir}") from None
     return out_dir
+
+
+def _write_then_rename(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..errors import said_in_one_line
+
 
 def _overrides(items: list[str]) -> list[str]:
     return [f"store.path={x.split('=', 1)[1]}" if x.startswith("store=") else x for x in items]
@@ -30,7 +32,11 @@ def main(argv=None) -> None:
     i.add_argument("src")
     i.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
+    with said_in_one_line():
+        run(a)
 
+
+def run(a: argparse.Namespace) -> None:
     from ..config import load_config
     from ..run import Run
     from .dump import store_folder

@@ -30,13 +30,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..errors import UserError
+
 FORMAT = "specforge_lite.store"
 VERSION = 1
 MANIFEST = "manifest.json"
 PARTS = "target_parts.safetensors"
 
 
-class StoreError(RuntimeError):
+class StoreError(UserError):
     pass
 
 

@@ -14,9 +14,10 @@ import zipfile
 from pathlib import Path
 
 from ..config import ModelConfig, available_presets, cache_dir
+from ..errors import UserError
 
 
-class ModelUnavailableError(RuntimeError):
+class ModelUnavailableError(UserError):
     pass
 
 

@@ -20,12 +20,17 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+
+from ..errors import UserError
+from .optimizer_state import META as OPTIMIZER_META
 
 WEIGHTS = "draft.safetensors"
 STATE = "trainer_state.json"
@@ -34,9 +39,18 @@ SPEC = "spec.json"
 PICKLED = ("trainer_state.pt", "optimizer.pt", "rng_rank0.pt")
 REPLACED = ".replaced-"  # a step's previous folder, kept until its re-save is in place
 VOCAB_MAPS = ("d2t", "t2d")  # the draft's vocabulary mapping, saved with its weights
+# Trainer settings a checkpoint records and a resume compares: those a resumed run applies from its first step
+# (each change said in one line), and those it cannot apply, refused with the reason.
+APPLIED_ON_RESUME = ("max_steps", "max_minutes", "warmup_ratio", "min_lr_ratio", "micro_batch_size", "grad_accum_steps",
+                     "grad_clip", "weight_decay", "betas", "precision")
+REFUSED_ON_RESUME = {"lr": "the optimizer and schedule come back with the saved peak learning rate",
+                     "seed": "the data order and every random generator come back as saved"}
+# the keys a resume reads from each JSON file of a checkpoint
+REQUIRED_KEYS = {STATE: ("step", "tokens_seen", "data"), OPTIMIZER_META: ("step", "lrs", "scheduler"),
+                 "rng_rank*.json": ("python", "numpy", "torch")}
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError):
     """A checkpoint folder that cannot be resumed or exported, with the reason and the way out."""
 
 
@@ -161,32 +175,81 @@ def is_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in (WEIGHTS, STATE, SPEC))
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint; a step's previous folder counts where a kill during its re-save
-    left that step without its published folder."""
-    root = checkpoint_root(run_dir)
-    found = {p.name.removeprefix(REPLACED): p for p in root.glob(f"{REPLACED}step_*") if is_complete(p)}
-    found.update({p.name: p for p in root.glob("step_*") if is_complete(p)})
-    return found[max(found)] if found else None
+def checkpoint_problem(path: Path) -> str | None:
+    """What keeps a checkpoint folder from being resumed, in words (which file, what is wrong); None when it
+    reads: its files are all there, every JSON file parses and holds the keys a resume reads, and every
+    safetensors file's header covers the file (a truncated or overwritten one fails here, before a resume
+    has changed anything)."""
+    path = Path(path)
+    pickled = [name for name in PICKLED if (path / name).exists()]
+    if pickled and not is_complete(path):
+        return (f"it holds Python pickles ({', '.join(pickled)}) instead of {STATE}: it was written by an earlier "
+                "specforge_lite, or by someone else, and loading a pickle can run any code, so it is not read")
+    missing = [name for name in (WEIGHTS, STATE, SPEC) if not (path / name).is_file()]
+    if missing:
+        return f"it is incomplete (missing {', '.join(missing)})"
+    for pattern, keys in {**REQUIRED_KEYS, SPEC: ()}.items():
+        for f in sorted(path.glob(pattern)):
+            try:
+                data = json.loads(f.read_text())
+            except (ValueError, UnicodeDecodeError, OSError) as e:
+                return f"{f.name} is damaged: not valid JSON ({e})"
+            lacking = [k for k in keys if not isinstance(data, dict) or k not in data]
+            if lacking or not isinstance(data, dict):
+                return f"{f.name} is damaged: it lacks {', '.join(lacking) or 'its fields'}"
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            return f"{f.name} is damaged (truncated or overwritten: {e})"
+    return None
+
+
+def checkpoint_folders(root: Path) -> dict[str, Path]:
+    """Every checkpoint folder in ``root`` (a run's checkpoints/) by step name, resumable or not; a step's
+    previous folder stands in where a kill during its re-save left that step without its published folder."""
+    found = {p.name.removeprefix(REPLACED): p for p in root.glob(f"{REPLACED}step_*") if p.is_dir()}
+    found.update({p.name: p for p in root.glob("step_*") if p.is_dir() and
+                  (is_complete(p) or p.name not in found)})
+    return found
+
+
+def latest_checkpoint(run_dir: Path, log=None) -> Path | None:
+    """The newest checkpoint that reads (``checkpoint_problem``). A newer damaged one is passed over, and
+    ``log`` says which and why; None when no folder reads (``unusable_checkpoints`` then says why)."""
+    found = checkpoint_folders(checkpoint_root(run_dir))
+    damaged = []
+    for name in sorted(found, reverse=True):
+        problem = checkpoint_problem(found[name])
+        if problem is None:
+            if damaged and log is not None:
+                log(f"[train] passing over damaged checkpoint(s) {'; '.join(damaged)}: resuming from the older "
+                    f"{found[name]}")
+            return found[name]
+        damaged.append(f"{found[name]} ({problem})")
+    return None
+
+
+def unusable_checkpoints(run_dir: Path) -> list[str]:
+    """Each checkpoint folder of the run with what keeps it from being resumed (all of them, when
+    ``latest_checkpoint`` found none)."""
+    problems = {name: checkpoint_problem(p) for name, p in sorted(checkpoint_folders(checkpoint_root(run_dir)).items())}
+    return [f"{name}: {problem}" for name, problem in problems.items() if problem is not None]
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict]:
     """(weights, trainer state, spec): safetensors and JSON only; nothing is unpickled."""
     path = Path(path)
-    if not is_complete(path):
-        pickled = [name for name in PICKLED if (path / name).exists()]
-        if pickled:
-            raise CheckpointError(
-                f"{path} holds Python pickles ({', '.join(pickled)}) instead of {STATE}: it was written by an "
-                "earlier specforge_lite, or by someone else. Loading a pickle can run any code, so it is not read. "
-                "Resume or export it with the version that wrote it, or start this run anew (trainer.resume=never)")
-        missing = [name for name in (WEIGHTS, STATE, SPEC) if not (path / name).is_file()]
-        raise CheckpointError(f"{path} is not a complete checkpoint (missing {', '.join(missing)}): point "
-                              "trainer.resume at a checkpoints/step_* folder, or use trainer.resume=auto")
-    try:
-        state, spec = json.loads((path / STATE).read_text()), json.loads((path / SPEC).read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{path}: {STATE} or {SPEC} is not valid JSON ({e})") from None
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        older = [p for name, p in sorted(checkpoint_folders(path.parent).items())
+                 if name < path.name.removeprefix(REPLACED) and checkpoint_problem(p) is None]
+        way_out = (f"resume from {older[-1]} (trainer.resume={older[-1]})" if older else
+                   "point trainer.resume at another checkpoints/step_* folder")
+        raise CheckpointError(f"checkpoint {path} cannot be read: {problem}. Use another: {way_out}, or start "
+                              "anew (a new output_dir, or trainer.resume=never)")
+    state, spec = json.loads((path / STATE).read_text()), json.loads((path / SPEC).read_text())
     return load_file(str(path / WEIGHTS)), state, spec
 
 
@@ -209,8 +272,15 @@ class CheckpointManager:
         cfg, ctx = self.cfg, self.ctx
         path = None
         if cfg.resume == "auto":
-            path = latest_checkpoint(self.run_dir)
-        elif cfg.resume not in ("never", "none", ""):
+            path = latest_checkpoint(self.run_dir, log=log)
+            if path is None and checkpoint_folders(checkpoint_root(self.run_dir)):
+                raise CheckpointError(
+                    f"{checkpoint_root(self.run_dir)} holds checkpoints, and none can be resumed ("
+                    f"{'; '.join(unusable_checkpoints(self.run_dir))}). Nothing was trained over them. To start "
+                    "anew say so: trainer.resume=never (they are kept, moved aside), or a new output_dir")
+        elif cfg.resume in ("never", "none", ""):
+            self._set_aside_old_checkpoints(log)
+        else:
             path = Path(cfg.resume)
         if path is None:
             return 0, 0
@@ -224,6 +294,7 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} does not fit this draft (saved vs now: {changed}); "
                                   "resume with the same model and draft settings, or use a new output_dir")
         self._check_vocabulary(path, weights)
+        self._check_settings(path, state, log)
         saved_world = state.get("world_size", 1)
         self.engine.load(path, weights, ctx)
         self.stream.load_state_dict(state["data"])
@@ -233,6 +304,35 @@ class CheckpointManager:
         log(f"[train] resumed from {path} at step {state['step']}"
             + (f" (written by {saved_world} ranks, now {ctx.world_size})" if saved_world != ctx.world_size else ""))
         return state["step"], state["tokens_seen"]
+
+    def settings(self) -> dict:
+        return {key: getattr(self.cfg, key) for key in (*APPLIED_ON_RESUME, *REFUSED_ON_RESUME)}
+
+    def _check_settings(self, path: Path, state: dict, log) -> None:
+        """A setting changed since the checkpoint is applied from the resumed step with a notice, or refused
+        (``REFUSED_ON_RESUME``): never silently ignored."""
+        now = self.settings()
+        changed = {k: (v, now[k]) for k, v in state.get("settings", {}).items() if k in now and v != now[k]}
+        refused = [f"trainer.{k} {old} -> {new} ({REFUSED_ON_RESUME[k]})" for k, (old, new) in changed.items()
+                   if k in REFUSED_ON_RESUME]
+        if refused:
+            raise CheckpointError(f"checkpoint {path}: changed since it was written, and a resume cannot apply it: "
+                                  f"{'; '.join(refused)}. Resume with the saved value, or start anew (a new "
+                                  "output_dir, or trainer.resume=never)")
+        for key, (old, new) in changed.items():
+            log(f"[train] trainer.{key} changed since {path.name} ({old} -> {new}): applied from step {state['step']}")
+
+    def _set_aside_old_checkpoints(self, log) -> None:
+        """A run told to start anew where checkpoints exist keeps them: its own saves would otherwise prune
+        them as older steps (or overwrite the same step numbers)."""
+        root = checkpoint_root(self.run_dir)
+        earlier = bool(checkpoint_folders(root))
+        self.ctx.barrier()  # (every rank has looked before the folder moves)
+        if earlier and self.ctx.is_main:
+            aside = root.with_name(f"{root.name}.before-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+            os.replace(root, aside)
+            log(f"[train] trainer.resume=never: the earlier checkpoints are kept in {aside}")
+        self.ctx.barrier()
 
     def _check_vocabulary(self, path: Path, weights: dict[str, torch.Tensor]) -> None:
         """The draft vocabulary comes from the data: changed data of the same size can map draft ids to other
@@ -249,7 +349,14 @@ class CheckpointManager:
     def save(self, step: int, tokens_seen: int) -> Path:
         state = {"data": self.stream.state_dict(), "step": step, "tokens_seen": tokens_seen,
                  "world_size": self.ctx.world_size, "engine": self.engine.kind,
-                 "elapsed_s": self.budget.elapsed if self.budget is not None else 0.0}
-        return save_checkpoint(self.run_dir, step, self.engine.full_state_dict(), state, self.spec,
-                               keep=self.cfg.keep_checkpoints, ctx=self.ctx,
-                               save_engine=lambda folder: self.engine.save(folder, self.ctx))
+                 "elapsed_s": self.budget.elapsed if self.budget is not None else 0.0, "settings": self.settings()}
+        try:
+            return save_checkpoint(self.run_dir, step, self.engine.full_state_dict(), state, self.spec,
+                                   keep=self.cfg.keep_checkpoints, ctx=self.ctx,
+                                   save_engine=lambda folder: self.engine.save(folder, self.ctx))
+        except OSError as e:  # (a full disk, a folder made read-only): the half-written one is never published
+            shutil.rmtree(checkpoint_root(self.run_dir) / f".tmp-step_{step:08d}", ignore_errors=True)
+            raise CheckpointError(f"the checkpoint of step {step} could not be written under "
+                                  f"{checkpoint_root(self.run_dir)} ({e.strerror or e}); the newest complete one is "
+                                  f"still {latest_checkpoint(self.run_dir) or 'none'}. Free space or make the folder "
+                                  "writable, then run the same command to resume") from None

@@ -3,6 +3,8 @@ checkpoints and exact resume."""
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +14,7 @@ import torch
 from ..config import TrainerConfig
 from ..data.loader import BatchStream
 from ..draft.objective import Eagle3Objective
+from ..errors import UserError
 from ..targets.teacher import Teacher
 from .checkpoint import CheckpointManager
 from .distributed import DistributedContext
@@ -24,8 +27,40 @@ from .optim import Budget
 UNSCORED_STEPS_LIMIT = 5
 
 
-class NothingScored(RuntimeError):
+class NothingScored(UserError):
     """Training steps in a row whose batches held no position the loss counts."""
+
+
+class Interrupted(UserError):
+    """SIGTERM or SIGINT ended training early, after a resumable checkpoint of the last finished step."""
+
+
+class StopRequests:
+    """SIGTERM and SIGINT ask the loop to stop after the step under way and save it, not to die in the middle
+    of a write; a second SIGINT stops at once. Handled from construction to ``restore``, in the main thread
+    only (where Python delivers signals)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = ({s: signal.signal(s, self._ask) for s in self.SIGNALS}
+                          if threading.current_thread() is threading.main_thread() else {})
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _ask(self, signum, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def asked(self, ctx: DistributedContext) -> bool:
+        """Whether any rank was asked to stop: every rank then stops after the same step."""
+        if not ctx.enabled:
+            return self.received is not None
+        return float(ctx.all_reduce_sum(torch.tensor([float(self.received is not None)]))) > 0
 
 
 def spec_field_defaults(spec) -> dict:
@@ -87,8 +122,9 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
     last_ckpt = None
     unscored = 0
     t_window, tok_window = time.perf_counter(), 0
+    stop = StopRequests()
     try:
-        while step < stop_at and not budget.spent(step):
+        while step < stop_at and not budget.spent(step) and not stop.asked(ctx):
             tally = objective.tally()  # summed over micro-batches here and over ranks below
             for _ in range(cfg.grad_accum_steps):
                 batch = next(stream).to(teacher.device)
@@ -124,10 +160,14 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
         if last_ckpt is None or not last_ckpt.name.endswith(f"{step:08d}"):
             last_ckpt = checkpoints.save(step, tokens_seen)
     finally:
+        stop.restore()
         if bar is not None:
             bar.close()
         if tracker is not None:
             tracker.close()
+    if step < stop_at and not budget.spent(step):  # (the loop ended on a stop signal, after saving)
+        raise Interrupted(f"stopped by {stop.received or 'a stop signal to another rank'} at step {step}; the "
+                          f"checkpoint {last_ckpt} holds it, and the same command resumes from there")
     if budget.seconds is not None and budget.spent(step) and step < cfg.max_steps:
         log(f"[train] time budget of {cfg.max_minutes} min spent at step {step} (trainer.max_minutes)")
     return TrainResult(step=step, finished=step >= cfg.max_steps or budget.spent(step), last_metrics=metrics,

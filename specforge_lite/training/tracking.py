@@ -8,6 +8,30 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrackerConfig
+from ..errors import UserError
+
+
+class DamagedRecord(UserError):
+    """A run's record (metrics.jsonl) holding a line that is not a JSON object."""
+
+
+def read_metrics(path: Path, cut_short_last: bool = False) -> list[dict[str, Any]]:
+    """Each line of a metrics.jsonl as a dict. A line that does not parse is named by path and line;
+    ``cut_short_last``: a last line that does not parse is dropped instead (a kill in the middle of its write)."""
+    lines = [(n, line) for n, line in enumerate(Path(path).read_text(errors="replace").splitlines(), 1) if line.strip()]
+    rows = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            if cut_short_last and i == len(lines) - 1:
+                break
+            raise DamagedRecord(f"{path}:{n} is not a JSON object ({e}): the file was edited or damaged; delete "
+                                "that line (metrics of one step) and run again") from None
+        rows.append(row)
+    return rows
 
 
 class Tracker:
@@ -32,10 +56,9 @@ class Tracker:
         """On resume, forget lines past the checkpoint so metrics.jsonl has each step once."""
         if not self.path.is_file():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [row for row in read_metrics(self.path, cut_short_last=True) if row.get("step", 0) <= step]
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
         os.replace(tmp, self.path)
 
     def log(self, metrics: dict[str, Any]) -> None:

@@ -1,0 +1,55 @@
+"""The run's output folder: refused at start when it cannot be used, and written by one run at a time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from specforge_lite.training.output_dir import OutputDirError, hold_output_dir
+
+HOLD = ("import sys, time; from specforge_lite.training.output_dir import hold_output_dir\n"
+        "with hold_output_dir(sys.argv[1]):\n    print('holding', flush=True); time.sleep(600)")
+
+
+def test_a_second_run_on_a_held_folder_names_the_holder_and_a_kill_9_frees_it(tmp_path):
+    """Two runs on one output folder would prune each other's checkpoints: the second is refused naming the
+    first (its pid), before anything is built; the kernel drops the hold when the holder dies, even by
+    kill -9, so the lock file left behind blocks nobody."""
+    folder = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with pytest.raises(OutputDirError, match=f"being written by another run .pid {holder.pid} on "):
+            with hold_output_dir(folder):
+                pass
+        sys.path.insert(0, str(ROOT))
+        from train import run
+
+        from specforge_lite.config import load_config
+
+        with pytest.raises(OutputDirError, match=f"pid {holder.pid}"):
+            run(load_config(["model=llama3_tiny", "tracker=none"]), folder, log=lambda m: None)
+        assert not (folder / "config.yaml").exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert (folder / ".lock").is_file()
+    with hold_output_dir(folder):  # free again at once
+        with pytest.raises(OutputDirError, match=f"pid {os.getpid()} on "):  # and held by us now
+            with hold_output_dir(folder):
+                pass
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_anything_runs(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    proc = subprocess.run([sys.executable, "train.py", "model=llama3_tiny", "tracker=none", f"output_dir={taken}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"error: output_dir={taken} is a file, not a folder"), proc.stderr
+    assert taken.read_text() == "not a folder"
