@@ -137,5 +137,5 @@ def _machine_key() -> str:
     except OSError:
         pass
     blob = json.dumps([_PROBE_VERSION, platform.machine(), model, cpu_flags(), torch.__version__,
-                       torch.get_num_threads()])
+                       torch.get_num_threads(), torch.backends.cpu.get_cpu_capability()])  # (ATEN_CPU_CAPABILITY)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -140,6 +140,28 @@ def test_unreachable_model_says_how_to_fix(tmp_path, preset, offline):
     assert f"model={offline}" in text  # the family's offline preset
 
 
+def test_a_model_folder_with_a_damaged_file_is_named_in_one_line(tmp_path):
+    """A model copied or downloaded only in part: the file is named, with the way out, before from_pretrained
+    fails somewhere inside (a SafetensorError traceback before)."""
+    import shutil
+
+    from specforge_lite.config import load_config
+    from specforge_lite.targets.acquire import ModelUnavailableError, resolve_model_dir, tiny_model_dir
+
+    model = load_config(["model=llama3_tiny"]).model
+    folder = shutil.copytree(tiny_model_dir(model), tmp_path / "model")
+    weights = next(folder.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
+    proc = run(["train.py", "model=llama3_tiny", "model.source=local", f"model.path={folder}",
+                f"output_dir={tmp_path / 'run'}", "tracker=none"], timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"error: model folder {folder}: {weights.name} is damaged (cut short"), proc.stderr
+    (folder / "config.json").write_text('{"architectures": [')
+    model.source, model.path = "local", str(folder)
+    with pytest.raises(ModelUnavailableError, match="config.json is not valid JSON"):
+        resolve_model_dir(model)
+
+
 def test_bad_aux_ids_and_unknown_key(tmp_path):
     proc = run(["train.py", "draft.aux_layer_ids=[2,15,31]", f"output_dir={tmp_path}", "tracker=none"], timeout=300)
     assert proc.returncode != 0 and "out of range" in proc.stdout + proc.stderr

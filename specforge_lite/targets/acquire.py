@@ -45,8 +45,35 @@ def unavailable_error(cfg: ModelConfig, why: str) -> ModelUnavailableError:
     )
 
 
+def check_model_files(path: Path) -> Path:
+    """A model folder whose files read: its JSON parses and every safetensors header covers its file (a
+    download or copy cut short fails here, named, instead of deep inside ``from_pretrained``)."""
+    from safetensors import SafetensorError, safe_open
+
+    damaged = None
+    for f in sorted(path.glob("*.json")):
+        try:
+            json.loads(f.read_text())
+        except (ValueError, OSError) as e:
+            damaged = f"{f.name} is not valid JSON ({e})"
+            break
+    for f in sorted(path.glob("*.safetensors")) if damaged is None else []:
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            damaged = f"{f.name} is damaged (cut short or overwritten: {e})"
+            break
+    if damaged is not None:
+        raise ModelUnavailableError(f"model folder {path}: {damaged}. Copy or download that file again, or point "
+                                    "model.path at an intact copy (a preset's folder under the cache is rebuilt "
+                                    "when deleted)")
+    return path
+
+
 def resolve_model_dir(cfg: ModelConfig) -> str:
-    """A path or hub id that ``from_pretrained`` can load, fetching/converting registry models once."""
+    """A path or hub id that ``from_pretrained`` can load, fetching/converting registry models once; a local
+    folder's files are checked first (``check_model_files``)."""
     source = cfg.source
     if source == "auto":
         if cfg.tiny is not None and cfg.tiny.architecture:
@@ -61,15 +88,15 @@ def resolve_model_dir(cfg: ModelConfig) -> str:
         path = os.path.expanduser(cfg.path)
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise unavailable_error(cfg, f"{path} has no config.json")
-        return path
+        return str(check_model_files(Path(path)))
     if source == "registry":
         if cfg.registry is None or not cfg.registry.package:
             raise unavailable_error(cfg, "model.source=registry but model.registry.package is not set")
-        return str(registry_model_dir(cfg))
+        return str(check_model_files(registry_model_dir(cfg)))
     if source == "tiny":
         if cfg.tiny is None or not cfg.tiny.architecture:
             raise unavailable_error(cfg, "model.source=tiny but model.tiny.architecture is not set")
-        return str(tiny_model_dir(cfg))
+        return str(check_model_files(tiny_model_dir(cfg)))
     if source == "hub":
         if not cfg.path:
             raise unavailable_error(cfg, "model.path is empty")
