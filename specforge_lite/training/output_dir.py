@@ -2,8 +2,9 @@
 
 Two runs writing one folder would interleave their checkpoints and metrics, and each would prune the other's
 checkpoints as older steps. The holder takes an exclusive ``flock`` on ``<output_dir>/.lock`` and writes who
-it is there; the kernel drops the lock when the holder's process ends in any way (kill -9 and a lost node
-included), so a lock file left behind never blocks a later run, while a live holder is named.
+it is there; the kernel drops the lock when the holder's process ends in any way (kill -9 included), so a
+lock file left behind never blocks a later run, while a live holder is named. (On a network filesystem
+flock is only as good as the filesystem's own locking.)
 """
 
 from __future__ import annotations
