@@ -7,7 +7,6 @@ format classes (vllm.py, sglang.py, speculators.py); nothing here knows a server
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -16,6 +15,7 @@ from safetensors.torch import save_file
 from ..device import dtype_name
 from ..draft.model import Eagle3Spec
 from ..errors import UserError
+from ..files import write_then_rename
 
 PROVENANCE_KEY = "specforge_lite"
 # The first decoder layer's weights, after its prefix (midlayer. or layers.0.), as a regular expression.
@@ -106,22 +106,11 @@ def write_export(out_dir: Path, config: dict, weights: dict[str, torch.Tensor]) 
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").unlink(missing_ok=True)  # (the folder is incomplete until the new one is in)
-        _write_then_rename(out_dir / "model.safetensors",
-                           lambda tmp: save_file(weights, str(tmp), metadata={"format": "pt"}))
-        _write_then_rename(out_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
+        write_then_rename(out_dir / "model.safetensors",
+                          lambda tmp: save_file(weights, str(tmp), metadata={"format": "pt"}))
+        write_then_rename(out_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
     except OSError as e:
         raise ExportWriteError(f"the export to {out_dir} could not be written ({e.strerror or e}); it is left "
                                "without config.json (incomplete). Free space or choose a writable folder, then "
                                f"export again: python -m specforge_lite.export --run-dir RUN --out {out_dir}") from None
     return out_dir
-
-
-def _write_then_rename(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

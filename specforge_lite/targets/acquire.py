@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..config import ModelConfig, available_presets, cache_dir
 from ..errors import UserError
+from ..files import safetensors_problem
 
 
 class ModelUnavailableError(UserError):
@@ -48,8 +49,6 @@ def unavailable_error(cfg: ModelConfig, why: str) -> ModelUnavailableError:
 def check_model_files(path: Path) -> Path:
     """A model folder whose files read: its JSON parses and every safetensors header covers its file (a
     download or copy cut short fails here, named, instead of deep inside ``from_pretrained``)."""
-    from safetensors import SafetensorError, safe_open
-
     damaged = None
     for f in sorted(path.glob("*.json")):
         try:
@@ -57,13 +56,8 @@ def check_model_files(path: Path) -> Path:
         except (ValueError, OSError) as e:
             damaged = f"{f.name} is not valid JSON ({e})"
             break
-    for f in sorted(path.glob("*.safetensors")) if damaged is None else []:
-        try:
-            with safe_open(str(f), "pt"):
-                pass
-        except (SafetensorError, OSError) as e:
-            damaged = f"{f.name} is damaged (cut short or overwritten: {e})"
-            break
+    if damaged is None:
+        damaged = next(filter(None, map(safetensors_problem, sorted(path.glob("*.safetensors")))), None)
     if damaged is not None:
         raise ModelUnavailableError(f"model folder {path}: {damaged}. Copy or download that file again, or point "
                                     "model.path at an intact copy (a preset's folder under the cache is rebuilt "

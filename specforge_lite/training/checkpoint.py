@@ -26,10 +26,10 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..errors import UserError
+from ..files import fsync, safetensors_problem, write_then_rename
 from .optimizer_state import META as OPTIMIZER_META
 
 WEIGHTS = "draft.safetensors"
@@ -80,26 +80,11 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(folder: Path) -> None:
     """Every file under ``folder``, then the folders themselves (deepest first), on disk."""
     paths = sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True)
     for path in [p for p in paths if p.is_file()] + [p for p in paths if p.is_dir()] + [folder]:
-        _fsync(path)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    _fsync(tmp)
-    os.replace(tmp, path)
+        fsync(path)
 
 
 def _sha(t: torch.Tensor) -> str:
@@ -135,7 +120,7 @@ def save_checkpoint(run_dir: Path, step: int, weights: dict[str, torch.Tensor], 
     if is_main:
         _fsync_tree(tmp)
         _publish(tmp, final)
-        _write_text_atomic(root / "latest", final.name)
+        write_then_rename(root / "latest", lambda tmp: tmp.write_text(final.name))
         _prune(root, keep)
     barrier()
     return final
@@ -150,7 +135,7 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(replaced, ignore_errors=True)
         os.replace(final, replaced)
     os.replace(tmp, final)
-    _fsync(root)
+    fsync(root)
     shutil.rmtree(replaced, ignore_errors=True)
 
 
@@ -197,13 +182,7 @@ def checkpoint_problem(path: Path) -> str | None:
             lacking = [k for k in keys if not isinstance(data, dict) or k not in data]
             if lacking or not isinstance(data, dict):
                 return f"{f.name} is damaged: it lacks {', '.join(lacking) or 'its fields'}"
-    for f in sorted(path.glob("*.safetensors")):
-        try:
-            with safe_open(str(f), "pt"):
-                pass
-        except (SafetensorError, OSError) as e:
-            return f"{f.name} is damaged (truncated or overwritten: {e})"
-    return None
+    return next(filter(None, map(safetensors_problem, sorted(path.glob("*.safetensors")))), None)
 
 
 def checkpoint_folders(root: Path) -> dict[str, Path]:

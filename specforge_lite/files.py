@@ -1,0 +1,40 @@
+"""Files written whole or not at all, and files checked before anything reads them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+
+def fsync(path: Path) -> None:
+    """``path`` (a file or a folder) on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_then_rename(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` under a temporary name beside ``path``, flushed to disk, then renamed into place: a reader
+    sees the old file or the whole new one, never part of it (a kill or a full disk leaves no ``path``)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        fsync(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file cannot be read, or None: its header must parse and cover the file, which a file
+    cut short or overwritten fails (cheaply: the tensors are not read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt"):
+            return None
+    except (SafetensorError, OSError) as e:
+        return f"{path.name} is damaged (cut short or overwritten: {e})"
