@@ -8,6 +8,7 @@ Anything else is a defect and keeps its traceback; ``SPECFORGE_LITE_TRACEBACK=1`
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 
@@ -21,6 +22,8 @@ class UserError(RuntimeError):
 
 # and the built-in ones raised the same way (a refused setting, a missing or unreadable file)
 USER_ERRORS = (UserError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+# a write the machine refused, wherever it happens (a full disk or quota, a file-size limit, a read-only mount)
+REFUSED_WRITES = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 
 
 @contextlib.contextmanager
@@ -32,3 +35,9 @@ def said_in_one_line():
         if os.environ.get(TRACEBACK_ENV) == "1":
             raise
         sys.exit(f"error: {e}\n(set {TRACEBACK_ENV}=1 for the traceback)")
+    except OSError as e:
+        if e.errno not in REFUSED_WRITES or os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        sys.exit(f"error: {e.filename or 'a file'} could not be written ({e.strerror}). Free space or make the folder "
+                 "writable, then run the same command (a training run resumes from its newest checkpoint)\n"
+                 f"(set {TRACEBACK_ENV}=1 for the traceback)")

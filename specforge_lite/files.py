@@ -6,6 +6,17 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from safetensors import SafetensorError
+
+# A write that failed (a full disk, a file-size limit, a folder that cannot be written): the OS's own error, or
+# safetensors', whose Rust writer reports the same I/O errors as its own type.
+WRITE_ERRORS = (OSError, SafetensorError)
+
+
+def write_failure(e: BaseException) -> str:
+    """The reason a write failed, as the OS says it ("No space left on device")."""
+    return (e.strerror if isinstance(e, OSError) else None) or str(e)
+
 
 def fsync(path: Path) -> None:
     """``path`` (a file or a folder) on disk."""
@@ -31,7 +42,7 @@ def write_then_rename(path: Path, write: Callable[[Path], object]) -> None:
 def safetensors_problem(path: Path) -> str | None:
     """Why a safetensors file cannot be read, or None: its header must parse and cover the file, which a file
     cut short or overwritten fails (cheaply: the tensors are not read)."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
 
     try:
         with safe_open(str(path), "pt"):

@@ -3,6 +3,7 @@ SmolLM2-135M-Instruct (fetched from the package registry once, then cached)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -75,6 +76,21 @@ def tiny_draft(target: HFTarget, draft_vocab_size: int = 128, use_aux_norm: bool
 def tiny_teacher(target: HFTarget, draft: Eagle3Draft) -> Teacher:
     """The teacher over the draft's vocabulary."""
     return Teacher(target, draft.draft_vocab_ids(), draft.t2d)
+
+
+@contextlib.contextmanager
+def file_size_limit(limit_bytes: int):
+    """Writes past ``limit_bytes`` in any one file fail for real (RLIMIT_FSIZE: EFBIG, as a full disk fails with
+    ENOSPC), through whatever library writes them: no mock of the writer, so its own error type is what a
+    caller meets (Python ignores SIGXFSZ, so the write fails instead of killing the process)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 @pytest.fixture(scope="session")

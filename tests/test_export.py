@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import EAGLE31, ROOT, tiny_draft, tiny_target
+from conftest import EAGLE31, ROOT, file_size_limit, tiny_draft, tiny_target
 from specforge_lite.draft.ttt import TTTCache
 from specforge_lite.export import export_draft, load_export
 from specforge_lite.export.format import ExportRefused
@@ -398,27 +398,19 @@ def test_mask_slots_embed_a_token_no_conversation_uses(smollm2, tmp_path):
     assert choose_mask_token(tokenizer_with_mask, target.vocab_size)[0] == 42
 
 
-def test_an_export_cut_short_leaves_no_config_and_says_why(tmp_path, monkeypatch):
-    """A full disk while the weights are written: the folder is left without config.json (what every tool and
-    server reads first), so a half-written export is never taken for a whole one; the error says where and
-    why. Written again with room, it is whole."""
-    import errno
-
+def test_an_export_cut_short_leaves_no_config_and_says_why(tmp_path):
+    """A write that fails while the weights are written (a file-size limit, failing like a full disk, inside
+    safetensors' own writer): the folder is left without config.json (what every tool and server reads first),
+    so a half-written export is never taken for a whole one; the error says where and why. Written again with
+    room, it is whole."""
     from specforge_lite.export import layout
 
     draft = tiny_draft(tiny_target())
     out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "final")
     assert (out / "config.json").is_file()
-
-    def disk_full(tensors, path, *a, **kw):
-        with open(path, "wb") as f:
-            f.write(b"\0" * 100)  # part of the file reached the disk
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(layout, "save_file", disk_full)
-    with pytest.raises(layout.ExportWriteError, match=f"{out} could not be written .No space left on device"):
+    with file_size_limit(4096), pytest.raises(layout.ExportWriteError, match=f"{out} could not be written .*File "
+                                                                                "too large"):
         export_draft(draft.trainable_state_dict(), draft.spec, "vllm", out)
     assert not (out / "config.json").exists() and [p.name for p in out.iterdir()] == ["model.safetensors"]
-    monkeypatch.undo()
     export_draft(draft.trainable_state_dict(), draft.spec, "vllm", out)
     assert load_export(out)[0] == draft.spec

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, file_size_limit
 from specforge_lite.training.output_dir import OutputDirError, hold_output_dir
 
 HOLD = ("import sys, time; from specforge_lite.training.output_dir import hold_output_dir\n"
@@ -53,3 +53,16 @@ def test_an_output_dir_that_is_a_file_is_refused_before_anything_runs(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith(f"error: output_dir={taken} is a file, not a folder"), proc.stderr
     assert taken.read_text() == "not a folder"
+
+
+def test_a_write_refused_by_the_machine_anywhere_is_one_line_with_the_fix(tmp_path):
+    """A full disk (here a file-size limit, failing the same way) can meet any small file of a run (its
+    config, data statistics, evaluation): every tool stops with one ``error:`` line saying what to do, not
+    a traceback."""
+    from specforge_lite.errors import said_in_one_line
+
+    with pytest.raises(SystemExit) as stop, said_in_one_line(), file_size_limit(100):
+        (tmp_path / "data_stats.json").write_text("x" * 1000)
+    said = str(stop.value.code)
+    assert said.startswith("error: ") and "could not be written (File too large)" in said
+    assert "run the same command" in said and "Traceback" not in said

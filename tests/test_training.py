@@ -12,7 +12,7 @@ import datasets
 import pytest
 import torch
 
-from conftest import tiny_draft, tiny_target, tiny_teacher
+from conftest import file_size_limit, tiny_draft, tiny_target, tiny_teacher
 from specforge_lite.config import DraftConfig, TrackerConfig, TrainerConfig
 from specforge_lite.data import BatchStream
 from specforge_lite.data.vocab import DraftVocab
@@ -36,7 +36,7 @@ def synthetic_dataset(n=24, vocab=256, seed=0, answers=True):
 
 def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, resume="auto", draft_vocab=None,
                  vocab_offset=0, answers=True, log=lambda m: None, max_minutes=None, save_every=2,
-                 stream_cls=BatchStream, **stream_kw):
+                 stream_cls=BatchStream, data_seed=0, **stream_kw):
     target = tiny_target()
     draft = tiny_draft(target, draft_vocab_size=draft_vocab or target.vocab_size, seed=seed)
     if vocab_offset:  # another mapping of the same size
@@ -46,7 +46,8 @@ def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, res
     cfg = TrainerConfig(max_steps=max_steps, micro_batch_size=2, grad_accum_steps=accum, lr=lr, save_every=save_every,
                         stop_at_step=stop_at, progress_bar=False, precision="fp32", warmup_ratio=0.1, resume=resume,
                         max_minutes=max_minutes)
-    stream = stream_cls(synthetic_dataset(answers=answers), cfg.micro_batch_size, pad_id=0, seed=seed, **stream_kw)
+    stream = stream_cls(synthetic_dataset(seed=data_seed, answers=answers), cfg.micro_batch_size, pad_id=0, seed=seed,
+                        **stream_kw)
     result = train(cfg, Eagle3Objective.from_config(DraftConfig(ttt_length=3)), tiny_teacher(target, draft), draft,
                    stream, run_dir,
                    lambda step: Tracker(TrackerConfig(kind="none"), run_dir, {}, resume_step=step),
@@ -241,25 +242,34 @@ def test_a_stop_signal_ends_the_step_saves_it_and_the_run_resumes_exactly(tmp_pa
         assert torch.equal(tensor, d2.trainable_state_dict()[name]), name
 
 
-def test_a_checkpoint_that_cannot_be_written_is_said_and_never_the_newest(tmp_path, monkeypatch):
-    """A full disk at a save: the run stops with the path and the reason, the half-written folder is gone, the
-    previous checkpoint stays the newest, and the same command resumes once there is room."""
-    import errno
-
+def test_a_checkpoint_that_cannot_be_written_is_said_and_never_the_newest(tmp_path):
+    """A write that fails at a save (here: a file-size limit, failing like a full disk, inside safetensors'
+    own writer, which reports it as its own error type): the run stops with the path and the reason, the
+    half-written folder is gone, the previous checkpoint stays the newest, and the same command resumes once
+    there is room."""
     run_training(tmp_path, max_steps=8, stop_at=2)
-    real_save = ckpt_mod.save_file
-
-    def disk_full(tensors, path, *a, **kw):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(ckpt_mod, "save_file", disk_full)
-    with pytest.raises(ckpt_mod.CheckpointError, match="step 4 could not be written .*No space left on device.*"
-                                                       "newest complete one is still .*step_00000002"):
+    with file_size_limit(4096), pytest.raises(ckpt_mod.CheckpointError, match="step 4 could not be written .*File "
+                                                                                 "too large.*newest complete one is "
+                                                                                 "still .*step_00000002"):
         run_training(tmp_path, max_steps=8, stop_at=4)
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
     assert ckpt_mod.latest_checkpoint(tmp_path).name == "step_00000002"
-    monkeypatch.setattr(ckpt_mod, "save_file", real_save)
     assert run_training(tmp_path, max_steps=8)[0].step == 8
+
+
+def test_metrics_that_cannot_be_written_stop_the_run_in_one_line_and_it_resumes(tmp_path):
+    """The disk fills between checkpoints: the metrics line cannot be written (here a file-size limit, failing
+    the same way). The run stops naming metrics.jsonl and the fix (the buffered line used to fail again at
+    close, a raw OSError traceback); once there is room the same command resumes and the record is whole."""
+    from specforge_lite.errors import UserError
+    from specforge_lite.training.tracking import read_metrics
+
+    run_training(tmp_path, max_steps=8, stop_at=2)
+    with file_size_limit((tmp_path / "metrics.jsonl").stat().st_size + 200), \
+            pytest.raises(UserError, match="metrics.jsonl could not be written .*File too large.*resumes"):
+        run_training(tmp_path, max_steps=8, save_every=100)
+    assert run_training(tmp_path, max_steps=8)[0].step == 8
+    assert [row["step"] for row in read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, 9))
 
 
 def test_a_metrics_line_cut_short_by_a_kill_is_dropped_and_an_edited_one_is_named(tmp_path):
@@ -321,6 +331,16 @@ def test_resume_refuses_a_checkpoint_trained_on_another_draft_vocabulary(tmp_pat
     run_training(tmp_path, max_steps=4, stop_at=2, draft_vocab=64)
     with pytest.raises(ckpt_mod.CheckpointError, match="another draft vocabulary"):
         run_training(tmp_path, max_steps=4, draft_vocab=64, vocab_offset=1)
+
+
+def test_resume_refuses_other_training_data_of_the_same_size_and_vocabulary(tmp_path):
+    """The data file was edited between the runs: as many conversations, the same draft vocabulary (the whole
+    target's), other token ids. The saved position would index rows the run never saw."""
+    run_training(tmp_path, max_steps=4, stop_at=2)
+    with pytest.raises(ValueError, match="other training data"):
+        run_training(tmp_path, max_steps=4, data_seed=1)
+    result, _ = run_training(tmp_path, max_steps=4)  # the same data resumes
+    assert result.step == 4
 
 
 def test_resume_refuses_a_checkpoint_from_another_draft(tmp_path):

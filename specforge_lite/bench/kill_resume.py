@@ -11,6 +11,12 @@ inside it; the others land at a uniform random moment of the run. After each kil
 checkpoints/ is loaded (weights, state, optimizer), then the run is started again with resume=auto;
 after the last kill it runs to the end. Compared with the uninterrupted run: the final checkpoint's
 weights and optimizer state, tensor by tensor, for bit equality.
+
+``--full-disk N`` adds N trials of a disk that fills up under the run: the killed run's folder is a small
+tmpfs of its own (mounting one needs root), and at a random moment (every other trial: as a checkpoint write
+begins) another file takes every free byte. The run must stop by itself with a one-line ``error:`` naming the
+path and exit non-zero, with no traceback and no unloadable checkpoint listed; the space is then freed and
+the same command resumes it.
 """
 
 from __future__ import annotations
@@ -83,7 +89,80 @@ def _kill_once(cmd: list[str], run_dir: Path, duration: float, during_write: boo
     return {"finished": finished, "during_write": writing and not finished}
 
 
-def torture(kills: int, steps: int, seed: int, out: Path, overrides: list[str], log=print) -> dict:
+def _mount_small_disk(folder: Path, megabytes: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: --full-disk mounts a {megabytes} MiB tmpfs at {folder} to fill, which needs root "
+                         f"(mount said: {proc.stderr.strip() or proc.returncode}); run without --full-disk")
+
+
+def _fill(folder: Path) -> Path:
+    """Take every free byte of the disk holding ``folder``."""
+    filler = folder / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        for chunk in (1 << 20, 4096, 1):  # then the last partial megabyte, and its last bytes
+            try:
+                while True:
+                    os.write(fd, b"\0" * chunk)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+def _fill_once(cmd: list[str], run_dir: Path, duration: float, during_write: bool, rng: random.Random) -> dict:
+    """Start the run, fill its disk at the chosen moment, let it stop by itself; what it said."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    root = run_dir / "checkpoints"
+    deadline = time.perf_counter() + (2 * duration if during_write else rng.uniform(0.3, 1.0) * duration)
+    while time.perf_counter() < deadline and proc.poll() is None:
+        if during_write and any(root.glob(".tmp-step_*")):
+            break
+        time.sleep(0.002)
+    filler = _fill(run_dir) if proc.poll() is None else None
+    try:
+        _, err = proc.communicate(timeout=4 * duration + 60)
+    except subprocess.TimeoutExpired:  # a run that neither stops nor fails on a full disk is the finding
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        err += "\n(hung on the full disk: killed)"
+    if filler is not None:
+        filler.unlink()
+    said = [line for line in err.splitlines() if line.strip()]
+    return {"finished": proc.returncode == 0, "rc": proc.returncode,
+            "error": next((line for line in said if line.startswith("error:")), None),
+            "traceback": "Traceback (most recent call last)" in err, "tail": said[-3:]}
+
+
+def _full_disk_trials(trials: int, cmd: list[str], run_dir: Path, duration: float, rng: random.Random,
+                      log) -> tuple[list[dict], list[str], int]:
+    """(what each filled run said, unloadable listings, restarts after a run finished before its disk filled)."""
+    said, bad, finished_early = [], [], 0
+    while len(said) < trials:
+        what = _fill_once(cmd, run_dir, duration, during_write=len(said) % 2 == 0, rng=rng)
+        if what["finished"]:  # the run ended before the disk filled: start it over to keep filling
+            finished_early += 1
+            for child in run_dir.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+            continue
+        said.append(what)
+        bad += check_listing(run_dir)
+        log(f"[kill_resume] full disk {len(said)}/{trials}: exit {what['rc']}; "
+            f"{what['error'] or 'NO error: line'}{'; TRACEBACK' if what['traceback'] else ''}")
+    return said, bad, finished_early
+
+
+def _folder_megabytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) >> 20
+
+
+def torture(kills: int, steps: int, seed: int, out: Path, overrides: list[str], log=print,
+            full_disk: int = 0) -> dict:
     """The uninterrupted run, then the killed-and-resumed one; the comparison and what the kills hit."""
     from safetensors.torch import load_file
 
@@ -95,12 +174,19 @@ def torture(kills: int, steps: int, seed: int, out: Path, overrides: list[str], 
     duration = _finish(_command(straight, steps, overrides))
     log(f"[kill_resume] uninterrupted run: {steps} steps in {duration:.1f} s")
     cmd = _command(killed, steps, overrides)
-    done, hit_writes, bad, finished_early = 0, 0, [], 0
+    said = []
+    if full_disk:  # room for the run and three checkpoints; the filler takes the rest when it comes
+        _mount_small_disk(killed, 3 * _folder_megabytes(straight) + 16)
+        said, bad, finished_early = _full_disk_trials(full_disk, cmd, killed, duration, rng, log)
+    else:
+        bad, finished_early = [], 0
+    done, hit_writes = 0, 0
     while done < kills:
         what = _kill_once(cmd, killed, duration, during_write=done % 2 == 0, rng=rng)
         if what["finished"]:  # the run ended before the kill: start it over to keep killing
             finished_early += 1
-            shutil.rmtree(killed)
+            for child in killed.iterdir():  # (the folder itself may be a mount point)
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
             continue
         done += 1
         hit_writes += what["during_write"]
@@ -116,7 +202,8 @@ def torture(kills: int, steps: int, seed: int, out: Path, overrides: list[str], 
         differ += [f"{name}:{k}" for k in x if k not in y or not bool((x[k] == y[k]).all())]
         differ += [f"{name}:{k} (missing)" for k in y if k not in x]
     return {"kills": done, "inside_checkpoint_writes": hit_writes, "unloadable_listings": bad,
-            "final_steps": [a.name, b.name], "differing_tensors": differ, "restarts_after_finishing": finished_early}
+            "final_steps": [a.name, b.name], "differing_tensors": differ, "restarts_after_finishing": finished_early,
+            "full_disk": said}
 
 
 def main(argv=None) -> None:
@@ -125,22 +212,31 @@ def main(argv=None) -> None:
     p.add_argument("--kills", type=int, default=10)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--full-disk", type=int, default=0, help="trials of a disk filling up under the run (root)")
     p.add_argument("--out", default=None, help="where the two runs go (default: a temporary folder, removed)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="kill_resume-"))
     try:
-        result = torture(a.kills, a.steps, a.seed, out, a.overrides)
+        result = torture(a.kills, a.steps, a.seed, out, a.overrides, full_disk=a.full_disk)
     finally:
+        if a.full_disk:
+            subprocess.run(["umount", str(out / "killed")], capture_output=True)
         if not a.out:
             shutil.rmtree(out, ignore_errors=True)
     equal = not result["differing_tensors"] and result["final_steps"][0] == result["final_steps"][1]
     print(f"[kill_resume] {result['kills']} SIGKILLs ({result['inside_checkpoint_writes']} inside a checkpoint "
           f"write); listings with an unloadable folder: {len(result['unloadable_listings'])}; final weights and "
           f"optimizer state {'bit-equal to' if equal else 'DIFFERENT from'} the uninterrupted run")
+    unclear = [t for t in result["full_disk"] if t["rc"] == 0 or not t["error"] or t["traceback"]]
+    if result["full_disk"]:
+        print(f"[kill_resume] {len(result['full_disk'])} full disks: {len(result['full_disk']) - len(unclear)} "
+              "stopped with a one-line error and a non-zero exit; the space freed, each resumed")
     for line in result["unloadable_listings"] + result["differing_tensors"][:10]:
         print(f"  {line}")
-    if not equal or result["unloadable_listings"]:
+    for trial in unclear:
+        print(f"  full disk without a clear stop (exit {trial['rc']}): {' | '.join(trial['tail'])}")
+    if not equal or result["unloadable_listings"] or unclear:
         sys.exit(1)
 
 

@@ -3,9 +3,11 @@ in it is two integers saved with every checkpoint."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -87,6 +89,20 @@ def collate(rows: list[dict], pad_id: int, images: Any = None) -> Batch:
     return Batch(ids, att, lm, inputs)
 
 
+def content_fingerprint(dataset) -> str:
+    """A digest of what training reads: every row's token ids and loss mask (a store says its own: its
+    shards' checksums). Two datasets of the same size and vocabulary differ here when their text does."""
+    own = getattr(dataset, "content_fingerprint", None)
+    if own is not None:
+        return own()
+    digest = hashlib.sha256()
+    for i in range(len(dataset)):
+        row = dataset[i]
+        for key in ("input_ids", "loss_mask"):
+            digest.update(np.asarray(row[key], dtype=np.int64).tobytes() + b"|")
+    return digest.hexdigest()[:16]
+
+
 class BatchStream:
     """Endless epochs over a dataset in micro-batches; ``state_dict`` pins the exact position.
 
@@ -108,6 +124,7 @@ class BatchStream:
             raise ValueError(f"{len(dataset)} training samples cannot feed {world_size} data-parallel ranks")
         self.epoch, self.cursor = 0, 0
         self._order = self._make_order()
+        self._fingerprint: str | None = None  # (computed at the first save or resume)
 
     def _make_order(self) -> list[int]:
         n = len(self.dataset)
@@ -138,13 +155,24 @@ class BatchStream:
             return collate_packed(rows, self.pad_id, self.pack_length)
         return collate(rows, self.pad_id, self.images)
 
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = content_fingerprint(self.dataset)
+        return self._fingerprint
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "size": len(self.dataset)}
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "size": len(self.dataset),
+                "fingerprint": self.fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
         if state["size"] != len(self.dataset):
             raise ValueError(f"the checkpoint was taken on {state['size']} training conversations, this run has "
                              f"{len(self.dataset)}: the data settings changed since. Resume with the same data, or "
                              "start anew (a new output_dir, or trainer.resume=never)")
+        if state.get("fingerprint", self.fingerprint()) != self.fingerprint():  # (older checkpoints did not record it)
+            raise ValueError(f"the checkpoint was taken on other training data: as many conversations "
+                             f"({len(self.dataset)}), other content (fingerprint {state['fingerprint']}, now "
+                             f"{self.fingerprint()}); the data files or data settings changed since. Resume with "
+                             "the same data, or start anew (a new output_dir, or trainer.resume=never)")
         self.epoch, self.cursor, self.seed = state["epoch"], state["cursor"], state["seed"]
         self._order = self._make_order()

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from ..device import dtype_name
 from ..draft.model import Eagle3Spec
 from ..errors import UserError
-from ..files import write_then_rename
+from ..files import WRITE_ERRORS, write_failure, write_then_rename
 
 PROVENANCE_KEY = "specforge_lite"
 # The first decoder layer's weights, after its prefix (midlayer. or layers.0.), as a regular expression.
@@ -109,8 +109,8 @@ def write_export(out_dir: Path, config: dict, weights: dict[str, torch.Tensor]) 
         write_then_rename(out_dir / "model.safetensors",
                           lambda tmp: save_file(weights, str(tmp), metadata={"format": "pt"}))
         write_then_rename(out_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
-    except OSError as e:
-        raise ExportWriteError(f"the export to {out_dir} could not be written ({e.strerror or e}); it is left "
+    except WRITE_ERRORS as e:
+        raise ExportWriteError(f"the export to {out_dir} could not be written ({write_failure(e)}); it is left "
                                "without config.json (incomplete). Free space or choose a writable folder, then "
                                f"export again: python -m specforge_lite.export --run-dir RUN --out {out_dir}") from None
     return out_dir

@@ -172,6 +172,11 @@ class StoreReader:
     def __len__(self) -> int:
         return len(self._index)
 
+    def content_fingerprint(self) -> str:
+        """What its shards hold, from the checksums the manifest keeps (no shard is read)."""
+        joined = "|".join(shard["sha256"] for shard in self.manifest.shards)
+        return hashlib.sha256(joined.encode()).hexdigest()[:16]
+
     def shard_ranges(self) -> list[range]:
         """The sample indices of each shard."""
         starts = [0]

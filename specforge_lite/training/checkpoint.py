@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import UserError
-from ..files import fsync, safetensors_problem, write_then_rename
+from ..files import WRITE_ERRORS, fsync, safetensors_problem, write_failure, write_then_rename
 from .optimizer_state import META as OPTIMIZER_META
 
 WEIGHTS = "draft.safetensors"
@@ -333,9 +333,9 @@ class CheckpointManager:
             return save_checkpoint(self.run_dir, step, self.engine.full_state_dict(), state, self.spec,
                                    keep=self.cfg.keep_checkpoints, ctx=self.ctx,
                                    save_engine=lambda folder: self.engine.save(folder, self.ctx))
-        except OSError as e:  # (a full disk, a folder made read-only): the half-written one is never published
+        except WRITE_ERRORS as e:  # (a full disk, a folder made read-only): the half-written one is never published
             shutil.rmtree(checkpoint_root(self.run_dir) / f".tmp-step_{step:08d}", ignore_errors=True)
             raise CheckpointError(f"the checkpoint of step {step} could not be written under "
-                                  f"{checkpoint_root(self.run_dir)} ({e.strerror or e}); the newest complete one is "
+                                  f"{checkpoint_root(self.run_dir)} ({write_failure(e)}); the newest complete one is "
                                   f"still {latest_checkpoint(self.run_dir) or 'none'}. Free space or make the folder "
                                   "writable, then run the same command to resume") from None

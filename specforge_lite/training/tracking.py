@@ -9,10 +9,21 @@ from typing import Any
 
 from ..config import TrackerConfig
 from ..errors import UserError
+from ..files import WRITE_ERRORS, write_failure
 
 
 class DamagedRecord(UserError):
     """A run's record (metrics.jsonl) holding a line that is not a JSON object."""
+
+
+class RecordWriteError(UserError):
+    """A run's record (metrics.jsonl) that could not be written: a full disk, a folder that cannot be written."""
+
+
+def _cannot_write(path: Path, e: BaseException) -> RecordWriteError:
+    return RecordWriteError(f"{path} could not be written ({write_failure(e)}): the run stopped. Free space or make "
+                            "the folder writable, then run the same command: it resumes from the newest checkpoint "
+                            "(the metrics of the steps after it are written again)")
 
 
 def read_metrics(path: Path, cut_short_last: bool = False) -> list[dict[str, Any]]:
@@ -38,8 +49,12 @@ class Tracker:
     def __init__(self, cfg: TrackerConfig, run_dir: Path, config: dict[str, Any], resume_step: int = 0):
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._drop_after(resume_step)
-        self._file = open(self.path, "a", encoding="utf-8")
+        try:
+            self._drop_after(resume_step)
+            self._file = open(self.path, "a", encoding="utf-8")
+        except WRITE_ERRORS as e:
+            raise _cannot_write(self.path, e) from None
+        self._failed = False
         self._wandb = None
         if cfg.kind == "wandb":
             os.environ.setdefault("WANDB_DIR", str(run_dir))
@@ -62,8 +77,12 @@ class Tracker:
         os.replace(tmp, self.path)
 
     def log(self, metrics: dict[str, Any]) -> None:
-        self._file.write(json.dumps(metrics) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(metrics) + "\n")
+            self._file.flush()
+        except WRITE_ERRORS as e:
+            self._failed = True
+            raise _cannot_write(self.path, e) from None
         if self._wandb is not None:
             self._wandb.log(metrics, step=metrics["step"])
 
@@ -75,7 +94,11 @@ class Tracker:
     def close(self, summary: dict[str, Any] | None = None) -> None:
         if summary:
             self.summary(summary)
-        self._file.close()
+        try:
+            self._file.close()
+        except WRITE_ERRORS as e:
+            if not self._failed:  # (else the line that failed is still buffered: said already)
+                raise _cannot_write(self.path, e) from None
         if self._wandb is not None:
             self._wandb.finish()
 
