@@ -441,31 +441,6 @@ def out_of_range(config: Config) -> list[str]:
     return problems
 
 
-def check_settings(config: Config) -> None:
-    """Refuse, before anything is built, settings with which no run can do its job (each with the fix)."""
-    problems = out_of_range(config)
-    d = config.draft
-    if d.method == "dflash":
-        settings = {"draft.use_aux_norm": d.use_aux_norm, "draft.norm_before_fc": d.norm_before_fc,
-                    "draft.norm_output": d.norm_output, "draft.parallel_drafting": d.parallel_drafting,
-                    "draft.checkpointing": d.checkpointing, "data.packing": config.data.packing,
-                    "draft.init_layers_from_target": d.init_layers_from_target,
-                    "trainer.deepspeed.sequence_parallel": config.trainer.deepspeed.sequence_parallel != 1}
-        unsupported = [name for name, on in settings.items() if on]
-        if unsupported:
-            problems.append(f"draft.method=dflash does not take {', '.join(unsupported)} (EAGLE3 options, or not "
-                            "implemented for DFlash): turn them off")
-        if d.ttt_length != config.eval.num_draft_tokens:  # (the block attends bidirectionally: its size is input)
-            problems.append(f"draft.method=dflash with draft.ttt_length={d.ttt_length} mask slots but served with "
-                            f"eval.num_draft_tokens={config.eval.num_draft_tokens}: a DFlash block sees all its slots, "
-                            "so a block of another size is another input; set both to the k you serve with")
-    if config.draft.norm_before_fc and config.draft.use_aux_norm:
-        problems.append("draft.norm_before_fc=true with draft.use_aux_norm=true: one norm over the concatenated aux "
-                        "states or one per aux state, not both (speculators refuses the pair); set one to false")
-    if problems:
-        raise ValueError("; ".join(problems))
-
-
 def load_config(overrides: list[str] | None = None, config_name: str = "config") -> Config:
     """Compose the Hydra config from Python (tests, eval, export) exactly as train.py would."""
     from hydra import compose, initialize_config_dir

@@ -247,7 +247,7 @@ def mask_slot_token(config: Config, target: Target, tokenizer=None, log=print) -
     """draft.mask_token_id, or for a draft with mask slots and none set, the one ``choose_mask_token`` picks
     from the target's tokenizer (``tokenizer``; None: loaded from the target's checkpoint folder)."""
     d = config.draft
-    if d.mask_token_id is not None or not (d.parallel_drafting or d.method != "eagle3"):
+    if d.mask_token_id is not None or not draft_method(d.method).has_mask_slots(d):
         return d.mask_token_id
     if tokenizer is None:
         from transformers import AutoTokenizer

@@ -117,7 +117,8 @@ def test_dflash_loss_and_drafting_equal_the_naive_block_forward():
 
 
 def test_dflash_settings_refused_and_export_round_trip(tmp_path):
-    from specforge_lite.config import check_settings, load_config
+    from specforge_lite.config import load_config
+    from specforge_lite.settings import check_settings
     from specforge_lite.export import export_draft, load_export
     from specforge_lite.export.check import check_export
     from specforge_lite.export.format import ExportRefused

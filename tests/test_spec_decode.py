@@ -6,8 +6,10 @@ import torch
 
 from conftest import EAGLE31, tiny_draft, tiny_target
 from specforge_lite.evaluate import spec_decode
-from specforge_lite.evaluate.spec_decode import (DraftContext, acceptance_by_context_length, acceptance_summary,
-                                                 draft_chain, greedy_generate, speculative_generate)
+from specforge_lite.draft import drafting
+from specforge_lite.draft.drafting import DraftContext, draft_chain
+from specforge_lite.evaluate.spec_decode import (acceptance_by_context_length, acceptance_summary, greedy_generate,
+                                                 speculative_generate)
 
 
 def hf_greedy(target, prompt, max_new_tokens, eos=None):
@@ -46,7 +48,7 @@ def test_speculative_equals_greedy_with_a_trained_like_oracle(monkeypatch):
         calls["n"] += 1
         return [t if i < wrong_at else (t + 1) % target.vocab_size for i, t in enumerate(good[:k])]
 
-    monkeypatch.setattr(spec_decode, "draft_chain", oracle)
+    monkeypatch.setattr(drafting, "draft_chain", oracle)
     gen = speculative_generate(target, draft, prompt, 40, k=3, stop_ids=set())
     assert gen.tokens == truth
     assert set(gen.accepted) == {0, 1, 2, 3}
@@ -329,7 +331,9 @@ def test_parallel_draft_proposes_in_one_forward_what_the_chain_proposes():
     and it proposes what the k-step chain (draft_chain, each later step reading the mask slot's inputs)
     proposes, round after round with the committed rows' keys kept, for rounds committing 1 to k+1 rows;
     speculative decoding with it still equals greedy. Fails when the parallel draft runs k forwards."""
-    from specforge_lite.evaluate.spec_decode import ParallelDraftContext, drafting_context, greedy_generate
+    from specforge_lite.draft import draft_method
+    from specforge_lite.draft.drafting import ParallelDraftContext
+    from specforge_lite.evaluate.spec_decode import greedy_generate
 
     target = tiny_target()
     for options in ({}, EAGLE31):
@@ -337,7 +341,7 @@ def test_parallel_draft_proposes_in_one_forward_what_the_chain_proposes():
         ids = torch.randint(0, target.vocab_size, (1, 40))
         aux = target.capture(ids).aux
         for k in (1, 3, 5):
-            drafted = drafting_context(draft)
+            drafted = draft_method(draft.spec.method).drafting(draft)
             assert isinstance(drafted, ParallelDraftContext)
             chain, n, forwards = DraftContext(draft), 6, []
             real_step = draft.step

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import EAGLE31, tiny_draft, tiny_target
 from specforge_lite.draft.objective import Eagle3Objective, UnrollInputs
 from specforge_lite.draft.ttt import TTTCache
-from specforge_lite.evaluate.spec_decode import DraftContext, draft_chain
+from specforge_lite.draft.drafting import DraftContext, draft_chain
 
 
 def rope(x, pos, theta):

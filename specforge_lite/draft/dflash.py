@@ -23,6 +23,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, repeat_kv, rotate_half
 
 from .attention import causal_attention_lse
+from .methods import DraftMethod, layers_label, register
 from .model import TargetWiredDraft
 from .objective import Eagle3Objective, StepStats, TTTOutput, UnrollInputs
 
@@ -192,6 +193,8 @@ class DFlashContext:
     """DFlash drafting at serving time: the context's keys and values per layer, kept across rounds (rows
     are added once the target verified them), and one forward over the block [next token, k masks]."""
 
+    one_forward = True
+
     def __init__(self, draft: DFlashDraft):
         self.draft, self.kept, self.rows = draft, None, 0
 
@@ -223,3 +226,36 @@ class DFlashContext:
             return out.transpose(1, 2).unsqueeze(3)  # [1, S, h, 1, d]
 
         return draft.block(ids, positions, self.kept, attend)
+
+
+def refused(config) -> list[str]:
+    d, problems = config.draft, []
+    settings = {"draft.use_aux_norm": d.use_aux_norm, "draft.norm_before_fc": d.norm_before_fc,
+                "draft.norm_output": d.norm_output, "draft.parallel_drafting": d.parallel_drafting,
+                "draft.checkpointing": d.checkpointing, "data.packing": config.data.packing,
+                "draft.init_layers_from_target": d.init_layers_from_target,
+                "trainer.deepspeed.sequence_parallel": config.trainer.deepspeed.sequence_parallel != 1}
+    unsupported = [name for name, on in settings.items() if on]
+    if unsupported:
+        problems.append(f"draft.method=dflash does not take {', '.join(unsupported)} (EAGLE3 options, or not "
+                        "implemented for DFlash): turn them off")
+    if d.ttt_length != config.eval.num_draft_tokens:  # (the block attends bidirectionally: its size is input)
+        problems.append(f"draft.method=dflash with draft.ttt_length={d.ttt_length} mask slots but served with "
+                        f"eval.num_draft_tokens={config.eval.num_draft_tokens}: a DFlash block sees all its slots, so "
+                        "a block of another size is another input; set both to the k you serve with")
+    return problems
+
+
+def refused_evaluation(draft_settings, ev) -> list[str]:
+    if ev.drafting == "tree" or ev.temperature > 0:
+        return ["a DFlash draft is evaluated greedy and as a chain (one block per round): use eval.drafting=chain "
+                "eval.temperature=0"]
+    return []
+
+
+def label(spec: dict) -> str:
+    return f"DFlash, {layers_label(spec)}"
+
+
+DFLASH = register(DraftMethod("dflash", DFlashDraft, DFlashObjective, refused, refused_evaluation, DFlashContext,
+                              ("dflash",), label, has_mask_slots=lambda draft_settings: True))

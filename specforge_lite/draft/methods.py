@@ -1,26 +1,47 @@
-"""The draft methods trained from one capture, registered by name (``draft.method``): each is a model class
-and the objective that trains it. Both read the same target states (aux ids, teacher), so one hidden-state
-store (offline dump) trains any of them. P-EAGLE is the EAGLE3 method with ``draft.parallel_drafting``."""
+"""The draft methods trained from one capture, registered by name (``draft.method``).
+
+A method is one ``DraftMethod``, written in its own module (draft/eagle3.py, draft/dflash.py) and registered
+there with ``register``: everything the rest of the project needs to know of it. Its model and objective (both
+read the same target states, so one hidden-state store trains any method), the settings it refuses, how an
+evaluation drafts with it, which export formats can write it, and its name in tables. Nothing outside
+draft/ branches on a method's name: it asks the method. P-EAGLE and EAGLE 3.1 are EAGLE3 with options.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from .dflash import DFlashDraft, DFlashObjective
-from .model import Eagle3Draft
-from .objective import Eagle3Objective
-
-
-Draft = Eagle3Draft | DFlashDraft  # what build_draft makes: the model of a registered method
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
 class DraftMethod:
-    model: type
-    objective: type
+    name: str  # draft.method=<name>
+    model: type  # built from its spec (draft/model.py Eagle3Spec: every method's fields)
+    objective: type  # its loss over the unrolled steps; ``from_config(draft_config, sequence)``
+    # the settings of a composed config it cannot take, each "what and the fix" (settings.py asks before anything)
+    refused: Callable[[Any], list[str]]
+    # the evaluation settings (eval.*) it cannot be measured with, given the draft's settings (a DraftConfig
+    # before training, the trained draft's spec after: the same field names)
+    refused_evaluation: Callable[[Any, Any], list[str]]
+    # what keeps a draft's context across rounds and proposes each round's k tokens (evaluation's drafting);
+    # its ``one_forward`` says whether all k come from one forward (mask slots) or one step each
+    drafting: Callable[[Any], Any]
+    # the export formats that can write it (export/): the first is what export.format=vllm writes (EAGLE3's
+    # Llama layout, or vLLM's own layout for the method)
+    export_formats: tuple[str, ...]
+    # a draft's name in tables, from its spec (a checkpoint's spec.json, an export's provenance block)
+    label: Callable[[dict], str]
+    # whether a draft with these settings embeds a mask token in slots (P-EAGLE, DFlash): one is then chosen
+    has_mask_slots: Callable[[Any], bool]
 
 
-METHODS = {"eagle3": DraftMethod(Eagle3Draft, Eagle3Objective), "dflash": DraftMethod(DFlashDraft, DFlashObjective)}
+METHODS: dict[str, DraftMethod] = {}
+DEFAULT = "eagle3"  # draft.method's default, and the method of a spec written before methods were recorded
+
+
+def register(method: DraftMethod) -> DraftMethod:
+    METHODS[method.name] = method
+    return method
 
 
 def draft_method(name: str) -> DraftMethod:
@@ -32,3 +53,8 @@ def draft_method(name: str) -> DraftMethod:
 def build_objective(draft_cfg, sequence=None):
     """The objective of the configured method (``sequence``: a rank's share of each row, EAGLE3 only)."""
     return draft_method(draft_cfg.method).objective.from_config(draft_cfg, sequence)
+
+
+def layers_label(spec: dict) -> str:
+    layers = spec.get("num_layers", 1)
+    return f"{layers} layer{'s' if layers > 1 else ''}"

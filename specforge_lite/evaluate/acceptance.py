@@ -15,14 +15,13 @@ import torch
 from ..config import Config, EvalConfig
 from ..data.chat import generation_prompt_ids
 from ..device import dtype_name
-from ..draft import build_objective
-from ..draft.dflash import DFlashContext
+from ..draft import build_objective, draft_method
 from ..draft.ttt import TreeCache
 from ..targets.teacher import Teacher
 from .heldout import heldout_accuracy
 from .prompts import PromptSet, load_prompt_sets
-from .spec_decode import (Generation, ParallelDraftContext, _new_cache, acceptance_by_context_length,
-                          acceptance_summary, greedy_generate, speculative_generate, speculative_sample)
+from .spec_decode import (Generation, _new_cache, acceptance_by_context_length, acceptance_summary, greedy_generate,
+                          speculative_generate, speculative_sample)
 from .tree import check_tree_support, tree_generate
 
 DRAFTING = ("chain", "tree")
@@ -32,9 +31,9 @@ def _decoder(target, draft, ev: EvalConfig, stops: set[int]) -> Callable[[list[i
     """prompt ids, prompt inputs -> Generation, as eval.drafting and eval.temperature say."""
     if ev.drafting not in DRAFTING:
         raise ValueError(f"eval.drafting={ev.drafting!r}: use one of {DRAFTING}")
-    if draft.spec.method == "dflash" and (ev.drafting == "tree" or ev.temperature > 0):
-        raise ValueError("a DFlash draft is evaluated greedy and as a chain (one block per round): use "
-                         "eval.drafting=chain eval.temperature=0")
+    refused = draft_method(draft.spec.method).refused_evaluation(draft.spec, ev)
+    if refused:
+        raise ValueError("; ".join(refused))
     generator = torch.Generator().manual_seed(ev.seed)
     k, n = ev.num_draft_tokens, ev.max_new_tokens
     if ev.drafting == "tree":
@@ -101,7 +100,7 @@ def measure_step_costs(target, draft, prompt: list[int], ev: EvalConfig, repeats
     """Median seconds of one target decode step (1 token), one verification forward (the chain's k+1 or
     the tree's budget+1 tokens) and one round of drafting (depth steps of the draft, width 1 for a chain,
     tree_topk for a tree), each with the prompt as context and its draft keys cached, as in the decoding
-    (spec_decode.DraftContext) and in a server."""
+    (the method's drafting) and in a server."""
     tree = ev.drafting == "tree"
     width, verify_len = (ev.tree_topk, ev.tree_budget + 1) if tree else (1, ev.num_draft_tokens + 1)
     device = target.device
@@ -125,12 +124,8 @@ def measure_step_costs(target, draft, prompt: list[int], ev: EvalConfig, repeats
 
     def draft_round():
         n = len(prompt)
-        if draft.spec.method == "dflash":  # one block forward per round, the context's keys kept
-            drafted = DFlashContext(draft)
-            drafted.propose(aux, prompt, prompt[-1], ev.num_draft_tokens)
-            return lambda: drafted.propose([a[:, :0] for a in aux], prompt, prompt[-1], ev.num_draft_tokens)
-        if draft.spec.parallel_drafting:  # P-EAGLE: one forward per round (the newest row + k-1 mask slots)
-            drafted = ParallelDraftContext(draft)
+        drafted = draft_method(draft.spec.method).drafting(draft)
+        if drafted.one_forward:  # all k from one forward per round (mask slots): the newest row and the slots
             drafted.propose([a[:, :-1] for a in aux], prompt[:-1], prompt[-1], ev.num_draft_tokens)
             return lambda: drafted.propose([a[:, -1:] for a in aux], prompt, prompt[-1], ev.num_draft_tokens)
         dcache = TreeCache()

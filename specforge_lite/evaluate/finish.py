@@ -11,13 +11,7 @@ from ..draft import Draft
 from ..run import Run
 from .acceptance import evaluate_export, write_eval
 
-SERVED_CHECKS = (None, "vllm")
-
-
-def check_served_setting(config) -> None:
-    """eval.serve is said wrong before anything runs, not after training."""
-    if config.eval.serve not in SERVED_CHECKS:
-        raise ValueError(f"eval.serve={config.eval.serve!r}: use vllm, or null for no served check")
+SERVED_CHECKS = (None, "vllm")  # eval.serve (checked before anything runs: settings.py)
 
 
 def finish(run: Run, result, draft: Draft, run_dir: Path, log=print) -> dict:

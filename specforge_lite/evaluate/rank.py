@@ -16,30 +16,18 @@ import json
 import statistics
 from pathlib import Path
 
+from ..draft import draft_method
+from ..draft.methods import DEFAULT
 from ..errors import said_in_one_line
+from ..export.layout import PROVENANCE_KEY
 from ..training.tracking import read_metrics
 from .served import eval_inputs, serve
 
 
 def method(run: Path) -> str:
-    """The draft's kind, from its export's config: what distinguishes it from plain EAGLE3."""
-    config = json.loads((run / "final" / "config.json").read_text())
-    layer = config.get("transformer_layer_config") or config
-    if "DFlashDraftModel" in (config.get("architectures") or []):
-        layers = config.get("num_hidden_layers", 1)
-        return f"DFlash, {layers} layer{'s' if layers > 1 else ''}"
-    parts = []
-    if config.get("norm_before_fc"):
-        parts.append("norm_before_fc")
-    if config.get("fc_norm"):
-        parts.append("fc_norm")
-    if config.get("norm_output"):
-        parts.append("norm_output")
-    name = "EAGLE 3.1" if {"norm_before_fc", "norm_output"} <= set(parts) else "EAGLE3"
-    if config.get("parallel_drafting"):  # the mask slots: every draft token from one forward
-        name = f"P-EAGLE ({name} layers)"
-    layers = layer.get("num_hidden_layers", 1)
-    return f"{name}, {layers} layer{'s' if layers > 1 else ''}" + (f" ({', '.join(parts)})" if parts else "")
+    """The draft's kind (its method's label, from the spec its export records): what distinguishes it."""
+    spec = json.loads((run / "final" / "config.json").read_text())[PROVENANCE_KEY]["spec"]
+    return draft_method(spec.get("method") or DEFAULT).label(spec)
 
 
 def training_tokens_per_s(run: Path) -> float | None:

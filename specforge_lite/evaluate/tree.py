@@ -22,8 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import EvalConfig
+from ..draft import draft_method
+from ..draft.drafting import DraftContext
 from ..draft.ttt import TreeCache
-from .spec_decode import DraftContext, Generation, _croppable, _cut, _new_cache
+from .spec_decode import Generation, _croppable, _cut, _new_cache
+
+TREE = EvalConfig(drafting="tree")  # what a method is asked whether it can be evaluated with
 
 
 @dataclass
@@ -149,9 +154,11 @@ def _walk(logits: torch.Tensor, tree: DraftTree, children: dict[int, list[int]],
 
 
 def check_tree_support(target, draft=None) -> None:
-    if draft is not None and draft.spec.parallel_drafting:
-        raise ValueError("a parallel (P-EAGLE) draft proposes one chain in one forward, from mask slots that follow "
-                         "no sampled token: use eval.drafting=chain")
+    """A tree can be drafted by this draft (its method says) and verified by this target (its family says)."""
+    if draft is not None:
+        refused = draft_method(draft.spec.method).refused_evaluation(draft.spec, TREE)
+        if refused:
+            raise ValueError("; ".join(refused))
     if not target.family.supports_tree_mask:
         raise ValueError(f"the {target.family.name} family cannot verify a draft tree in one forward (recurrent or "
                          "model-computed positions); use eval.drafting=chain")

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..device import resolve_dtype
+from ..draft import draft_method
 from ..draft.model import DRAFT_ACT, Eagle3Spec
 from ..training.checkpoint import latest_checkpoint, load_checkpoint, unusable_checkpoints
 from .dflash import DFlashFormat
@@ -21,8 +22,14 @@ from .vllm import VLLMFormat
 
 FORMATS: dict[str, ExportFormat] = {f.name: f for f in (VLLMFormat(), SGLangFormat(), SpeculatorsFormat(),
                                                          DFlashFormat())}
-# What vLLM loads for each draft method when export.format=vllm: EAGLE3's Llama layout, or vLLM's DFlash one.
-VLLM_LAYOUT = {"eagle3": "vllm", "dflash": "dflash"}
+
+
+def export_format(fmt: str, method: str) -> ExportFormat:
+    """The format that writes ``fmt`` for a draft of ``method``: export.format=vllm is the layout vLLM loads for
+    the method (the first of its ``export_formats``: EAGLE3's Llama layout, or the method's own)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"export.format={fmt!r}: choose one of {sorted(FORMATS)}")
+    return FORMATS[draft_method(method).export_formats[0] if fmt == "vllm" else fmt]
 
 
 def export_draft(weights: dict[str, torch.Tensor], spec: Eagle3Spec, fmt: str, out_dir: Path, dtype: str = "auto",
@@ -30,15 +37,13 @@ def export_draft(weights: dict[str, torch.Tensor], spec: Eagle3Spec, fmt: str, o
                  num_speculative_tokens: int = 3) -> Path:
     """Write ``fmt``'s config.json and model.safetensors. ``verifier`` (speculators): the target's
     ``name_or_path`` and ``architectures``; ``num_speculative_tokens``: its proposal length."""
-    if fmt not in FORMATS:
-        raise ValueError(f"export format {fmt!r}: choose one of {sorted(FORMATS)}")
+    form = export_format(fmt, spec.method)
     if spec.hidden_act != DRAFT_ACT:
         raise ValueError(f"this draft was trained with hidden_act={spec.hidden_act!r}; the servers' EAGLE3 draft is a "
                          f"Llama layer whose MLP runs {DRAFT_ACT} only (vLLM and SGLang refuse anything else), and "
                          "relabelling the activation would change what the weights compute. Retrain it with this "
                          f"version, which trains every family's draft with {DRAFT_ACT}")
     warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
-    form = FORMATS[VLLM_LAYOUT.get(spec.method, fmt) if fmt == "vllm" else fmt]
     torch_dtype = weights["fc.weight"].dtype if dtype == "auto" else resolve_dtype(dtype, torch.device("cpu"))
     config = form.write_config(spec, torch_dtype, verifier or {}, num_speculative_tokens, warn)
     tensors = draft_weights(weights, torch_dtype, form.with_vocab_maps(spec), embedding)
@@ -99,5 +104,5 @@ def check_draft_tokens(export_dir: Path, k: int) -> None:
                          f"(draft.ttt_length={k} eval.num_draft_tokens={k})")
 
 
-__all__ = ["FORMATS", "ExportFormat", "check_draft_tokens", "export_draft", "export_run", "fixed_draft_tokens",
-           "load_export"]
+__all__ = ["FORMATS", "ExportFormat", "check_draft_tokens", "export_draft", "export_format", "export_run",
+           "fixed_draft_tokens", "load_export"]

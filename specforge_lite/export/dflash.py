@@ -31,9 +31,7 @@ class DFlashFormat(ExportFormat):
 
     def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:
-        if spec.method != "dflash":
-            raise ExportRefused(f"export.format=dflash writes DFlash drafts; this is a {spec.method} draft (use "
-                                "export.format=vllm)")
+        self.refuse(spec)
         if 0 in spec.aux_layer_ids:
             raise ExportRefused("aux id 0 (the embedding output) has no DFlash target_layer_id (it would be -1); "
                                 "train with ids >= 1")

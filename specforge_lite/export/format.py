@@ -9,6 +9,7 @@ import re
 
 import torch
 
+from ..draft import draft_method
 from ..draft.model import Eagle3Spec
 from .layout import LATER_LAYER_WEIGHTS, LAYER_WEIGHTS, PROVENANCE_KEY, llama_draft_config
 
@@ -35,15 +36,26 @@ class ExportFormat:
         """Whether d2t/t2d are written (by default only for a reduced draft vocabulary)."""
         return spec.draft_vocab_size != spec.vocab_size
 
+    def refusals(self, draft) -> list[str]:
+        """What this format cannot express of a draft, each with the fix: asked of the trained draft's spec at
+        export, and of the DraftConfig (the same field names) before training (settings.py)."""
+        if self.name not in draft_method(draft.method).export_formats:
+            return [f"export.format={self.name} cannot write a {draft.method} draft: export it with "
+                    f"export.format=vllm (vLLM's own layout for it)"]
+        if draft.parallel_drafting and not self.writes_mask_slots:
+            return [f"draft.parallel_drafting=true: the {self.name} format has no mask slots (this version writes "
+                    "P-EAGLE for vLLM only); export with export.format=vllm and serve it with speculative_config "
+                    "method=eagle3, parallel_drafting=true"]
+        return []
+
+    def refuse(self, spec: Eagle3Spec) -> None:
+        problems = self.refusals(spec)
+        if problems:
+            raise ExportRefused("; ".join(problems))
+
     def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:
-        if spec.method != "eagle3":
-            raise ExportRefused(f"a {spec.method} draft has no {self.name} EAGLE3 layout: export it with "
-                                "export.format=vllm (vLLM's own layout for it)")
-        if spec.parallel_drafting and not self.writes_mask_slots:
-            raise ExportRefused(f"draft.parallel_drafting=true: the {self.name} format has no mask slots (this "
-                                "version writes P-EAGLE for vLLM only); export with export.format=vllm and serve "
-                                "it with speculative_config method=eagle3, parallel_drafting=true")
+        self.refuse(spec)
         config = llama_draft_config(spec, self.server_aux_ids(spec, warn), dtype)
         config[PROVENANCE_KEY]["format"] = self.name
         return config

@@ -22,11 +22,15 @@ from .layout import eagle_flag
 class SGLangFormat(ExportFormat):
     name, server = "sglang", "SGLang"
 
+    def refusals(self, draft) -> list[str]:
+        problems = super().refusals(draft)  # (the shared ones first)
+        if not problems and draft.num_layers != 1:
+            problems.append(f"draft.num_layers={draft.num_layers}: SGLang's EAGLE3 draft is one layer (its builds "
+                            "refuse more, or load them under other names); export this draft for vLLM "
+                            "(export.format=vllm or speculators)")
+        return problems
+
     def write_config(self, spec: Eagle3Spec, dtype, verifier: dict, num_speculative_tokens: int, warn) -> dict:
-        if spec.num_layers != 1:
-            raise ExportRefused(f"draft.num_layers={spec.num_layers}: SGLang's EAGLE3 draft is one layer (its builds "
-                                "refuse more, or load them under other names); export this draft for vLLM "
-                                "(export.format=vllm or speculators)")
         config = super().write_config(spec, dtype, verifier, num_speculative_tokens, warn)  # (its refusals first)
         if spec.norm_before_fc or spec.norm_output:
             warn("norm_before_fc/norm_output (EAGLE 3.1): SGLang builds before 2026 ignore them and would serve the "

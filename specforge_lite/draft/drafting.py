@@ -1,0 +1,91 @@
+"""How a chain draft (EAGLE3, EAGLE 3.1, P-EAGLE) proposes tokens at serving time, as servers run it: the
+draft's own KV cache of the committed context, kept across verification rounds, and the k tokens of a round
+drafted one step each (``DraftContext``, ``draft_chain``) or all from one forward over mask slots
+(``ParallelDraftContext``). Evaluation (evaluate/spec_decode.py) asks the method for its drafting
+(draft/methods.py), so it never names one."""
+
+from __future__ import annotations
+
+import torch
+
+from .ttt import TTTCache
+
+
+class DraftContext:
+    """EAGLE3's drafting, one step per draft token (``draft_chain``). The draft's step-0 keys and values of
+    the committed context, kept across rounds (a server's draft KV cache). A round runs the draft's first step
+    only over the rows committed since the last round, their queries attending to the kept keys, so drafting
+    costs (new rows x context) per round instead of (context x context). Rows are added only after the target
+    verified them: nothing is rolled back.
+
+    Row t of the first step reads the target's aux states at position t and the token at t + 1; the row
+    of the newest committed position reads the token the target just chose (``next_token``)."""
+
+    def __init__(self, draft):
+        self.draft = draft
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per draft layer
+        self.rows = 0
+
+    one_forward = False  # one draft step per proposed token
+
+    def new_rows(self, aux_new: list[torch.Tensor], context: list[int]) -> tuple[int, int]:
+        """(rows held, rows in the context): ``aux_new`` must hold the aux states of the rows in between."""
+        first, n = self.rows, len(context)
+        if aux_new[0].shape[1] != n - first:
+            raise ValueError(f"{type(self).__name__} holds {first} rows and the context has {n}: expected the aux "
+                             f"states of {n - first} new rows, got {aux_new[0].shape[1]}")
+        return first, n
+
+    def open_round(self, aux_new: list[torch.Tensor], context: list[int], next_token: int, cache_type=TTTCache):
+        """The round's draft cache (holding every committed row's step-0 keys) and the draft state of the
+        last committed row [1, 1, H]. ``aux_new``: the aux states of the rows ``self.rows .. len(context)-1``."""
+        first, n = self.new_rows(aux_new, context)
+        device = aux_new[0].device
+        tokens = torch.tensor([(context + [next_token])[first + 1:]], device=device)
+        cache = cache_type(context=self.kept)
+        h = self.draft.step(tokens, self.draft.project_aux(aux_new), torch.arange(first, n, device=device)[None],
+                            cache, q_offset=first)[:, -1:]
+        self.kept, self.rows = cache.context_kv(), n
+        return cache, h
+
+    def propose(self, aux_new: list[torch.Tensor], context: list[int], next_token: int, k: int) -> list[int]:
+        return draft_chain(self, aux_new, context, next_token, k)
+
+
+class ParallelDraftContext(DraftContext):
+    """P-EAGLE drafting as vLLM runs it (``parallel_drafting=true``): ONE draft forward per round, over the
+    rows committed since the last round followed by k - 1 mask slots, causal over all of them. Mask slot d
+    sits at position n - 1 + d and sees the step-0 keys of every committed row and the slots before it:
+    exactly the keys unroll step d at row n - 1 sees (draft/ttt.py), so the proposals equal the k-step
+    ``draft_chain``'s. Only the committed rows' keys are kept for the next round."""
+
+    one_forward = True
+
+    def propose(self, aux_new: list[torch.Tensor], context: list[int], next_token: int, k: int) -> list[int]:
+        (first, n), draft, device = self.new_rows(aux_new, context), self.draft, aux_new[0].device
+        rows = draft.project_aux(aux_new)
+        mask_ids, mask_states = draft.next_step_inputs(torch.zeros(1, k - 1, dtype=torch.long, device=device),
+                                                       rows.new_zeros(1, k - 1, rows.shape[-1]))
+        ids = torch.cat([torch.tensor([(context + [next_token])[first + 1:]], device=device), mask_ids], dim=1)
+        cache = TTTCache(context=self.kept)
+        states = draft.step(ids, torch.cat([rows, mask_states.to(rows.dtype)], dim=1),
+                            torch.arange(first, n + k - 1, device=device)[None], cache, q_offset=first)
+        self.kept, self.rows = [(k_[..., :n, :], v_[..., :n, :]) for k_, v_ in cache.context_kv()], n
+        logits = draft.compute_logits(states[:, n - first - 1:])  # row n-1, then the k-1 mask slots
+        return draft.draft_to_target(logits[0].argmax(-1)).tolist()
+
+
+def draft_chain(drafted: DraftContext, aux_new: list[torch.Tensor], context: list[int], next_token: int,
+                k: int) -> list[int]:
+    """k greedy draft tokens after ``context + [next_token]`` (target ids); ``aux_new``: the aux states of
+    the context rows ``drafted`` does not hold yet."""
+    draft, device, n = drafted.draft, aux_new[0].device, len(context)
+    cache, h = drafted.open_round(aux_new, context, next_token)
+    proposals = []
+    for j in range(k):
+        d = int(draft.draft_to_target(draft.compute_logits(h)[0, -1].argmax()))
+        proposals.append(d)
+        if j + 1 < k:  # step j+1 at row n-1 stands for position n-1+(j+1)
+            ids, h = draft.next_step_inputs(torch.tensor([[d]], device=device), h)
+            h = draft.step(ids, h, torch.tensor([[n + j]], device=device), cache, q_offset=n - 1)
+    return proposals

@@ -1,0 +1,43 @@
+"""EAGLE3 as a registered method (draft/methods.py), with its options: EAGLE 3.1 (``draft.norm_before_fc``,
+``draft.norm_output``), P-EAGLE (``draft.parallel_drafting``: the later tokens from mask slots, one forward)
+and several layers (``draft.num_layers``). The model is draft/model.py, the objective draft/objective.py."""
+
+from __future__ import annotations
+
+from .drafting import DraftContext, ParallelDraftContext
+from .methods import DraftMethod, layers_label, register
+from .model import Eagle3Draft
+from .objective import Eagle3Objective
+
+
+def refused(config) -> list[str]:
+    d = config.draft
+    if d.norm_before_fc and d.use_aux_norm:
+        return ["draft.norm_before_fc=true with draft.use_aux_norm=true: one norm over the concatenated aux states "
+                "or one per aux state, not both (speculators refuses the pair); set one to false"]
+    return []
+
+
+def refused_evaluation(draft_settings, ev) -> list[str]:
+    if draft_settings.parallel_drafting and ev.drafting == "tree":
+        return ["a parallel (P-EAGLE) draft proposes one chain in one forward, from mask slots that follow no sampled "
+                "token: use eval.drafting=chain"]
+    return []
+
+
+def drafting(draft) -> DraftContext:
+    return ParallelDraftContext(draft) if draft.spec.parallel_drafting else DraftContext(draft)
+
+
+def label(spec: dict) -> str:
+    norms = [name for name, key in (("norm_before_fc", "norm_before_fc"), ("fc_norm", "use_aux_norm"),
+                                    ("norm_output", "norm_output")) if spec.get(key)]
+    name = "EAGLE 3.1" if {"norm_before_fc", "norm_output"} <= set(norms) else "EAGLE3"
+    if spec.get("parallel_drafting"):  # the mask slots: every draft token from one forward
+        name = f"P-EAGLE ({name} layers)"
+    return f"{name}, {layers_label(spec)}" + (f" ({', '.join(norms)})" if norms else "")
+
+
+EAGLE3 = register(DraftMethod("eagle3", Eagle3Draft, Eagle3Objective, refused, refused_evaluation, drafting,
+                              ("vllm", "sglang", "speculators"), label,
+                              has_mask_slots=lambda draft_settings: draft_settings.parallel_drafting))

@@ -1,0 +1,40 @@
+"""Every setting of a composed config checked once, before anything expensive runs: the numbers against their
+ranges (config.RANGES), then what the draft method refuses (its own module says, draft/methods.py), what the
+export format cannot write of that draft, and what the evaluation cannot measure of it. All problems are said
+together, each naming the key and the fix, so a run never trains for hours to be refused at its export.
+"""
+
+from __future__ import annotations
+
+from .config import Config, out_of_range
+from .draft import draft_method
+from .evaluate.acceptance import DRAFTING
+from .evaluate.finish import SERVED_CHECKS
+from .export import export_format
+
+
+def setting_problems(config: Config) -> list[str]:
+    problems = out_of_range(config)
+    try:
+        method = draft_method(config.draft.method)
+    except ValueError as e:
+        return [*problems, str(e)]
+    problems += method.refused(config)
+    if config.eval.drafting not in DRAFTING:
+        problems.append(f"eval.drafting={config.eval.drafting!r}: use one of {', '.join(DRAFTING)}")
+    else:
+        problems += method.refused_evaluation(config.draft, config.eval)
+    try:
+        problems += export_format(config.export.format, config.draft.method).refusals(config.draft)
+    except ValueError as e:  # (an unknown format)
+        problems.append(str(e))
+    if config.eval.serve not in SERVED_CHECKS:
+        problems.append(f"eval.serve={config.eval.serve!r}: use vllm, or null for no served check")
+    return problems
+
+
+def check_settings(config: Config) -> None:
+    """Refuse, before anything is built, settings with which no run can do its job (each with the fix)."""
+    problems = setting_problems(config)
+    if problems:
+        raise ValueError("; ".join(problems))

@@ -1,0 +1,89 @@
+"""Every setting checked once, before anything runs (settings.py), and draft methods as plug-ins: everything
+about a method is asked of its registered ``DraftMethod`` (draft/methods.py), so nothing outside draft/ names one."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from specforge_lite.config import load_config
+from specforge_lite.draft import METHODS, draft_method
+from specforge_lite.settings import check_settings, setting_problems
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["export.format=sgalng"], "export.format='sgalng': choose one of"),
+    (["export.format=sglang", "draft.num_layers=2"], "draft.num_layers=2: SGLang's EAGLE3 draft is one layer"),
+    (["export.format=sglang", "draft.parallel_drafting=true"], "the sglang format has no mask slots"),
+    (["export.format=dflash"], "export.format=dflash cannot write a eagle3 draft"),
+    (["draft.method=dflash", "draft.ttt_length=3", "eval.drafting=tree"], "DFlash draft is evaluated greedy and as a "
+                                                                         "chain"),
+    (["draft.parallel_drafting=true", "eval.drafting=tree"], "P-EAGLE) draft proposes one chain"),
+    (["eval.drafting=beam"], "eval.drafting='beam': use one of chain, tree"),
+    (["eval.serve=sglang"], "eval.serve='sglang': use vllm"),
+    (["draft.method=medusa"], "draft.method='medusa': use one of"),
+])
+def test_a_setting_no_run_could_finish_with_is_refused_before_training(overrides, said):
+    """Each of these used to be refused only at the export or the evaluation, after the whole training."""
+    with pytest.raises(ValueError, match=re.escape(said)):
+        check_settings(load_config(["tracker=none", *overrides]))
+
+
+def test_every_problem_is_said_at_once_and_train_py_says_them_before_building_anything(tmp_path):
+    overrides = ["trainer.micro_batch_size=0", "export.format=sglang", "draft.num_layers=2", "eval.serve=sglang"]
+    problems = setting_problems(load_config(["tracker=none", *overrides]))
+    assert len(problems) == 3 and "trainer.micro_batch_size=0: allowed [1, inf)" in problems[0]
+    run = subprocess.run([sys.executable, str(ROOT / "train.py"), "model=llama3_tiny", "tracker=none", *overrides,
+                          f"output_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and run.stderr.startswith("error: trainer.micro_batch_size=0")
+    assert "SGLang's EAGLE3 draft is one layer" in run.stderr and "Traceback" not in run.stderr
+    assert "[target]" not in run.stdout  # refused before the target was built
+
+
+def test_the_defaults_of_every_method_pass():
+    for name in METHODS:
+        k = ["draft.ttt_length=3"] if name == "dflash" else []  # (a DFlash block is the served k)
+        assert setting_problems(load_config(["tracker=none", f"draft.method={name}", *k])) == []
+
+
+def test_no_method_is_named_outside_its_own_module():
+    """The house rule of the plug-ins: outside draft/, code asks the method (``draft_method(name).<what>``) and
+    never compares a method's name. Config defaults and the exporters' own server vocabulary (speculators'
+    model type "eagle3", the export format named dflash) are names of settings and formats, not branches."""
+    # a comparison with a method's name, or a table keyed by the names (how the branches looked before)
+    branch = re.compile(r"""method\s*(==|!=|\bin\b|\bnot in\b)\s*[("'\[]|[{,]\s*["'](eagle3|dflash)["']\s*:""")
+    found = []
+    for path in sorted((ROOT / "specforge_lite").rglob("*.py")):
+        if path.parent.name == "draft":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if branch.search(line.split("#")[0]):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+def test_a_method_registered_elsewhere_is_checked_exported_and_labelled_without_touching_other_modules():
+    """What adding a method costs outside its own module: nothing but the registration. A method registered
+    here (EAGLE3's model under another name, its own refusal and label) is asked by the settings check, the
+    export-format choice and the ranking's label, none of which was edited for it."""
+    from specforge_lite.draft.methods import register
+    from specforge_lite.export import export_format
+
+    base = draft_method("eagle3")
+    variant = dataclasses.replace(base, name="eagle3_plugin_test",
+                                  refused=lambda config: ["eagle3_plugin_test refuses everything"],
+                                  label=lambda spec: "the plug-in test's draft")
+    register(variant)
+    try:
+        config = load_config(["tracker=none"])
+        config.draft.method = "eagle3_plugin_test"
+        assert "eagle3_plugin_test refuses everything" in setting_problems(config)
+        assert export_format("vllm", "eagle3_plugin_test").name == "vllm"
+        assert draft_method("eagle3_plugin_test").label({}) == "the plug-in test's draft"
+    finally:
+        del METHODS["eagle3_plugin_test"]
