@@ -68,6 +68,12 @@ def test_run_directory_contract(default_run):
     assert ev["estimated_speedup"] > 0 and ev["step_costs"]["target_verify_s"] > 0
     assert sum(b["rounds"] for b in ev["by_context_length"].values()) == ev["rounds"]  # every round in one bucket
     assert ev["by_context_length"]["<1k"]["rounds"] > 0
+    cal = ev["calibration"]  # every round reaches position 1, and position i+1 only after i was accepted
+    assert cal["rounds_reached_per_position"][0] == ev["rounds"]
+    reached = [round(ev["rounds"] * ([1.0] + ev["per_position_acceptance"])[i]) for i in range(3)]
+    assert cal["rounds_reached_per_position"] == reached
+    assert all(e is None or 0 <= e <= 1 for e in cal["ece_per_position"])
+    assert 0 < cal["mean_confidence_per_position"][0] <= 1
     table = (out / "eval.md").read_text()
     assert all(f"| {name} |" in table for name in [*sets, "all"])
     assert "by context length" in table
@@ -110,6 +116,7 @@ def test_eval_cli_reevaluates_a_run(default_run):
          "--tree-topk", "3", "--tree-budget", "8"])
     tree = json.loads((out / "eval.json").read_text())
     assert tree["drafting"] == "tree" and tree["tree_budget"] == 8
+    assert tree["calibration"]["rounds_reached_per_position"] == [0, 0]  # (recorded for chain decoding only)
     assert json.loads((out / "eval_inputs.json").read_text())["generated"] == chain_outputs
     assert "tree (depth 2, top-3, budget 8)" in (out / "eval.md").read_text()
     cli([*common[1:], "--num-prompts", "2", "--prompt-sets", "heldout", "--temperature", "0.8"])

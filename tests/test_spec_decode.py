@@ -354,8 +354,24 @@ def test_parallel_draft_proposes_in_one_forward_what_the_chain_proposes():
                 finally:
                     del draft.step
                 assert got == want, (options, k, n)
+                # and the draft's probability of each token, computed in the one forward as in the k steps
+                torch.testing.assert_close(torch.tensor(drafted.confidences), torch.tensor(chain.confidences))
                 n += commit
             assert len(forwards) == 6, f"k={k}: {len(forwards)} draft forwards in 6 rounds"
     prompt = ids[0, :8].tolist()
     out = spec_decode.speculative_generate(target, draft, prompt, 20, 3, set())
     assert out.tokens == greedy_generate(target, prompt, 20, set())
+
+
+def test_calibration_error_per_position_against_a_count_by_hand():
+    """Three rounds at k=2: position 1 reached by all three, position 2 by the two that accepted position 1.
+    Position 1: confidences 0.95 (accepted), 0.91 (accepted), 0.15 (not): bins 0.9 (mean 0.93, both hit)
+    and 0.1 (0.15, no hit): ECE = (2 * 0.07 + 0.15) / 3. Position 2: 0.55 (hit), 0.52 (missed): one bin,
+    mean 0.535 and half hit: ECE 0.035."""
+    cal = spec_decode.calibration([2, 1, 0], [[0.95, 0.55], [0.91, 0.52], [0.15, 0.9]], k=2)
+    assert cal["rounds_reached_per_position"] == [3, 2]
+    assert abs(cal["ece_per_position"][0] - (2 * 0.07 + 0.15) / 3) < 1e-9
+    assert abs(cal["ece_per_position"][1] - 0.035) < 1e-9
+    assert abs(cal["mean_confidence_per_position"][0] - (0.95 + 0.91 + 0.15) / 3) < 1e-9
+    assert spec_decode.calibration([0], [[]], k=1)["ece_per_position"] == [None]  # (not recorded)
+

@@ -23,6 +23,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, repeat_kv, rotate_half
 
 from .attention import causal_attention_lse
+from .drafting import greedy_with_confidence
 from .methods import DraftMethod, layers_label, register
 from .model import TargetWiredDraft
 from .objective import Eagle3Objective, StepStats, TTTOutput, UnrollInputs
@@ -197,13 +198,15 @@ class DFlashContext:
 
     def __init__(self, draft: DFlashDraft):
         self.draft, self.kept, self.rows = draft, None, 0
+        self.confidences: list[float] = []  # the draft's probability of each token of the last proposal
 
     @torch.no_grad()
     def propose(self, aux_new: list[torch.Tensor], context: list[int], next_token: int, k: int) -> list[int]:
         """k greedy draft tokens after ``context + [next_token]``; ``aux_new``: the aux states of the
         context rows not kept yet."""
         slots = self.block_states(aux_new, context, next_token, k)[0, 1:, 0]  # the mask slots [k, H]
-        return self.draft.draft_to_target(self.draft.compute_logits(slots).argmax(-1)).tolist()
+        best, self.confidences = greedy_with_confidence(self.draft.compute_logits(slots))
+        return self.draft.draft_to_target(best).tolist()
 
     def block_states(self, aux_new: list[torch.Tensor], context: list[int], next_token: int,
                      k: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ class DraftContext:
         self.draft = draft
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per draft layer
         self.rows = 0
+        self.confidences: list[float] = []  # the draft's probability of each token of the last proposal
 
     one_forward = False  # one draft step per proposed token
 
@@ -72,7 +73,8 @@ class ParallelDraftContext(DraftContext):
                             torch.arange(first, n + k - 1, device=device)[None], cache, q_offset=first)
         self.kept, self.rows = [(k_[..., :n, :], v_[..., :n, :]) for k_, v_ in cache.context_kv()], n
         logits = draft.compute_logits(states[:, n - first - 1:])  # row n-1, then the k-1 mask slots
-        return draft.draft_to_target(logits[0].argmax(-1)).tolist()
+        best, self.confidences = greedy_with_confidence(logits[0])
+        return draft.draft_to_target(best).tolist()
 
 
 def draft_chain(drafted: DraftContext, aux_new: list[torch.Tensor], context: list[int], next_token: int,
@@ -81,11 +83,20 @@ def draft_chain(drafted: DraftContext, aux_new: list[torch.Tensor], context: lis
     the context rows ``drafted`` does not hold yet."""
     draft, device, n = drafted.draft, aux_new[0].device, len(context)
     cache, h = drafted.open_round(aux_new, context, next_token)
-    proposals = []
+    proposals, drafted.confidences = [], []
     for j in range(k):
-        d = int(draft.draft_to_target(draft.compute_logits(h)[0, -1].argmax()))
+        best, confidence = greedy_with_confidence(draft.compute_logits(h)[0, -1:])
+        d = int(draft.draft_to_target(best[0]))
+        drafted.confidences += confidence
         proposals.append(d)
         if j + 1 < k:  # step j+1 at row n-1 stands for position n-1+(j+1)
             ids, h = draft.next_step_inputs(torch.tensor([[d]], device=device), h)
             h = draft.step(ids, h, torch.tensor([[n + j]], device=device), cache, q_offset=n - 1)
     return proposals
+
+
+def greedy_with_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+    """Each row's greedy draft id [N] and the draft's probability of it: its confidence that the token is
+    accepted, which the evaluation holds against what was (calibration)."""
+    best = logits.argmax(-1)  # (on the logits as computed: the token is the one drafted without this)
+    return best, torch.softmax(logits.float(), -1).gather(-1, best[:, None])[:, 0].tolist()

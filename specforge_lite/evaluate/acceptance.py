@@ -20,8 +20,8 @@ from ..draft.ttt import TreeCache
 from ..targets.teacher import Teacher
 from .heldout import heldout_accuracy
 from .prompts import PromptSet, load_prompt_sets
-from .spec_decode import (Generation, _new_cache, acceptance_by_context_length, acceptance_summary, greedy_generate,
-                          speculative_generate, speculative_sample)
+from .spec_decode import (Generation, _new_cache, acceptance_by_context_length, acceptance_summary, calibration,
+                          greedy_generate, speculative_generate, speculative_sample)
 from .tree import check_tree_support, tree_generate
 
 DRAFTING = ("chain", "tree")
@@ -51,6 +51,7 @@ def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, s
     process."""
     images = target.image_inputs
     prompts, prompt_images, outputs, accepted, contexts, per_prompt = [], [], [], [], [], []
+    confidences = []  # per round (greedy chain decoding records them)
 
     def inputs_of(paths):
         return {k: v.to(target.device) for k, v in images.pixels(paths).items()} if paths else None
@@ -68,6 +69,7 @@ def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, s
             prompts.append(ids), prompt_images.append(item.images), outputs.append(gen.tokens)
             accepted += gen.accepted
             contexts += gen.contexts
+            confidences += gen.confidences if len(gen.confidences) == len(gen.accepted) else [[]] * len(gen.accepted)
             per_prompt.append(1 + sum(gen.accepted) / max(len(gen.accepted), 1))
             if turn is not None:
                 answer = tokenizer.decode(gen.tokens, skip_special_tokens=True)
@@ -84,6 +86,7 @@ def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, s
     summary = acceptance_summary(accepted, ev.num_draft_tokens)
     summary["by_context_length"] = acceptance_by_context_length(accepted, contexts, ev.num_draft_tokens,
                                                                 ev.context_length_edges)
+    summary["calibration"] = calibration(accepted, confidences, ev.num_draft_tokens)
     log(f"[eval] {prompt_set.name}: {len(prompts)} prompts, mean acceptance length "
         f"{summary['mean_acceptance_length']:.3f}")
     return {"source": prompt_set.source, "skipped_rows": prompt_set.skipped, "conversations": len(prompt_set.items),
@@ -91,8 +94,8 @@ def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, s
             "target_alone_tokens_per_s": alone_tps, "target_alone_prompts": len(alone),
             "speedup_vs_target_alone": new_tokens / max(elapsed, 1e-9) / alone_tps if alone else None,
             **summary, "per_prompt_mean_acceptance_length": per_prompt,
-            "_accepted": accepted, "_contexts": contexts, "_prompts": prompts, "_images": prompt_images,
-            "_outputs": outputs}
+            "_accepted": accepted, "_contexts": contexts, "_confidences": confidences, "_prompts": prompts,
+            "_images": prompt_images, "_outputs": outputs}
 
 
 @torch.no_grad()
@@ -187,6 +190,7 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
     pooled = acceptance_summary(every("_accepted"), ev.num_draft_tokens)
     pooled["by_context_length"] = acceptance_by_context_length(every("_accepted"), every("_contexts"),
                                                                ev.num_draft_tokens, ev.context_length_edges)
+    pooled["calibration"] = calibration(every("_accepted"), every("_confidences"), ev.num_draft_tokens)
     tokens = sum(s["generated_tokens"] for s in sets.values())
     spec_time = sum(s["generated_tokens"] / s["tokens_per_s"] for s in sets.values())
     timed_alone = all(s["target_alone_tokens_per_s"] for s in sets.values())
@@ -219,7 +223,9 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
                 "speedup_vs_target_alone: measured here, the target decoding the same prompts alone (each set's "
                 "first eval.baseline_prompts when set); estimated_speedup: acceptance length x target decode "
                 "step / (draft round + verification), from step_costs. heldout_acc is teacher-forced accuracy per TTT "
-                "step on held-out conversations",
+                "step on held-out conversations. calibration: per draft position, the expected calibration error "
+                "of the draft's probability of its token as the probability that it is accepted (greedy chain "
+                "decoding), over the rounds that reached the position",
     }
 
 

@@ -25,6 +25,8 @@ class Generation:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per verification round
     contexts: list[int] = field(default_factory=list)  # context length (tokens) each round drafted after
+    # per round, the draft's probability of each token it proposed (greedy chain decoding; else empty)
+    confidences: list[list[float]] = field(default_factory=list)
 
 
 def _new_cache(target):
@@ -84,7 +86,6 @@ def greedy_generate(target, prompt: list[int], max_new_tokens: int, stop_ids: se
 
 
 @torch.no_grad()
-@torch.no_grad()
 def speculative_generate(target, draft, prompt: list[int], max_new_tokens: int, k: int, stop_ids: set[int],
                          inputs: dict | None = None) -> Generation:
     """``inputs``: the prompt's modality inputs, taken by the prefill (images sit in the prompt only)."""
@@ -103,6 +104,7 @@ def speculative_generate(target, draft, prompt: list[int], max_new_tokens: int, 
             a += 1
         gen.accepted.append(a)
         gen.contexts.append(len(context))
+        gen.confidences.append(list(getattr(drafted, "confidences", []))[:k])
         context += [next_token] + proposals[:a]
         aux_new = [new[:, : a + 1] for new in aux_verified]
         cache = _keep(target, cache, snapshot, verify, a + 1, len(context))
@@ -190,6 +192,28 @@ def acceptance_summary(accepted_per_round: list[int], k: int) -> dict:
     return {"mean_acceptance_length": 1.0 + sum(accepted_per_round) / rounds,
             "per_position_acceptance": per_pos, "per_position_conditional_acceptance": conditional,
             "rounds": rounds}
+
+
+def calibration(accepted_per_round: list[int], confidences: list[list[float]], k: int, bins: int = 10) -> dict:
+    """How well the draft's probability of its token predicts that the token is accepted, per draft position,
+    over the rounds that reached the position (every earlier token accepted; greedy verification accepts a
+    token exactly when it is the target's). ece: the expected calibration error, the reached rounds binned
+    by confidence into ``bins`` equal-width bins and each bin's |mean confidence - accepted share| weighted
+    by its share of them; null for a position no round reached or whose confidences were not recorded."""
+    ece, mean_confidence, reached = [], [], []
+    for i in range(k):
+        pairs = [(c[i], a > i) for a, c in zip(accepted_per_round, confidences) if a >= i and len(c) > i]
+        reached.append(len(pairs))
+        if not pairs:
+            ece.append(None), mean_confidence.append(None)
+            continue
+        binned: dict[int, list[tuple[float, bool]]] = {}
+        for conf, hit in pairs:
+            binned.setdefault(min(int(conf * bins), bins - 1), []).append((conf, hit))
+        ece.append(sum(abs(sum(c for c, _ in b) - sum(h for _, h in b)) for b in binned.values()) / len(pairs))
+        mean_confidence.append(sum(c for c, _ in pairs) / len(pairs))
+    return {"ece_per_position": ece, "mean_confidence_per_position": mean_confidence,
+            "rounds_reached_per_position": reached, "bins": bins}
 
 
 def _length_label(tokens: int) -> str:
