@@ -191,6 +191,9 @@ def test_drafts_for_one_target_are_ranked_by_what_vllm_measures(served_runs):
         assert r["acceptance_length"] == served["mean_acceptance_length"]
         assert r["speedup_vs_target_alone"] == served["served_tokens_per_s"] / served["target_alone_tokens_per_s"] > 0
         assert r["training_tokens_per_s"] > 0 and r["outputs_equal_greedy"] == "3/3"
+        ours = json.loads((Path(r["run"]) / "eval.json").read_text())
+        assert r["calibration_error"] == ours["calibration"]["ece_per_position"][0] is not None
+        assert r["best_k"] == ours["best_k"] in range(1, r["k"] + 1)
     assert markdown(rows).count("\n| ") == 4  # a line per draft after the header
     with pytest.raises(ValueError, match="another target"):
         rank([served_runs["smollm2_135m"][0], runs[0]])

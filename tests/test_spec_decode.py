@@ -375,3 +375,19 @@ def test_calibration_error_per_position_against_a_count_by_hand():
     assert abs(cal["mean_confidence_per_position"][0] - (0.95 + 0.91 + 0.15) / 3) < 1e-9
     assert spec_decode.calibration([0], [[]], k=1)["ece_per_position"] == [None]  # (not recorded)
 
+
+
+def test_the_speed_up_at_each_k_from_the_measured_costs_by_hand():
+    """Measured at k=3: acceptance 0.6, 0.3, 0.1 per position, target decode 10 ms, verification 12 ms, a
+    chain draft's round 6 ms (2 ms a step). At k'=1: 1.6 tokens x 10 / (2 + 12) = 1.143; k'=2: 1.9 x 10 /
+    (4 + 12) = 1.1875; k'=3: 2.0 x 10 / (6 + 12) = 1.111: best k 2. A draft proposing in one forward pays
+    its 6 ms at every k': 1.6 x 10 / 18, 1.9 x 10 / 18, 2.0 x 10 / 18: best k 3."""
+    from specforge_lite.evaluate.acceptance import speedup_by_k
+
+    costs = {"target_decode_s": 0.010, "target_verify_s": 0.012, "draft_round_s": 0.006, "draft_steps_per_round": 3}
+    chain = speedup_by_k([0.6, 0.3, 0.1], costs)
+    assert [round(chain[k], 4) for k in (1, 2, 3)] == [round(1.6 * 10 / 14, 4), round(1.9 * 10 / 16, 4),
+                                                       round(2.0 * 10 / 18, 4)]
+    assert max(chain, key=chain.get) == 2
+    one = speedup_by_k([0.6, 0.3, 0.1], {**costs, "draft_steps_per_round": 1})
+    assert [round(one[k], 4) for k in (1, 2, 3)] == [round(x * 10 / 18, 4) for x in (1.6, 1.9, 2.0)]

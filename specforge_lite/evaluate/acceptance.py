@@ -125,6 +125,8 @@ def measure_step_costs(target, draft, prompt: list[int], ev: EvalConfig, repeats
             return lambda: target.forward_cached(torch.tensor([prompt[-1:] * q], device=device), c)
         return setup
 
+    one_forward = draft_method(draft.spec.method).drafting(draft).one_forward
+
     def draft_round():
         n = len(prompt)
         drafted = draft_method(draft.spec.method).drafting(draft)
@@ -145,12 +147,30 @@ def measure_step_costs(target, draft, prompt: list[int], ev: EvalConfig, repeats
         return run
 
     return {"target_decode_s": timed(target_step(1)), "target_verify_s": timed(target_step(verify_len)),
-            "draft_round_s": timed(draft_round), "verify_tokens": verify_len, "draft_width": width}
+            "draft_round_s": timed(draft_round), "verify_tokens": verify_len, "draft_width": width,
+            "draft_steps_per_round": 1 if one_forward else ev.num_draft_tokens}
 
 
 def estimated_speedup(mean_acceptance_length: float, costs: dict) -> float:
     """Tokens per round over the time of a round, against one token per target decode step."""
     return mean_acceptance_length * costs["target_decode_s"] / (costs["draft_round_s"] + costs["target_verify_s"])
+
+
+def speedup_by_k(per_position_acceptance: list[float], costs: dict) -> dict[int, float]:
+    """The estimated speed-up of serving with each k up to the measured one: a round at k' yields 1 + the
+    acceptance of its first k' positions (as measured at k), and costs the verification (as measured, at
+    most that of k' + 1 tokens) and k' of the draft's steps (a draft that proposes in one forward: one)."""
+    steps, out = costs.get("draft_steps_per_round", len(per_position_acceptance)), {}
+    for k in range(1, len(per_position_acceptance) + 1):
+        draft_s = costs["draft_round_s"] * (k / steps if steps > 1 else 1.0)
+        tokens = 1.0 + sum(per_position_acceptance[:k])
+        out[k] = tokens * costs["target_decode_s"] / (draft_s + costs["target_verify_s"])
+    return out
+
+
+def _best_k(per_position_acceptance: list[float], costs: dict) -> dict:
+    by_k = speedup_by_k(per_position_acceptance, costs)
+    return {"estimated_speedup_by_k": by_k, "best_k": max(by_k, key=by_k.get) if by_k else None}
 
 
 def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, log=print) -> dict:
@@ -211,6 +231,7 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
         "speedup_vs_target_alone": alone_time / max(spec_time, 1e-9) if timed_alone else None,
         **pooled,
         "estimated_speedup": estimated_speedup(pooled["mean_acceptance_length"], costs),
+        **_best_k(pooled["per_position_acceptance"], costs),
         "step_costs": costs,
         "sets": sets,
         "heldout_acc": held["acc"],
@@ -223,9 +244,11 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
                 "speedup_vs_target_alone: measured here, the target decoding the same prompts alone (each set's "
                 "first eval.baseline_prompts when set); estimated_speedup: acceptance length x target decode "
                 "step / (draft round + verification), from step_costs. heldout_acc is teacher-forced accuracy per TTT "
-                "step on held-out conversations. calibration: per draft position, the expected calibration error "
-                "of the draft's probability of its token as the probability that it is accepted (greedy chain "
-                "decoding), over the rounds that reached the position",
+                "step on held-out conversations. estimated_speedup_by_k: the same estimate for serving with each "
+                "k up to this one (its first k positions' acceptance, k draft steps, or one for a draft that "
+                "proposes in one forward); best_k its largest. calibration: per draft position, the expected "
+                "calibration error of the draft's probability of its token as the probability that it is "
+                "accepted (greedy chain decoding), over the rounds that reached the position",
     }
 
 

@@ -77,7 +77,11 @@ def rank(runs: list[Path], k: int | None = None, serve_again: bool = False, log=
     rows = []
     for run in runs:
         served = json.loads((run / "vllm_eval.json").read_text())
+        ours = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else {}
         rows.append({"run": str(run), "method": method(run), "k": served["num_draft_tokens"],
+                     # our evaluation's: the draft's calibration at position 1, and the k it estimates fastest
+                     "calibration_error": ((ours.get("calibration") or {}).get("ece_per_position") or [None])[0],
+                     "best_k": ours.get("best_k"),
                      "dtype": served.get("dtype", "float32"),
                      "acceptance_length": served["mean_acceptance_length"],
                      "per_position": served["per_position_acceptance"],
@@ -92,12 +96,14 @@ def rank(runs: list[Path], k: int | None = None, serve_again: bool = False, log=
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| rank | run | draft | vLLM acceptance length (k) | per position | vLLM speed-up vs target alone | "
-             "training tokens/s | outputs equal to greedy |", "|---|---|---|---|---|---|---|---|"]
+             "calibration error (position 1) | fastest k (estimated) | training tokens/s | outputs equal to greedy |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
         train = f"{r['training_tokens_per_s']:.0f}" if r["training_tokens_per_s"] else "n/a"
+        ece = f"{r['calibration_error']:.3f}" if r.get("calibration_error") is not None else "n/a"
         lines.append(f"| {i} | {r['run']} | {r['method']} | {r['acceptance_length']:.3f} ({r['k']}) | "
                      f"{', '.join(f'{x:.2f}' for x in r['per_position'])} | {r['speedup_vs_target_alone']:.2f}x | "
-                     f"{train} | {r['outputs_equal_greedy']} |")
+                     f"{ece} | {r.get('best_k') or 'n/a'} | {train} | {r['outputs_equal_greedy']} |")
     return "\n".join(lines)
 
 
