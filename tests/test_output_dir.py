@@ -66,3 +66,26 @@ def test_a_write_refused_by_the_machine_anywhere_is_one_line_with_the_fix(tmp_pa
     said = str(stop.value.code)
     assert said.startswith("error: ") and "could not be written (File too large)" in said
     assert "run the same command" in said and "Traceback" not in said
+
+
+@pytest.fixture
+def read_only_disk(tmp_path):
+    """A real read-only file system (a tmpfs mounted ro): even root cannot write it. Mounting needs the
+    privilege to mount; without it the test says so and is skipped."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here ({mounted.stderr.strip() or mounted.returncode})")
+    yield folder
+    subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+def test_an_output_dir_on_a_read_only_disk_is_refused_before_anything_runs(read_only_disk):
+    run_dir = read_only_disk / "run"
+    proc = subprocess.run([sys.executable, "train.py", "model=llama3_tiny", "tracker=none", f"output_dir={run_dir}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"error: output_dir={run_dir} cannot be created: {read_only_disk} is not "
+                                  "writable"), proc.stderr
