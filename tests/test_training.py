@@ -461,10 +461,25 @@ def test_a_run_that_scores_no_token_warns_and_then_stops(tmp_path):
 
 def test_sigkilled_at_random_moments_and_resumed_ends_bit_equal_to_an_uninterrupted_run(tmp_path):
     """The kill torture (python -m specforge_lite.bench kill_resume), short: train.py killed with SIGKILL
-    inside a checkpoint write and at a random moment, resumed each time, every listing loadable."""
+    inside a checkpoint write and at a random moment, resumed each time, every listing loadable. Where a
+    tmpfs can be mounted, first two disks that fill up under the run: each run stops by itself in one line."""
+    import subprocess
+
     from specforge_lite.bench.kill_resume import torture
 
-    result = torture(kills=2, steps=6, seed=0, out=tmp_path, overrides=[], log=lambda m: None)
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    mountable = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)],
+                               capture_output=True).returncode == 0
+    if mountable:
+        subprocess.run(["umount", str(probe)], capture_output=True)
+    try:
+        result = torture(kills=2, steps=6, seed=0, out=tmp_path / "torture", overrides=[], log=lambda m: None,
+                         full_disk=2 if mountable else 0)
+    finally:
+        subprocess.run(["umount", str(tmp_path / "torture" / "killed")], capture_output=True)
+    assert all(t["rc"] == 1 and t["error"] and not t["traceback"] for t in result["full_disk"])
+    assert len(result["full_disk"]) == (2 if mountable else 0)
     assert result["kills"] == 2 and result["inside_checkpoint_writes"] >= 1
     assert result["unloadable_listings"] == []
     assert result["final_steps"] == ["step_00000006", "step_00000006"] and result["differing_tensors"] == []
