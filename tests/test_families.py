@@ -230,7 +230,8 @@ def test_qwen3_vl_speculative_decoding_on_image_prompts_equals_hf_generate(tmp_p
     from specforge_lite.data.chat import prompt_ids
     from specforge_lite.data.formats import normalize_conversation
     from specforge_lite.evaluate.spec_decode import speculative_generate
-    from specforge_lite.pipeline import load_tokenizer, stop_ids
+    from specforge_lite.generation import stop_ids
+    from specforge_lite.pipeline import load_tokenizer
 
     target = hf_target("qwen3_vl_tiny")
     draft = tiny_draft(target, draft_vocab_size=512)
@@ -316,7 +317,8 @@ def test_trust_remote_code_reaches_every_load_from_the_model_folder(monkeypatch)
     the target's load. (The loads are spied on and still run.)"""
     import transformers
 
-    from specforge_lite.pipeline import LazyGenerator, load_tokenizer
+    from specforge_lite.generation import LazyGenerator
+    from specforge_lite.pipeline import load_tokenizer
     from specforge_lite.targets.families.base import TargetFamily
 
     seen = []

@@ -131,8 +131,7 @@ def test_training_data_and_vocab_come_from_the_regenerated_answers(tmp_path, smo
 
 def test_batched_generation_equals_one_by_one_greedy(smollm2):
     from specforge_lite.evaluate.spec_decode import greedy_generate
-    from specforge_lite.pipeline import stop_ids
-    from specforge_lite.targets.generate import HFGenerator
+    from specforge_lite.generation import HFGenerator, stop_ids
 
     _, target, tok = smollm2
     convs = [[{"role": "user", "content": q}] for q in ["Name a fruit.", "What is 2+2? Answer briefly please.", "Hi!"]]

@@ -229,7 +229,7 @@ def vllm_extraction(serving_python, tmp_path_factory):
     lengths (longer than the tiny presets' 16-token windows), in one vLLM process: per preset (target,
     prompts, vLLM's states [T, n_ids, H] per prompt) or the error vLLM stopped with."""
     from specforge_lite.pipeline import load_tokenizer
-    from specforge_lite.targets.generate import encode_prompt
+    from specforge_lite.generation import encode_prompt
 
     from specforge_lite.config import load_config
     from specforge_lite.pipeline import prepare
@@ -351,7 +351,8 @@ def test_regeneration_through_vllms_own_server_agrees_with_the_hf_engine(serving
     from dataclasses import replace
 
     from specforge_lite.data.regenerate import regenerate
-    from specforge_lite.pipeline import LazyGenerator, vllm_server
+    from specforge_lite.generation import LazyGenerator
+    from specforge_lite.pipeline import vllm_server
 
     monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SPECFORGE_LITE_SERVING_PYTHON", str(serving_python))

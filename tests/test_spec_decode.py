@@ -137,7 +137,7 @@ def test_smollm2_speculative_equals_greedy(smollm2):
     from specforge_lite.config import DraftConfig
     from specforge_lite.data.vocab import DraftVocab
     from specforge_lite.draft import Eagle3Draft, Eagle3Spec
-    from specforge_lite.pipeline import stop_ids
+    from specforge_lite.generation import stop_ids
 
     config, target, tok = smollm2
     vocab = DraftVocab(torch.arange(0, 8000).long(), target.vocab_size, 1.0)

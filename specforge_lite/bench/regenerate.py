@@ -34,7 +34,8 @@ def main(argv=None) -> None:
     from ..data.formats import MalformedRow, iter_rows, normalize_conversation
     from ..data.prepare import data_file
     from ..data.regenerate import compute_shares
-    from ..pipeline import LazyGenerator, build_target, load_tokenizer, vllm_server
+    from ..generation import LazyGenerator
+    from ..pipeline import build_target, load_tokenizer, vllm_server
 
     config = load_config(["tracker=none", *a.overrides])
     target = build_target(config)
