@@ -20,7 +20,7 @@ LEAN_FORWARDS = {"llama": LlamaLeanForward, "gemma3": Gemma3LeanForward}
 def build_lean_forward(family, model):
     """The family's lean forward over ``model``'s weights (in place), or None if the family has none."""
     impl = LEAN_FORWARDS.get(family.lean_forward or "")
-    return impl(family.decoder(model), family.text_config(model.config)) if impl else None
+    return impl(family, model) if impl else None
 
 
 __all__ = ["LEAN_FORWARDS", "build_lean_forward"]

@@ -91,13 +91,15 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
 class LeanForward:
     """Base of the per-family lean forwards: runs ``layer_forward`` over the unpadded batch."""
 
-    def __init__(self, decoder: nn.Module, config):
-        self.decoder = decoder
-        self.config = config
-        self.layers = decoder.layers
+    def __init__(self, family, model: nn.Module):
+        """Over ``model``'s weights in place, its parts found where its family says they are."""
+        self.decoder = family.decoder(model)  # (its rotary embedding)
+        self.config = family.text_config(model.config)
+        self.layers = family.layers(model)
+        self.embedding, self.final_norm = family.embedding(model), family.final_norm(model)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.decoder.embed_tokens.weight)
+        return F.embedding(ids, self.embedding.weight)
 
     def rope(self, h: torch.Tensor, positions: torch.Tensor) -> dict:
         """Position embeddings the layers need, computed once per forward."""
@@ -145,4 +147,4 @@ class LeanForward:
             h = self.layer_forward(i, h, rope, lengths)
         if len(self.layers) in wanted:
             out[len(self.layers)] = repad(h, keep, B, T)
-        return out, repad(self.decoder.norm(h), keep, B, T)
+        return out, repad(self.final_norm(h), keep, B, T)

@@ -279,7 +279,7 @@ class LeanDecoder:
 
     def _pick(self, h: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """Next token per row from pre-final-norm states [n, H]: greedy, or sampled with each row's generator."""
-        logits = self.head(self.lean.decoder.norm(h)).float()
+        logits = self.head(self.lean.final_norm(h)).float()
         if self.temperature <= 0:
             return logits.argmax(-1).cpu()
         probs = torch.softmax(logits / self.temperature, dim=-1)
@@ -290,11 +290,11 @@ class LeanDecoder:
     # ---- plumbing --------------------------------------------------------------------------------
     @property
     def _device(self) -> torch.device:
-        return self.lean.decoder.embed_tokens.weight.device
+        return self.lean.embedding.weight.device
 
     def _ensure_cache(self, length: int) -> None:
         if self._cache is None:
-            dtype = self.lean.decoder.embed_tokens.weight.dtype
+            dtype = self.lean.embedding.weight.dtype
             c = self.lean.config
             kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
             head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads

@@ -11,9 +11,9 @@ from .base import LeanForward, rotate
 
 
 class Gemma3LeanForward(LeanForward):
-    def __init__(self, decoder, config):
-        super().__init__(decoder, config)
-        c = config
+    def __init__(self, family, model):
+        super().__init__(family, model)
+        c = self.config
         if getattr(c, "attn_logit_softcapping", None) is not None:
             raise NotImplementedError("Gemma attention-logit softcapping is not in the lean forward; use "
                                       "target.backend=hf")
@@ -25,7 +25,7 @@ class Gemma3LeanForward(LeanForward):
 
     def embed(self, ids):
         # sqrt(hidden) in the weight's dtype, as the HF embedding module multiplies
-        w = self.decoder.embed_tokens.weight
+        w = self.embedding.weight
         return F.embedding(ids, w) * torch.tensor(self.config.hidden_size ** 0.5, dtype=w.dtype)
 
     def rope(self, h, positions):

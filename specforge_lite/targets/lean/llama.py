@@ -9,9 +9,9 @@ from .base import LeanForward, rotate
 
 
 class LlamaLeanForward(LeanForward):
-    def __init__(self, decoder, config):
-        super().__init__(decoder, config)
-        c = config
+    def __init__(self, family, model):
+        super().__init__(family, model)
+        c = self.config
         self.num_heads = c.num_attention_heads
         self.num_kv = getattr(c, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.num_heads
