@@ -161,7 +161,8 @@ def test_the_ranking_refuses_runs_measured_at_another_k_dtype_or_prompt_sets(tmp
     def served_run(name, k=3, dtype="float32", sets=("heldout",)):
         run = tmp_path / name
         (run / "final").mkdir(parents=True)
-        (run / "final" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+        (run / "final" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
+                                                                "specforge_lite": {"spec": {"method": "eagle3"}}}))
         (run / "eval_inputs.json").write_text(json.dumps({"target": "t", "prompts": [[1, 2]], "max_new_tokens": 8,
                                                           "prompt_sets": list(sets), "num_draft_tokens": k}))
         (run / "vllm_eval.json").write_text(json.dumps({
@@ -178,3 +179,7 @@ def test_the_ranking_refuses_runs_measured_at_another_k_dtype_or_prompt_sets(tmp
         rank([a, served_run("d", dtype="bfloat16")])
     with pytest.raises(ValueError, match="another prompt_sets"):
         rank([a, served_run("e", sets=("assistant",))])
+    foreign = served_run("f")  # an export another tool wrote: said, not a KeyError
+    (foreign / "final" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    with pytest.raises(ValueError, match="not written by specforge_lite"):
+        rank([a, foreign])

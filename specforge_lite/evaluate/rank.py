@@ -26,7 +26,11 @@ from .served import eval_inputs, serve
 
 def method(run: Path) -> str:
     """The draft's kind (its method's label, from the spec its export records): what distinguishes it."""
-    spec = json.loads((run / "final" / "config.json").read_text())[PROVENANCE_KEY]["spec"]
+    config = json.loads((run / "final" / "config.json").read_text())
+    if PROVENANCE_KEY not in config:
+        raise ValueError(f"{run / 'final'} was not written by specforge_lite (no {PROVENANCE_KEY!r} block): rank "
+                         "runs trained here, or export the run again (python -m specforge_lite.export)")
+    spec = config[PROVENANCE_KEY]["spec"]
     return draft_method(spec.get("method") or DEFAULT).label(spec)
 
 
