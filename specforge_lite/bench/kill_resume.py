@@ -91,8 +91,11 @@ def _kill_once(cmd: list[str], run_dir: Path, duration: float, during_write: boo
 
 def _mount_small_disk(folder: Path, megabytes: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(folder)],
-                          capture_output=True, text=True)
+    try:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(folder)],
+                              capture_output=True, text=True)
+    except FileNotFoundError:  # (no mount command)
+        proc = subprocess.CompletedProcess([], 127, "", "no mount command")
     if proc.returncode != 0:
         raise SystemExit(f"error: --full-disk mounts a {megabytes} MiB tmpfs at {folder} to fill, which needs root "
                          f"(mount said: {proc.stderr.strip() or proc.returncode}); run without --full-disk")
@@ -147,8 +150,7 @@ def _full_disk_trials(trials: int, cmd: list[str], run_dir: Path, duration: floa
         what = _fill_once(cmd, run_dir, duration, during_write=len(said) % 2 == 0, rng=rng)
         if what["finished"]:  # the run ended before the disk filled: start it over to keep filling
             finished_early += 1
-            for child in run_dir.iterdir():
-                shutil.rmtree(child) if child.is_dir() else child.unlink()
+            _clear(run_dir)
             continue
         said.append(what)
         bad += check_listing(run_dir)
@@ -164,29 +166,26 @@ def _folder_megabytes(folder: Path) -> int:
 def torture(kills: int, steps: int, seed: int, out: Path, overrides: list[str], log=print,
             full_disk: int = 0) -> dict:
     """The uninterrupted run, then the killed-and-resumed one; the comparison and what the kills hit."""
-    from safetensors.torch import load_file
-
     from ..training.checkpoint import latest_checkpoint
-    from ..training.optimizer_state import TENSORS
 
     rng = random.Random(seed)
     straight, killed = out / "straight", out / "killed"
     duration = _finish(_command(straight, steps, overrides))
     log(f"[kill_resume] uninterrupted run: {steps} steps in {duration:.1f} s")
     cmd = _command(killed, steps, overrides)
-    said = []
+    said, full_disk_differ, bad, finished_early = [], [], [], 0
     if full_disk:  # room for the run and three checkpoints; the filler takes the rest when it comes
         _mount_small_disk(killed, 3 * _folder_megabytes(straight) + 16)
         said, bad, finished_early = _full_disk_trials(full_disk, cmd, killed, duration, rng, log)
-    else:
-        bad, finished_early = [], 0
+        _finish(cmd)  # resumed to the end once there is room: it must end where the uninterrupted run did
+        full_disk_differ = _compare(straight, killed)[1]
+        _clear(killed)  # (the kills then start from a fresh run, as without full disks)
     done, hit_writes = 0, 0
     while done < kills:
         what = _kill_once(cmd, killed, duration, during_write=done % 2 == 0, rng=rng)
         if what["finished"]:  # the run ended before the kill: start it over to keep killing
             finished_early += 1
-            for child in killed.iterdir():  # (the folder itself may be a mount point)
-                shutil.rmtree(child) if child.is_dir() else child.unlink()
+            _clear(killed)
             continue
         done += 1
         hit_writes += what["during_write"]
@@ -195,15 +194,31 @@ def torture(kills: int, steps: int, seed: int, out: Path, overrides: list[str], 
         log(f"[kill_resume] kill {done}/{kills}: {'inside a checkpoint write' if what['during_write'] else 'between'}"
             f"; newest checkpoint {latest.name if latest else 'none'}")
     _finish(cmd)
-    a, b = latest_checkpoint(straight), latest_checkpoint(killed)
+    final_steps, differ = _compare(straight, killed)
+    return {"kills": done, "inside_checkpoint_writes": hit_writes, "unloadable_listings": bad,
+            "final_steps": final_steps, "differing_tensors": differ, "restarts_after_finishing": finished_early,
+            "full_disk": said, "full_disk_differing_tensors": full_disk_differ}
+
+
+def _compare(straight: Path, resumed: Path) -> tuple[list[str], list[str]]:
+    """(the two final checkpoints' names, the tensors of weights and optimizer state that differ)."""
+    from safetensors.torch import load_file
+
+    from ..training.checkpoint import latest_checkpoint
+    from ..training.optimizer_state import TENSORS
+
+    a, b = latest_checkpoint(straight), latest_checkpoint(resumed)
     differ = []
     for name in ("draft.safetensors", TENSORS):
         x, y = load_file(str(a / name)), load_file(str(b / name))
         differ += [f"{name}:{k}" for k in x if k not in y or not bool((x[k] == y[k]).all())]
         differ += [f"{name}:{k} (missing)" for k in y if k not in x]
-    return {"kills": done, "inside_checkpoint_writes": hit_writes, "unloadable_listings": bad,
-            "final_steps": [a.name, b.name], "differing_tensors": differ, "restarts_after_finishing": finished_early,
-            "full_disk": said}
+    return [a.name, b.name], differ
+
+
+def _clear(folder: Path) -> None:
+    for child in folder.iterdir():  # (the folder itself may be a mount point)
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
 
 
 def main(argv=None) -> None:
@@ -224,7 +239,8 @@ def main(argv=None) -> None:
             subprocess.run(["umount", str(out / "killed")], capture_output=True)
         if not a.out:
             shutil.rmtree(out, ignore_errors=True)
-    equal = not result["differing_tensors"] and result["final_steps"][0] == result["final_steps"][1]
+    equal = (not result["differing_tensors"] and not result["full_disk_differing_tensors"]
+             and result["final_steps"][0] == result["final_steps"][1])
     print(f"[kill_resume] {result['kills']} SIGKILLs ({result['inside_checkpoint_writes']} inside a checkpoint "
           f"write); listings with an unloadable folder: {len(result['unloadable_listings'])}; final weights and "
           f"optimizer state {'bit-equal to' if equal else 'DIFFERENT from'} the uninterrupted run")

@@ -38,6 +38,7 @@ SPEC = "spec.json"
 # files of checkpoints written by earlier versions: Python pickles, never read (they could run code)
 PICKLED = ("trainer_state.pt", "optimizer.pt", "rng_rank0.pt")
 REPLACED = ".replaced-"  # a step's previous folder, kept until its re-save is in place
+PRUNED = ".pruned-"  # an older checkpoint on its way out, out of the listing before any file goes
 VOCAB_MAPS = ("d2t", "t2d")  # the draft's vocabulary mapping, saved with its weights
 # Trainer settings a checkpoint records and a resume compares: those a resumed run applies from its first step
 # (each change said in one line), and those it cannot apply, refused with the reason.
@@ -149,11 +150,16 @@ def load_rng(path: Path, rank: int) -> bool:
 
 
 def _prune(root: Path, keep: int) -> None:
+    """Remove the older checkpoints: each is renamed out of the listing first, so a kill in the middle of
+    its removal never leaves a half-deleted ``step_*`` folder listed."""
     done = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in done[: max(0, len(done) - max(keep, 1))]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in [*root.glob(".tmp-step_*"), *root.glob(f"{REPLACED}step_*")]:  # left by a killed save
-        shutil.rmtree(stale, ignore_errors=True)
+        doomed = root / f"{PRUNED}{old.name}"
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    stale = [*root.glob(".tmp-step_*"), *root.glob(f"{REPLACED}step_*"), *root.glob(f"{PRUNED}step_*")]
+    for folder in stale:  # left by a killed save or prune
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def is_complete(path: Path) -> bool:
