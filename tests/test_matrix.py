@@ -55,17 +55,8 @@ def deepspeed_matrix(tmp_path_factory) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "tests" / "distributed_worker.py"), "matrix", ",".join(f"{o}:{p}" for o, p in DEEPSPEED_CASES),
            str(out)]
-    def launch():
-        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-
-    proc = launch()
-    if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
-        # A known flake on 2-core machines, not yet understood: rank 0 aborts inside DeepSpeed's CPU shared-memory
-        # comm (std::terminate) in some full-suite runs while another job (the serving set-up the suite starts)
-        # loads the CPU; the same launch passes alone and on a rerun. Once more, then any failure is the finding.
-        print("deepspeed matrix: rank 0 aborted in DeepSpeed's shm comm (std::terminate); launching once more")
-        proc = launch()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 
