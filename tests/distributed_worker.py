@@ -129,5 +129,8 @@ def matrix(cases: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
+    from specforge_lite.training.distributed import launcher_env, process_group
+
     entries = {"sharded_target": sharded_target, "ulysses": ulysses, "matrix": matrix}
-    entries[sys.argv[1]](sys.argv[2], Path(sys.argv[3]))
+    with process_group(launcher_env):  # (the entry joins; the group is destroyed before the interpreter exits)
+        entries[sys.argv[1]](sys.argv[2], Path(sys.argv[3]))

@@ -244,3 +244,24 @@ def test_a_build_lock_left_by_a_killed_run_does_not_hang_the_next_one(tmp_path):
         os.environ.pop("TORCH_EXTENSIONS_DIR")
         if before is not None:
             os.environ["TORCH_EXTENSIONS_DIR"] = before
+
+
+def test_a_run_ends_its_process_group_and_takes_back_the_launcher_variables(tmp_path, monkeypatch):
+    """A DeepSpeed run in one process (no launcher: init_distributed makes a group of one and sets the
+    launcher's variables) leaves no process group and none of those variables behind. A group left to the
+    interpreter's exit aborted two-rank launches now and then (gloo's worker thread forced out while it
+    released the last collective: ``terminate called without an active exception``), and the variables
+    leaked into every process the caller started later. Fails on the code before ``process_group``."""
+    sys.path.insert(0, str(ROOT))
+    from train import run
+
+    from specforge_lite.config import load_config
+
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    for key in keys:
+        monkeypatch.delenv(key, raising=False)
+    run(load_config([*COMMON, "trainer=zero0", "trainer.max_steps=1", "trainer.save_every=0",
+                     f"output_dir={tmp_path}"]), tmp_path, log=lambda line: None)
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+    assert not torch.distributed.is_initialized()
+    assert {k: os.environ[k] for k in keys if k in os.environ} == {}

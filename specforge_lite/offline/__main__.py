@@ -46,9 +46,10 @@ def run(a: argparse.Namespace) -> None:
     if a.command == "dump":
         from .dump import dump
 
-        from ..training.distributed import join_launched_group
+        from ..training.distributed import join_launched_group, process_group
 
-        dump(Run.online(config, join_launched_group()))
+        with process_group(join_launched_group) as ctx:
+            dump(Run.online(config, ctx))
     else:
         from pathlib import Path
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -122,6 +123,31 @@ def init_distributed(cfg: TrainerConfig) -> DistributedContext:
 
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return with_sequence_parallel(ctx, cfg.deepspeed.sequence_parallel)
+
+
+_GROUP_OF_ONE = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what init_distributed may set
+
+
+@contextmanager
+def process_group(join: Callable[[], DistributedContext]) -> Iterator[DistributedContext]:
+    """``join()`` (``init_distributed``, ``join_launched_group``) for the length of one job. The group it
+    joined is destroyed at the end, on every rank: a group left to the interpreter's exit lets gloo's
+    worker threads release their last collective while Python finalizes, and the thread forced out aborts
+    the process (``std::terminate``: SIGABRT after the work is done, seen in about 1 of 5 two-rank launches).
+    The launcher variables set for a group of one are taken back, so a later job in the same process (or a
+    process it starts) does not inherit them."""
+    before = {k: os.environ.get(k) for k in _GROUP_OF_ONE}
+    joined = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    try:
+        yield join()
+    finally:
+        if joined and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 # A lock younger than this may belong to a build that is only starting (its compiler not yet running).
