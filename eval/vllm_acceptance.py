@@ -60,12 +60,17 @@ def target_alone(inputs: dict, dtype: str, memory_fraction: float, eager: bool) 
         llm.llm_engine.engine_core.shutdown()
 
 
+# the layouts with a method of their own in vLLM
+OWN_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DSparkDraftModel": "dspark"}
+
+
 def speculative_config(draft_dir: Path, k: int) -> dict:
     """How vLLM runs the draft: EAGLE3 step by step, with its mask slots in one forward (P-EAGLE: the
     export writes parallel_drafting; vLLM takes it from the speculative config, not from the folder), or
-    DFlash (its own architecture, method=dflash)."""
+    DFlash and DSpark (their own architectures and methods)."""
     config = json.loads((draft_dir / "config.json").read_text())
-    method = "dflash" if "DFlashDraftModel" in (config.get("architectures") or []) else "eagle3"
+    archs = config.get("architectures") or []
+    method = next((m for arch, m in OWN_ARCHITECTURES.items() if arch in archs), "eagle3")
     out = {"method": method, "model": str(draft_dir), "num_speculative_tokens": k}
     if config.get("parallel_drafting"):
         out["parallel_drafting"] = True

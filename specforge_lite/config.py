@@ -94,11 +94,17 @@ class DraftConfig:
 
     # eagle3: EAGLE3 (with the options below: EAGLE 3.1, P-EAGLE). dflash: a block-diffusion draft that
     # proposes ttt_length tokens in one forward from mask slots (draft/dflash.py; vLLM method=dflash).
+    # dspark: DFlash's backbone with a Markov head (each token's logits biased by the token before it) and a
+    # confidence head, whose estimates a server sizes verification with (draft/dspark.py; vLLM method=dspark).
     method: str = "eagle3"
     # Decoder layers: 1 is EAGLE3 as every server loads it; more are plain Llama layers after the first
     # (served by vLLM; SGLang loads one layer).
     num_layers: int = 1
-    ttt_length: int = 7  # training-time-test unroll steps (EAGLE3 paper: 7); dflash: mask slots per block
+    ttt_length: int = 7  # training-time-test unroll steps (EAGLE3 paper: 7); dflash, dspark: tokens per block
+    # dspark: the rank of the Markov head's previous-token embedding (target vocab x rank, rank x draft vocab;
+    # speculators' default 256 is sized for 100k+ vocabularies and hidden sizes of thousands)
+    markov_rank: int = 64
+    confidence_weight: float = 1.0  # dspark: the confidence head's BCE weight beside the token loss (speculators: 1)
     draft_vocab_size: int = 32000  # capped at the target vocabulary
     # Capture ids in the convention of specforge_lite/targets/capture.py; null derives [2, L//2, L-3].
     aux_layer_ids: Optional[list[int]] = None

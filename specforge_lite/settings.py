@@ -6,6 +6,8 @@ together, each naming the key and the fix, so a run never trains for hours to be
 
 from __future__ import annotations
 
+import torch
+
 from .config import Config, out_of_range
 from .draft import draft_method
 from .evaluate.acceptance import DRAFTING
@@ -25,11 +27,16 @@ def setting_problems(config: Config) -> list[str]:
     else:
         problems += method.refused_evaluation(config.draft, config.eval)
     try:
-        problems += export_format(config.export.format, config.draft.method).refusals(config.draft)
+        form = export_format(config.export.format, config.draft.method)
+        problems += form.refusals(config.draft)
     except ValueError as e:  # (an unknown format)
+        form = None
         problems.append(str(e))
     if config.eval.serve not in SERVED_CHECKS:
         problems.append(f"eval.serve={config.eval.serve!r}: use vllm, or null for no served check")
+    elif config.eval.serve and form is not None and form.cpu_serving_refusal and not torch.cuda.is_available():
+        problems.append(f"eval.serve={config.eval.serve} with draft.method={config.draft.method}: "
+                        f"{form.cpu_serving_refusal}; set eval.serve=null (our evaluation still measures it)")
     return problems
 
 

@@ -26,6 +26,7 @@ OPTIONS = {
     "aux_norm": ["draft.use_aux_norm=true"],
     "peagle": ["draft.parallel_drafting=true", "draft.mask_token_id=3"],
     "dflash": ["draft.method=dflash", "draft.mask_token_id=3", "eval.num_draft_tokens=3"],
+    "dspark": ["draft.method=dspark", "draft.mask_token_id=3", "eval.num_draft_tokens=3", "draft.markov_rank=16"],
     "packing": ["data.packing=true"],
     "checkpointing": ["draft.checkpointing=true"],
     "dense_attention": ["draft.ttt_attention=dense"],

@@ -126,7 +126,7 @@ def test_dflash_settings_refused_and_export_round_trip(tmp_path):
 
     with pytest.raises(ValueError, match="does not take draft.use_aux_norm"):
         check_settings(load_config(["draft.method=dflash", "draft.use_aux_norm=true", "tracker=none"]))
-    with pytest.raises(ValueError, match="ttt_length=4 mask slots but served with eval.num_draft_tokens=3"):
+    with pytest.raises(ValueError, match="ttt_length=4 tokens per block but served with eval.num_draft_tokens=3"):
         check_settings(load_config(["draft.method=dflash", "tracker=none"]))  # the recipe's TTT 4, k=3
     check_settings(load_config(["draft.method=dflash", "draft.ttt_length=3", "tracker=none"]))
     target = tiny_target(aux_ids=[2, 4, 6])
@@ -174,12 +174,12 @@ def test_the_block_size_is_recorded_and_every_tool_that_takes_a_k_refuses_anothe
     config = json.loads((out / "config.json").read_text())
     assert config["block_size"] == 4 and config["specforge_lite"]["spec"]["block_size"] == 4  # not the 5 asked
     check_draft_tokens(out, 3)
-    with pytest.raises(ValueError, match="trained with blocks of k=3 draft tokens.*at k=3"):
+    with pytest.raises(ValueError, match="trained to propose k=3 tokens per block.*at k=3"):
         check_draft_tokens(out, 5)
-    with pytest.raises(ValueError, match="blocks of k=3"):
+    with pytest.raises(ValueError, match="propose k=3 tokens per block"):
         evaluate_export(load_config(["tracker=none", "eval.num_draft_tokens=5"]), None, None, None, out)
     (run / "eval_inputs.json").write_text(json.dumps({"num_draft_tokens": 5}))
-    with pytest.raises(ValueError, match="blocks of k=3"):
+    with pytest.raises(ValueError, match="propose k=3 tokens per block"):
         serve([run])  # (no serving environment needed: refused first)
-    with pytest.raises(ValueError, match="blocks of k=3"):
+    with pytest.raises(ValueError, match="propose k=3 tokens per block"):
         serve([run], k=2)

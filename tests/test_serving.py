@@ -91,6 +91,82 @@ def test_speculators_loads_our_export_and_its_logits_equal_ours(serving_python, 
         torch.testing.assert_close(theirs[k][:rows], ours[k][:rows], atol=1e-4, rtol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def dspark_export(tmp_path_factory):
+    """A DSpark draft for the tiny Qwen3 target (a reduced draft vocabulary, two layers, heads whose terms are
+    not negligible), exported in vLLM's layout, with the target it was built for."""
+    from specforge_lite.config import load_config
+    from specforge_lite.export import export_draft
+    from specforge_lite.pipeline import build_target
+    from test_dspark import tiny_dspark
+
+    target = build_target(load_config(["model=qwen3_tiny", "model.tiny.config.head_dim=32", "tracker=none"]))
+    draft = tiny_dspark(target, layers=2, rank=16, draft_vocab=512, k=3)
+    out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path_factory.mktemp("dspark") / "export",
+                       num_speculative_tokens=3)
+    return target, draft, out
+
+
+def test_speculators_dspark_model_computes_our_logits_and_confidences(serving_python, dspark_export, tmp_path):
+    """speculators 0.9.0's own DSpark model (its training forward: the anchored blocks, the Markov bias of each
+    slot's previous token, the confidence head) built from our export gives, at every anchor it picks, our
+    Markov-biased logits and confidence logits of every slot. Fails with DFlash's block layout, a bias from
+    the wrong token or a confidence head over the pre-norm state."""
+    from specforge_lite.draft.dspark import DSparkContext
+
+    target, draft, export = dspark_export
+    ids = torch.randint(0, target.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    aux = target.capture(ids).aux
+    save_file({"aux": torch.cat(aux, -1).contiguous(), "input_ids": ids, "loss_mask": torch.ones_like(ids)},
+              str(tmp_path / "in.safetensors"))
+    proc = subprocess.run([str(serving_python), str(ROOT / "eval" / "speculators_dspark.py"), "--export", str(export),
+                           "--target", str(target.location), "--inputs", str(tmp_path / "in.safetensors"),
+                           "--out", str(tmp_path / "out.safetensors")], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    theirs = load_file(str(tmp_path / "out.safetensors"))
+    k = draft.spec.block_size
+    assert len(theirs["anchors"]) >= 10
+    with torch.no_grad():
+        for i, a in enumerate(theirs["anchors"].tolist()):
+            states = DSparkContext(draft).block_states([x[:, :a] for x in aux], ids[0, :a].tolist(), int(ids[0, a]),
+                                                       k - 1)[0, :, 0]
+            logits, confidence = draft.slot_logits(states, ids[0, a : a + k])  # the committed tokens in training
+            torch.testing.assert_close(theirs["logits"][i * k : (i + 1) * k], logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(theirs["confidence"][i * k : (i + 1) * k], confidence, atol=1e-4, rtol=1e-4)
+
+
+def test_vllm_loads_our_dspark_export_into_its_own_class(serving_python, dspark_export, tmp_path):
+    """vLLM's ``Qwen3DSparkForCausalLM`` takes the export through its own ``load_weights`` (every weight where
+    its loader puts it, the fused q/k/v and gate/up included), reads its mask token and draft-to-target map, and
+    its DSpark heads (draft logits, Markov bias, the confidence's sigmoid) compute ours on the same states. vLLM
+    0.32 serves DSpark only in its V2 model runner, which needs Triton's CPU backend: a CPU cannot serve it
+    (eval/vllm_dspark.py), so this is the server's side of the proof; the backbone is DFlash's, served above."""
+    target, draft, export = dspark_export
+    states = torch.randn(7, draft.spec.hidden_size, generator=torch.Generator().manual_seed(1)) * 3
+    previous = torch.randint(0, target.vocab_size, (7,), generator=torch.Generator().manual_seed(2))
+    save_file({"states": states, "previous": previous}, str(tmp_path / "in.safetensors"))
+    proc = subprocess.run([str(serving_python), str(ROOT / "eval" / "vllm_dspark.py"), "--export", str(export),
+                           "--target", str(target.location), "--inputs", str(tmp_path / "in.safetensors"),
+                           "--out", str(tmp_path / "out.safetensors")], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    theirs = load_file(str(tmp_path / "out.safetensors"))
+    ours = draft.trainable_state_dict()
+    held = {name[len("weight."):] for name in theirs if name.startswith("weight.")}
+    assert held == {n for n in ours if n not in ("d2t", "t2d")}
+    for name in held:
+        assert torch.equal(theirs[f"weight.{name}"], ours[name].float()), name
+    with torch.no_grad():
+        embed = draft.markov_head.embed(previous)
+        torch.testing.assert_close(theirs["draft_logits"], draft.lm_head(states), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(theirs["markov_bias"], draft.markov_head.markov_w2(embed), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(theirs["confidence"], torch.sigmoid(draft.confidence_head(states, embed)),
+                                   atol=1e-5, rtol=1e-5)
+    assert torch.equal(theirs["draft_to_target"], draft.draft_vocab_ids())
+    assert int(theirs["mask_token_id"]) == draft.spec.mask_token_id
+
+
 # Drafts our trainer made, served by vLLM: SmolLM2-135M, and tiny Qwen3 and Gemma 4 targets (their
 # attention and Gemma's KV-shared layers, per-layer inputs and softcap as vLLM runs them) with per-aux
 # norms. Short runs (CI time): acceptance stays low, but every output must still equal greedy decoding.
@@ -170,31 +246,58 @@ def test_vllm_serves_our_draft_with_the_targets_greedy_output(served_runs, prese
     assert ours["mean_acceptance_length"] >= MIN_ACCEPTANCE.get(preset, 1.0), ours
 
 
-def test_drafts_for_one_target_are_ranked_by_what_vllm_measures(served_runs):
-    """python -m specforge_lite.evaluate.rank: the Qwen3 target's EAGLE3, EAGLE 3.1, P-EAGLE and DFlash drafts,
-    ranked by vLLM's acceptance length with vLLM's speed-up over the target served alone (timed by the served
-    check, so nothing is served again); drafts evaluated for another target are refused."""
-    from specforge_lite.evaluate.rank import markdown, rank
+@pytest.fixture(scope="module")
+def dspark_run(tmp_path_factory) -> Path:
+    """A DSpark draft trained by train.py for the Qwen3 target with the served presets' data and evaluation."""
+    sys.path.insert(0, str(ROOT))
+    from train import run
 
+    from specforge_lite.config import load_config
+
+    out = tmp_path_factory.mktemp("qwen3_tiny_dspark")
+    config = load_config(["model=qwen3_tiny", *SHORT_RUN, "model.tiny.config.head_dim=32",
+                          "draft.draft_vocab_size=49152", "draft.method=dspark", "draft.mask_token_id=3",
+                          "draft.markov_rank=16", "trainer.max_steps=60", "trainer.lr=5e-3", f"output_dir={out}"])
+    run(config, out, log=lambda line: None)
+    return out
+
+
+def test_drafts_for_one_target_are_ranked_by_what_vllm_measures(served_runs, dspark_run):
+    """python -m specforge_lite.evaluate.rank: the Qwen3 target's EAGLE3, EAGLE 3.1, P-EAGLE and DFlash drafts,
+    ranked by vLLM's acceptance length with vLLM's speed-up over the target alone (timed by the served
+    check, so nothing is served again); a DSpark draft, which vLLM's CPU build cannot serve (the served check
+    refuses it with the reason), ranked by our own evaluation and marked so; drafts evaluated for another
+    target are refused."""
+    from specforge_lite.evaluate.rank import markdown, rank
+    from specforge_lite.evaluate.served import ServedMismatch, serve
+
+    with pytest.raises(ServedMismatch, match="V2 model runner"):
+        serve([dspark_run])
     runs = [served_runs[p][0] for p in ("qwen3_tiny", "qwen3_tiny+eagle3.1", "qwen3_tiny+peagle",
-                                        "qwen3_tiny+dflash")]
+                                        "qwen3_tiny+dflash")] + [dspark_run]
     lines = []
     rows = rank(runs, log=lines.append)
-    assert not lines  # the reports were timed already
-    assert sorted(r["method"] for r in rows) == ["DFlash, 1 layer",
+    assert lines == [f"[rank] {dspark_run}: ranked by our own evaluation: " + lines[0].split(": ", 2)[2]]
+    assert sorted(r["method"] for r in rows) == ["DFlash, 1 layer", "DSpark, 1 layer",
                                                  "EAGLE 3.1, 2 layers (norm_before_fc, norm_output)",
                                                  "EAGLE3, 1 layer (fc_norm)",
                                                  "P-EAGLE (EAGLE3 layers), 1 layer (fc_norm)"]
     assert [r["acceptance_length"] for r in rows] == sorted((r["acceptance_length"] for r in rows), reverse=True)
     for r in rows:
-        served = json.loads((Path(r["run"]) / "vllm_eval.json").read_text())
-        assert r["acceptance_length"] == served["mean_acceptance_length"]
-        assert r["speedup_vs_target_alone"] == served["served_tokens_per_s"] / served["target_alone_tokens_per_s"] > 0
-        assert r["training_tokens_per_s"] > 0 and r["outputs_equal_greedy"] == "3/3"
         ours = json.loads((Path(r["run"]) / "eval.json").read_text())
         assert r["calibration_error"] == ours["calibration"]["ece_per_position"][0] is not None
         assert r["best_k"] == ours["best_k"] in range(1, r["k"] + 1)
-    assert markdown(rows).count("\n| ") == 4  # a line per draft after the header
+        assert r["training_tokens_per_s"] > 0
+        if r["run"] == str(dspark_run):
+            assert (r["measured_by"], r["outputs_equal_greedy"]) == ("ours", "n/a")
+            assert r["acceptance_length"] == ours["mean_acceptance_length"]
+            assert r["speedup_vs_target_alone"] == ours["speedup_vs_target_alone"] > 0
+            continue
+        served = json.loads((Path(r["run"]) / "vllm_eval.json").read_text())
+        assert r["measured_by"] == "vLLM" and r["acceptance_length"] == served["mean_acceptance_length"]
+        assert r["speedup_vs_target_alone"] == served["served_tokens_per_s"] / served["target_alone_tokens_per_s"] > 0
+        assert r["outputs_equal_greedy"] == "3/3"
+    assert markdown(rows).count("\n| ") == 5  # a line per draft after the header
     with pytest.raises(ValueError, match="another target"):
         rank([served_runs["smollm2_135m"][0], runs[0]])
 

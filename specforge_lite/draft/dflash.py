@@ -142,6 +142,11 @@ class DFlashObjective(Eagle3Objective):
     vocabulary, each slot's loss the mean over its valid anchors, weighted decay ** (j - 1). The teacher
     is read where EAGLE3's is (``teacher_positions``), and the metrics have one step per slot."""
 
+    # The block's layout: slot 0 holds the anchor's own token, the others the mask token; the slots from
+    # ``first_scored`` on are read out, slot j predicting x[a + j + 1 - first_scored] (DFlash: the masks
+    # predict the tokens at their own positions; DSpark: every slot predicts the token after it).
+    first_scored = 1
+
     def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", loss_chunk_rows: int = 512):
         super().__init__(ttt_length, decay, loss, loss_chunk_rows=loss_chunk_rows)
 
@@ -151,14 +156,15 @@ class DFlashObjective(Eagle3Objective):
 
     def unroll(self, draft, x: UnrollInputs) -> TTTOutput:
         if x.position_ids is not None:
-            raise ValueError("a DFlash draft trains on unpacked rows: set data.packing=false")
+            raise ValueError(f"a {draft.spec.method} draft trains on unpacked rows: set data.packing=false")
         B, T = x.input_ids.shape
         k, A, device = self.ttt_length, T - 1, x.input_ids.device
-        anchors = torch.arange(1, T, device=device)  # anchor a: block at positions a..a+k, context rows < a
+        S = k + self.first_scored  # slots per block
+        anchors = torch.arange(1, T, device=device)  # anchor a: block at positions a..a+S-1, context rows < a
         spec = draft.spec
-        ids = torch.full((B, A, k + 1), spec.mask_token_id, dtype=torch.long, device=device)
+        ids = torch.full((B, A, S), spec.mask_token_id, dtype=torch.long, device=device)
         ids[:, :, 0] = x.input_ids[:, 1:]
-        positions = (anchors[:, None] + torch.arange(k + 1, device=device)).expand(B, A, k + 1)
+        positions = (anchors[:, None] + torch.arange(S, device=device)).expand(B, A, S)
         context = draft.context_states([a[:, :A] for a in x.aux])  # rows 0..T-2: every anchor's context
         context_kv = draft.context_kv(context, torch.arange(A, device=device).expand(B, A))
         scale = spec.head_dim ** -0.5
@@ -166,20 +172,19 @@ class DFlashObjective(Eagle3Objective):
                             lambda ckv, q, kk, vv: block_attention(ckv, q, kk, vv, scale))  # [B, S, A, H]
         teacher_top = x.teacher_logits.argmax(-1).flatten()
         scored, counts = [], []
-        for j in range(1, k + 1):  # slot j of anchor a predicts x[a + j] from the teacher at row a + j - 1
-            target = anchors + j
+        for step, j in enumerate(range(self.first_scored, S)):
+            target = anchors + j + 1 - self.first_scored  # slot j of anchor a predicts x[target], teacher row - 1
             inside = target < T
             valid = torch.zeros(B, A, dtype=torch.bool, device=device)
             valid[:, inside] = (x.loss_mask[:, target[inside]].bool() & x.in_vocab[:, target[inside] - 1])
             n = valid.sum()
             counts.append(n)
             rows = valid.nonzero(as_tuple=True)
-            t_rows = rows[0] * T + anchors[rows[1]] + j - 1
-            weight = (self.decay ** (j - 1)) / n.clamp(min=1).float()
+            t_rows = rows[0] * T + target[rows[1]] - 1
+            weight = (self.decay ** step) / n.clamp(min=1).float()
             scored.append((slots[:, j][rows], t_rows, weight.expand(len(t_rows))))
         h, t_rows, weights = (torch.cat(parts) for parts in zip(*scored))
-        total, row_loss, row_correct = self._scored(draft, h, x.teacher_logits.flatten(0, 1), t_rows,
-                                                    teacher_top[t_rows], weights)
+        total, row_loss, row_correct = self._score_rows(draft, x, h, t_rows, teacher_top[t_rows], weights)
         steps, start = [], 0
         for n, (rows_h, _, _) in zip(counts, scored):
             end = start + rows_h.shape[0]
@@ -188,6 +193,11 @@ class DFlashObjective(Eagle3Objective):
         if h.shape[0] == 0:  # nothing to score: a zero loss that still reaches every weight (see Eagle3Objective)
             total = total.detach() + sum((p * 0).sum() for p in draft.parameters() if p.requires_grad)
         return TTTOutput(total, steps)
+
+    def _score_rows(self, draft, x: UnrollInputs, h, t_rows, teacher_top, weights) -> tuple[torch.Tensor, ...]:
+        """(weighted loss total, each row's loss, each row's draft argmax == teacher's) of the scored slot states
+        ``h`` [N, H] against their rows ``t_rows`` of the flattened teacher [B * T]."""
+        return self._scored(draft, h, x.teacher_logits.flatten(0, 1), t_rows, teacher_top, weights)
 
 
 class DFlashContext:
@@ -231,7 +241,8 @@ class DFlashContext:
         return draft.block(ids, positions, self.kept, attend)
 
 
-def refused(config) -> list[str]:
+def refused(config, method: str = "dflash") -> list[str]:
+    """What a block draft (DFlash, and DSpark on its backbone) cannot take."""
     d, problems = config.draft, []
     settings = {"draft.use_aux_norm": d.use_aux_norm, "draft.norm_before_fc": d.norm_before_fc,
                 "draft.norm_output": d.norm_output, "draft.parallel_drafting": d.parallel_drafting,
@@ -240,19 +251,19 @@ def refused(config) -> list[str]:
                 "trainer.deepspeed.sequence_parallel": config.trainer.deepspeed.sequence_parallel != 1}
     unsupported = [name for name, on in settings.items() if on]
     if unsupported:
-        problems.append(f"draft.method=dflash does not take {', '.join(unsupported)} (EAGLE3 options, or not "
-                        "implemented for DFlash): turn them off")
+        problems.append(f"draft.method={method} does not take {', '.join(unsupported)} (EAGLE3 options, or not "
+                        "implemented for block drafts): turn them off")
     if d.ttt_length != config.eval.num_draft_tokens:  # (the block attends bidirectionally: its size is input)
-        problems.append(f"draft.method=dflash with draft.ttt_length={d.ttt_length} mask slots but served with "
-                        f"eval.num_draft_tokens={config.eval.num_draft_tokens}: a DFlash block sees all its slots, so "
-                        "a block of another size is another input; set both to the k you serve with")
+        problems.append(f"draft.method={method} with draft.ttt_length={d.ttt_length} tokens per block but served "
+                        f"with eval.num_draft_tokens={config.eval.num_draft_tokens}: a block draft sees all its slots, "
+                        "so a block of another size is another input; set both to the k you serve with")
     return problems
 
 
 def refused_evaluation(draft_settings, ev) -> list[str]:
     if ev.drafting == "tree" or ev.temperature > 0:
-        return ["a DFlash draft is evaluated greedy and as a chain (one block per round): use eval.drafting=chain "
-                "eval.temperature=0"]
+        return [f"a {draft_settings.method} draft is evaluated greedy and as a chain (one block per round): use "
+                "eval.drafting=chain eval.temperature=0"]
     return []
 
 
@@ -261,4 +272,6 @@ def label(spec: dict) -> str:
 
 
 DFLASH = register(DraftMethod("dflash", DFlashDraft, DFlashObjective, refused, refused_evaluation, DFlashContext,
-                              ("dflash",), label, has_mask_slots=lambda draft_settings: True))
+                              ("dflash",), label, has_mask_slots=lambda draft_settings: True,
+                              spec_fields=lambda d: {"block_size": d.ttt_length + 1},  # the next token and k masks
+                              fixed_draft_tokens=lambda spec: spec["block_size"] - 1))

@@ -33,6 +33,12 @@ class DraftMethod:
     label: Callable[[dict], str]
     # whether a draft with these settings embeds a mask token in slots (P-EAGLE, DFlash): one is then chosen
     has_mask_slots: Callable[[Any], bool]
+    # the spec fields (draft/model.py Eagle3Spec) its settings fix beyond the shared ones: a block draft's
+    # block_size, DSpark's markov_rank
+    spec_fields: Callable[[Any], dict] = lambda draft_settings: {}
+    # the one k a draft can be served and evaluated at, from its spec (a dict): a block draft's block is its
+    # input, so its k is fixed at training; None: any k
+    fixed_draft_tokens: Callable[[dict], int | None] = lambda spec: None
 
 
 METHODS: dict[str, DraftMethod] = {}

@@ -29,6 +29,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from .head_loss import DraftHead
+from .methods import draft_method
 from .parallel import mask_slot_inputs, new_mask_hidden
 from .ttt import DraftCache
 
@@ -67,10 +68,12 @@ class Eagle3Spec:
     # P-EAGLE (draft/parallel.py): k - 1 mask slots fed mask_token_id and the learned mask_hidden
     parallel_drafting: bool = False
     mask_token_id: int | None = None
-    # DFlash: positions per block, the next token and k mask slots (vLLM's block_size = k + 1). The block is the
-    # draft's input, so it is served at that k only. None: a draft that proposes step by step, at any k.
+    # Block drafts: positions per block (DFlash: the next token and k mask slots, vLLM's block_size = k + 1;
+    # DSpark: the next token and k - 1 mask slots, block_size = k). The block is the draft's input, so it is
+    # served at that k only. None: a draft that proposes step by step, at any k.
     block_size: int | None = None
-    method: str = "eagle3"  # draft/methods.py: eagle3 (this module) | dflash (the same fields, draft/dflash.py)
+    method: str = "eagle3"  # draft/methods.py: eagle3 (this module) | dflash, dspark (draft/dflash.py, dspark.py)
+    markov_rank: int = 0  # DSpark's Markov head (0: none)
     attention_bias: bool = False
     mlp_bias: bool = False
     extra: dict = field(default_factory=dict)
@@ -85,10 +88,10 @@ class Eagle3Spec:
         if self.norm_before_residual:
             raise ValueError("norm_before_residual=True is not implemented (and SGLang ignores it)")
         mask_ok = self.mask_token_id is not None and 0 <= self.mask_token_id < self.vocab_size
-        if (self.parallel_drafting or self.method == "dflash") and not mask_ok:
-            raise ValueError(f"mask slots (draft.parallel_drafting=true, draft.method=dflash) need a mask token id "
-                             f"inside the target vocabulary (0..{self.vocab_size - 1}), got draft.mask_token_id="
-                             f"{self.mask_token_id}")
+        if (self.parallel_drafting or self.block_size is not None) and not mask_ok:
+            raise ValueError(f"mask slots (draft.parallel_drafting=true, a block draft: dflash, dspark) need a mask "
+                             f"token id inside the target vocabulary (0..{self.vocab_size - 1}), got "
+                             f"draft.mask_token_id={self.mask_token_id}")
 
     @classmethod
     def from_target(cls, target_config: Any, draft_cfg, aux_layer_ids: list[int], convention: str,
@@ -127,8 +130,8 @@ class Eagle3Spec:
             parallel_drafting=draft_cfg.parallel_drafting,
             mask_token_id=draft_cfg.mask_token_id if draft_cfg.parallel_drafting or draft_cfg.method != "eagle3"
             else None,
-            block_size=draft_cfg.ttt_length + 1 if draft_cfg.method == "dflash" else None,
             method=draft_cfg.method,
+            **draft_method(draft_cfg.method).spec_fields(draft_cfg),  # e.g. a block draft's block_size
         )
 
     def to_dict(self) -> dict:

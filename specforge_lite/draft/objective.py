@@ -80,6 +80,22 @@ def sim_accepted_drafts(accs: list[float]) -> float:
     return total
 
 
+def chunked(chunk, rows: tuple[torch.Tensor, ...], size: int) -> tuple[torch.Tensor, ...]:
+    """``chunk(*rows' slices)`` -> (weighted loss, each row's loss, each row's correctness) over ``size`` rows at
+    a time, each chunk checkpointed when gradients are on (its [chunk, draft_vocab] logits recomputed in
+    backward, never kept for all rows); the three summed / concatenated. ``size`` 0: one chunk."""
+    n = rows[0].shape[0]
+    size = size or max(n, 1)
+    parts = []
+    for s in range(0, n, size):
+        part = tuple(t[s : s + size] for t in rows)
+        parts.append(checkpoint(chunk, *part, use_reentrant=False) if torch.is_grad_enabled() else chunk(*part))
+    if not parts:
+        h = rows[0]
+        return h.new_zeros((), dtype=torch.float32), h.new_zeros(0), h.new_zeros(0, dtype=torch.bool)
+    return sum(p[0] for p in parts), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+
+
 class Eagle3Objective:
     def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", attention: str = "blockwise",
                  loss_chunk_rows: int = 512, checkpointing: bool = False, sequence: SequenceShard | None = None):
@@ -219,13 +235,7 @@ class Eagle3Objective:
             row_loss = token_loss(self.loss, target_p, logits)
             return (row_loss * w).sum(), row_loss.detach(), logits.argmax(-1) == top
 
-        parts = []
-        for s in range(0, hidden.shape[0], size):
-            part = (hidden[s : s + size], teacher_rows[s : s + size], teacher_top[s : s + size], weights[s : s + size])
-            parts.append(checkpoint(chunk, *part, use_reentrant=False) if torch.is_grad_enabled() else chunk(*part))
-        if not parts:
-            return hidden.new_zeros((), dtype=torch.float32), hidden.new_zeros(0), hidden.new_zeros(0, dtype=torch.bool)
-        return sum(p[0] for p in parts), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+        return chunked(chunk, (hidden, teacher_rows, teacher_top, weights), size)
 
     # ---- metrics ------------------------------------------------------------------------------
     def tally(self) -> "Tally":

@@ -6,7 +6,9 @@ per kind). Each is served by vLLM (``evaluate/served.py``, with ``--speed``: a t
 acceptance pass, and the target served alone on the same prompts), and the table ranks them by vLLM's
 acceptance length, beside vLLM's speed-up over the target alone and the training tokens per second of
 the run. Runs whose vllm_eval.json already holds the timed figures at the same k are not served again
-(``--serve-again`` serves them anyway). Writes rank.md and rank.json to ``--out`` when given.
+(``--serve-again`` serves them anyway). A draft this machine's vLLM cannot serve (DSpark on vLLM's CPU build)
+is ranked by our own evaluation's figures, and the table says which measured each row. Writes rank.md and
+rank.json to ``--out`` when given.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..draft.methods import DEFAULT
 from ..errors import said_in_one_line
 from ..export.layout import PROVENANCE_KEY
 from ..training.tracking import read_metrics
-from .served import eval_inputs, serve
+from .served import eval_inputs, serve, unservable_here
 
 
 def method(run: Path) -> str:
@@ -66,6 +68,19 @@ def check_same_measure(rows: list[dict]) -> None:
                              "in one model.dtype)")
 
 
+def our_measure(run: Path, ours: dict) -> dict:
+    """A run this machine's vLLM cannot serve (served.unservable_here), in the served report's terms from our own
+    evaluation (eval.json): our speculative decoding's acceptance, per position, and measured speed-up over
+    the target alone (no server's outputs to compare with the target's greedy ones: that column says n/a)."""
+    if not ours:
+        raise FileNotFoundError(f"{run / 'eval.json'} is missing: vLLM cannot serve this draft here, so it is "
+                                f"ranked by our evaluation; run python -m specforge_lite.evaluate --run-dir {run}")
+    return {"num_draft_tokens": ours["num_draft_tokens"], "dtype": eval_inputs(run).get("dtype", "float32"),
+            "mean_acceptance_length": ours["mean_acceptance_length"],
+            "per_position_acceptance": ours["per_position_acceptance"],
+            "speedup_vs_target_alone": ours["speedup_vs_target_alone"], "served_tokens_per_s": ours["tokens_per_s"]}
+
+
 def rank(runs: list[Path], k: int | None = None, serve_again: bool = False, log=print) -> list[dict]:
     runs = [Path(r) for r in runs]
     check_comparable(runs)
@@ -75,14 +90,18 @@ def rank(runs: list[Path], k: int | None = None, serve_again: bool = False, log=
         served = json.loads(path.read_text()) if path.is_file() else {}
         return "speedup_vs_target_alone" in served and (k is None or served.get("num_draft_tokens") == k)
 
-    missing = [r for r in runs if serve_again or not timed(r)]
+    ours_only = {r: reason for r in runs if (reason := unservable_here(r))}
+    missing = [r for r in runs if r not in ours_only and (serve_again or not timed(r))]
     if missing:
         serve(missing, k, speed=True, log=log)
+    for run, reason in ours_only.items():
+        log(f"[rank] {run}: ranked by our own evaluation: {reason}")
     rows = []
     for run in runs:
-        served = json.loads((run / "vllm_eval.json").read_text())
         ours = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else {}
+        served = our_measure(run, ours) if run in ours_only else json.loads((run / "vllm_eval.json").read_text())
         rows.append({"run": str(run), "method": method(run), "k": served["num_draft_tokens"],
+                     "measured_by": "ours" if run in ours_only else "vLLM",
                      # our evaluation's: the draft's calibration at position 1, and the k it estimates fastest
                      "calibration_error": ((ours.get("calibration") or {}).get("ece_per_position") or [None])[0],
                      "best_k": ours.get("best_k"),
@@ -92,21 +111,24 @@ def rank(runs: list[Path], k: int | None = None, serve_again: bool = False, log=
                      "speedup_vs_target_alone": served["speedup_vs_target_alone"],
                      "served_tokens_per_s": served["served_tokens_per_s"],
                      "training_tokens_per_s": training_tokens_per_s(run),
-                     "outputs_equal_greedy": f"{served['outputs_equal_our_greedy']}/{served['outputs_compared']}"})
+                     "outputs_equal_greedy": "n/a" if run in ours_only else
+                     f"{served['outputs_equal_our_greedy']}/{served['outputs_compared']}"})
     check_same_measure(rows)
     rows.sort(key=lambda r: -r["acceptance_length"])
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| rank | run | draft | vLLM acceptance length (k) | per position | vLLM speed-up vs target alone | "
+    lines = ["| rank | run | draft | acceptance length (k) | per position | speed-up vs target alone | measured by | "
              "calibration error (position 1) | fastest k (estimated) | training tokens/s | outputs equal to greedy |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
         train = f"{r['training_tokens_per_s']:.0f}" if r["training_tokens_per_s"] else "n/a"
         ece = f"{r['calibration_error']:.3f}" if r.get("calibration_error") is not None else "n/a"
+        speedup = f"{r['speedup_vs_target_alone']:.2f}x" if r["speedup_vs_target_alone"] is not None else "n/a"
         lines.append(f"| {i} | {r['run']} | {r['method']} | {r['acceptance_length']:.3f} ({r['k']}) | "
-                     f"{', '.join(f'{x:.2f}' for x in r['per_position'])} | {r['speedup_vs_target_alone']:.2f}x | "
+                     f"{', '.join(f'{x:.2f}' for x in r['per_position'])} | {speedup} | "
+                     f"{r.get('measured_by', 'vLLM')} | "
                      f"{ece} | {r.get('best_k') or 'n/a'} | {train} | {r['outputs_equal_greedy']} |")
     return "\n".join(lines)
 

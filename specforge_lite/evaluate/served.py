@@ -34,6 +34,9 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
 
     run_dirs = [Path(r) for r in run_dirs]
     for run_dir in run_dirs:
+        refusal = unservable_here(run_dir)
+        if refusal:
+            raise ServedMismatch(f"{run_dir}: {refusal}")
         served_k = k or eval_inputs(run_dir).get("num_draft_tokens")
         if served_k is not None:  # (without it the serving script names what eval_inputs.json lacks)
             check_draft_tokens(run_dir / "final", served_k)
@@ -76,6 +79,15 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
     if problems:
         raise ServedMismatch("the served check failed:\n" + "\n".join(problems))
     return results
+
+
+def unservable_here(run_dir: Path) -> str | None:
+    """Why this machine's vLLM cannot serve the run's export (a CPU build and a layout it cannot run), or None."""
+    import torch
+
+    from ..export import cpu_serving_refusal
+
+    return None if torch.cuda.is_available() else cpu_serving_refusal(Path(run_dir) / "final")
 
 
 def eval_inputs(run_dir: Path) -> dict:

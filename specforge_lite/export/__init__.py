@@ -11,9 +11,11 @@ import torch
 
 from ..device import resolve_dtype
 from ..draft import draft_method
+from ..draft.methods import DEFAULT
 from ..draft.model import DRAFT_ACT, Eagle3Spec
 from ..training.checkpoint import latest_checkpoint, load_checkpoint, unusable_checkpoints
 from .dflash import DFlashFormat
+from .dspark import DSparkFormat
 from .format import ExportFormat
 from .layout import PROVENANCE_KEY, draft_weights, write_export
 from .sglang import SGLangFormat
@@ -21,7 +23,7 @@ from .speculators import SpeculatorsFormat
 from .vllm import VLLMFormat
 
 FORMATS: dict[str, ExportFormat] = {f.name: f for f in (VLLMFormat(), SGLangFormat(), SpeculatorsFormat(),
-                                                         DFlashFormat())}
+                                                         DFlashFormat(), DSparkFormat())}
 
 
 def export_format(fmt: str, method: str) -> ExportFormat:
@@ -85,24 +87,34 @@ def load_export(export_dir: Path) -> tuple[Eagle3Spec, dict[str, torch.Tensor]]:
     return spec, weights
 
 
-def fixed_draft_tokens(export_dir: Path) -> int | None:
-    """The one k an export can be served and evaluated at, or None when any k will do: a DFlash draft's
-    block (the next token and k mask slots) is its input, so its k is fixed at training (block_size - 1)."""
+def cpu_serving_refusal(export_dir: Path) -> str | None:
+    """Why vLLM's CPU build cannot serve this export (its format's reason), or None when it can."""
     config = json.loads((Path(export_dir) / "config.json").read_text())
-    spec = (config.get(PROVENANCE_KEY) or {}).get("spec") or {}
-    size = spec.get("block_size") or (config.get("block_size") if DFlashFormat().reads(config) else None)
-    return size - 1 if size else None
+    form = next((f for f in FORMATS.values() if f.cpu_serving_refusal and f.reads(config)), None)
+    return form.cpu_serving_refusal if form else None
+
+
+def fixed_draft_tokens(export_dir: Path) -> int | None:
+    """The one k an export can be served and evaluated at, or None when any k will do: a block draft's block
+    (DFlash: the next token and k mask slots; DSpark: k slots) is its input, so its k is fixed at training."""
+    config = json.loads((Path(export_dir) / "config.json").read_text())
+    spec = (config.get(PROVENANCE_KEY) or {}).get("spec")
+    if spec:
+        return draft_method(spec.get("method", DEFAULT)).fixed_draft_tokens(spec)
+    if DSparkFormat().reads(config):  # a DSpark folder written elsewhere: vLLM's block_size is its k
+        return config.get("block_size")
+    return config["block_size"] - 1 if DFlashFormat().reads(config) and config.get("block_size") else None
 
 
 def check_draft_tokens(export_dir: Path, k: int) -> None:
     """Refuse serving or evaluating an export at a k it cannot run as trained (``fixed_draft_tokens``)."""
     fixed = fixed_draft_tokens(export_dir)
     if fixed is not None and k != fixed:
-        raise ValueError(f"{export_dir} is a DFlash draft trained with blocks of k={fixed} draft tokens (block_size "
-                         f"{fixed + 1}): a block of another size is an input it never saw, so its acceptance at k={k} "
-                         f"says nothing of it. Serve and evaluate it at k={fixed}, or train a draft for k={k} "
+        raise ValueError(f"{export_dir} is a block draft (DFlash, DSpark) trained to propose k={fixed} tokens per "
+                         f"block: a block of another size is an input it never saw, so its acceptance at k={k} says "
+                         f"nothing of it. Serve and evaluate it at k={fixed}, or train a draft for k={k} "
                          f"(draft.ttt_length={k} eval.num_draft_tokens={k})")
 
 
-__all__ = ["FORMATS", "ExportFormat", "check_draft_tokens", "export_draft", "export_format", "export_run",
-           "fixed_draft_tokens", "load_export"]
+__all__ = ["FORMATS", "ExportFormat", "check_draft_tokens", "cpu_serving_refusal", "export_draft", "export_format",
+           "export_run", "fixed_draft_tokens", "load_export"]

