@@ -414,3 +414,25 @@ def test_an_export_cut_short_leaves_no_config_and_says_why(tmp_path):
     assert not (out / "config.json").exists() and [p.name for p in out.iterdir()] == ["model.safetensors"]
     export_draft(draft.trainable_state_dict(), draft.spec, "vllm", out)
     assert load_export(out)[0] == draft.spec
+
+
+def test_the_fitted_calibration_is_recorded_in_the_export_and_nothing_else_changes(tmp_path):
+    """The evaluation's Platt fit goes into the export's provenance block (servers ignore it); the weights,
+    every field a server reads and the check's verdict stay as they were."""
+    import json
+
+    from specforge_lite.export import export_draft, load_export, record_confidence_calibration
+    from specforge_lite.export.check import check_export
+
+    draft = tiny_draft(tiny_target(aux_ids=[0, 3, 6]))
+    out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "v")
+    before = json.loads((out / "config.json").read_text())
+    weights = (out / "model.safetensors").read_bytes()
+    fit = {"kind": "platt", "a": 0.61, "b": -0.2, "fit_positions": 50, "judged_positions": 48,
+           "ece_before": 0.2, "ece_after": 0.05}
+    record_confidence_calibration(out, fit)
+    after = json.loads((out / "config.json").read_text())
+    assert after["specforge_lite"].pop("confidence_calibration") == {k: fit[k] for k in ("kind", "a", "b",
+                                                                                         "ece_before", "ece_after")}
+    assert after == before and (out / "model.safetensors").read_bytes() == weights
+    assert check_export(out).ok and load_export(out)[0] == draft.spec

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from conftest import EAGLE31, tiny_draft, tiny_target
-from specforge_lite.evaluate import spec_decode
+from specforge_lite.evaluate import confidence, spec_decode
 from specforge_lite.draft import drafting
 from specforge_lite.draft.drafting import DraftContext, draft_chain
 from specforge_lite.evaluate.spec_decode import (acceptance_by_context_length, acceptance_summary, greedy_generate,
@@ -368,13 +368,42 @@ def test_calibration_error_per_position_against_a_count_by_hand():
     Position 1: confidences 0.95 (accepted), 0.91 (accepted), 0.15 (not): bins 0.9 (mean 0.93, both hit)
     and 0.1 (0.15, no hit): ECE = (2 * 0.07 + 0.15) / 3. Position 2: 0.55 (hit), 0.52 (missed): one bin,
     mean 0.535 and half hit: ECE 0.035."""
-    cal = spec_decode.calibration([2, 1, 0], [[0.95, 0.55], [0.91, 0.52], [0.15, 0.9]], k=2)
+    cal = confidence.calibration([2, 1, 0], [[0.95, 0.55], [0.91, 0.52], [0.15, 0.9]], k=2)
     assert cal["rounds_reached_per_position"] == [3, 2]
     assert abs(cal["ece_per_position"][0] - (2 * 0.07 + 0.15) / 3) < 1e-9
     assert abs(cal["ece_per_position"][1] - 0.035) < 1e-9
     assert abs(cal["mean_confidence_per_position"][0] - (0.95 + 0.91 + 0.15) / 3) < 1e-9
-    assert spec_decode.calibration([0], [[]], k=1)["ece_per_position"] == [None]  # (not recorded)
+    assert confidence.calibration([0], [[]], k=1)["ece_per_position"] == [None]  # (not recorded)
 
+
+
+def test_adaptive_verification_against_a_count_by_hand():
+    """Three rounds at k=2 (accepted 2, 0, 1; confidences [0.9, 0.8], [0.3, 0.9], [0.7, 0.2]): survival
+    [0.9, 0.72], [0.3, 0.27], [0.7, 0.14]. Half the 6 slots by confidence: 0.9, 0.72 and 0.7, so rounds
+    verify 2, 0 and 1 drafts and keep 2 + 0 + 1 = 3: 1.0 per verified slot, 2.0 tokens per verification.
+    Without confidences every round verifies its first slot and keeps 1 + 0 + 1 = 2: 2/3 and 1 + 2/3."""
+    out = confidence.adaptive_verification([2, 0, 1], [[0.9, 0.8], [0.3, 0.9], [0.7, 0.2]], k=2, budgets=(0.5,))
+    half = out["budgets"]["0.5"]
+    assert out["rounds"] == 3
+    assert half["by_confidence"] == {"accepted_per_verified_slot": 1.0, "tokens_per_verification": 2.0}
+    assert abs(half["without"]["accepted_per_verified_slot"] - 2 / 3) < 1e-12
+    assert abs(half["without"]["tokens_per_verification"] - (1 + 2 / 3)) < 1e-12
+    assert confidence.adaptive_verification([1], [[]], k=1) is None  # (no confidences recorded)
+
+
+def test_the_platt_fit_recovers_how_the_acceptance_was_drawn():
+    """Rounds whose acceptance is drawn as sigmoid(0.5 * logit(confidence) - 0.4) (an overconfident draft): the
+    fit on the even rounds recovers a = 0.5 and b = -0.4, and on the odd rounds (out of the fit) the calibrated
+    confidences' error is a fraction of the raw ones'."""
+    g = torch.Generator().manual_seed(0)
+    conf = (torch.rand(4000, generator=g) * 0.98 + 0.01).tolist()
+    truth = torch.sigmoid(0.5 * torch.logit(torch.tensor(conf, dtype=torch.float64)) - 0.4)
+    accepted = (torch.rand(4000, generator=g, dtype=torch.float64) < truth).long().tolist()
+    fit = confidence.fitted_calibration(accepted, [[c] for c in conf])
+    assert abs(fit["a"] - 0.5) < 0.08 and abs(fit["b"] + 0.4) < 0.12, fit
+    assert fit["fit_positions"] == fit["judged_positions"] == 2000
+    assert fit["ece_after"] < 0.4 * fit["ece_before"], fit
+    assert confidence.fitted_calibration([1, 0], [[0.9], [0.2]]) is None  # too few rounds to fit and judge
 
 
 def test_the_speed_up_at_each_k_from_the_measured_costs_by_hand():

@@ -20,8 +20,9 @@ from ..draft.ttt import TreeCache
 from ..targets.teacher import Teacher
 from .heldout import heldout_accuracy
 from .prompts import PromptSet, load_prompt_sets
-from .spec_decode import (Generation, _new_cache, acceptance_by_context_length, acceptance_summary, calibration,
-                          greedy_generate, speculative_generate, speculative_sample)
+from .confidence import adaptive_verification, calibration, fitted_calibration
+from .spec_decode import (Generation, _new_cache, acceptance_by_context_length, acceptance_summary, greedy_generate,
+                          speculative_generate, speculative_sample)
 from .tree import check_tree_support, tree_generate
 
 DRAFTING = ("chain", "tree")
@@ -212,6 +213,9 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
     pooled["by_context_length"] = acceptance_by_context_length(every("_accepted"), every("_contexts"),
                                                                ev.num_draft_tokens, ev.context_length_edges)
     pooled["calibration"] = calibration(every("_accepted"), every("_confidences"), ev.num_draft_tokens)
+    pooled["calibration_fit"] = fitted_calibration(every("_accepted"), every("_confidences"))
+    pooled["adaptive_verification"] = adaptive_verification(every("_accepted"), every("_confidences"),
+                                                            ev.num_draft_tokens)
     tokens = sum(s["generated_tokens"] for s in sets.values())
     spec_time = sum(s["generated_tokens"] / s["tokens_per_s"] for s in sets.values())
     timed_alone = all(s["target_alone_tokens_per_s"] for s in sets.values())
@@ -249,15 +253,24 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
                 "k up to this one (its first k positions' acceptance, k draft steps, or one for a draft that "
                 "proposes in one forward); best_k its largest. calibration: per draft position, the expected "
                 "calibration error of the draft's probability of its token as the probability that it is "
-                "accepted (greedy chain decoding), over the rounds that reached the position",
+                "accepted (greedy chain decoding), over the rounds that reached the position; calibration_fit: a "
+                "Platt fit of those confidences (fit on the even rounds, its ECE before and after on the odd ones), "
+                "recorded in the export; adaptive_verification: accepted drafts per verified slot and tokens per "
+                "verification when a budget of the rounds' draft slots is verified by confidence (vLLM's adaptive "
+                "verification, every round one request of a batch) or without (every round its first slots)",
     }
 
 
 def write_eval(run_dir: Path, result: dict) -> Path:
-    """eval.json, eval.md (a table per prompt set) and eval.png (acceptance per position per set)."""
+    """eval.json, eval.md (a table per prompt set) and eval.png (acceptance per position per set); the fitted
+    calibration of the draft's confidences goes into the export's config (its provenance block)."""
     from .report import write_eval_report
+
+    from ..export import record_confidence_calibration
 
     path = Path(run_dir) / "eval.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     write_eval_report(run_dir, result)
+    if result.get("calibration_fit") and (Path(run_dir) / "final" / "config.json").is_file():
+        record_confidence_calibration(Path(run_dir) / "final", result["calibration_fit"])
     return path

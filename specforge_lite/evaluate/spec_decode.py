@@ -194,28 +194,6 @@ def acceptance_summary(accepted_per_round: list[int], k: int) -> dict:
             "rounds": rounds}
 
 
-def calibration(accepted_per_round: list[int], confidences: list[list[float]], k: int, bins: int = 10) -> dict:
-    """How well the draft's probability of its token predicts that the token is accepted, per draft position,
-    over the rounds that reached the position (every earlier token accepted; greedy verification accepts a
-    token exactly when it is the target's). ece: the expected calibration error, the reached rounds binned
-    by confidence into ``bins`` equal-width bins and each bin's |mean confidence - accepted share| weighted
-    by its share of them; null for a position no round reached or whose confidences were not recorded."""
-    ece, mean_confidence, reached = [], [], []
-    for i in range(k):
-        pairs = [(c[i], a > i) for a, c in zip(accepted_per_round, confidences) if a >= i and len(c) > i]
-        reached.append(len(pairs))
-        if not pairs:
-            ece.append(None), mean_confidence.append(None)
-            continue
-        binned: dict[int, list[tuple[float, bool]]] = {}
-        for conf, hit in pairs:
-            binned.setdefault(min(int(conf * bins), bins - 1), []).append((conf, hit))
-        ece.append(sum(abs(sum(c for c, _ in b) - sum(h for _, h in b)) for b in binned.values()) / len(pairs))
-        mean_confidence.append(sum(c for c, _ in pairs) / len(pairs))
-    return {"ece_per_position": ece, "mean_confidence_per_position": mean_confidence,
-            "rounds_reached_per_position": reached, "bins": bins}
-
-
 def _length_label(tokens: int) -> str:
     return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
 

@@ -87,6 +87,21 @@ def load_export(export_dir: Path) -> tuple[Eagle3Spec, dict[str, torch.Tensor]]:
     return spec, weights
 
 
+def record_confidence_calibration(export_dir: Path, fit: dict) -> None:
+    """The evaluation's fitted calibration of the draft's confidences (evaluate/confidence.py: calibrated =
+    sigmoid(a * logit(confidence) + b)) in the export's provenance block, where a reader of the folder finds it
+    (servers ignore the block). The config is replaced whole, never left half written."""
+    from ..files import write_then_rename
+
+    path = Path(export_dir) / "config.json"
+    config = json.loads(path.read_text())
+    if PROVENANCE_KEY not in config:
+        return
+    config[PROVENANCE_KEY]["confidence_calibration"] = {k: fit[k] for k in ("kind", "a", "b", "ece_before",
+                                                                              "ece_after")}
+    write_then_rename(path, lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
+
+
 def cpu_serving_refusal(export_dir: Path) -> str | None:
     """Why vLLM's CPU build cannot serve this export (its format's reason), or None when it can."""
     config = json.loads((Path(export_dir) / "config.json").read_text())
@@ -117,4 +132,4 @@ def check_draft_tokens(export_dir: Path, k: int) -> None:
 
 
 __all__ = ["FORMATS", "ExportFormat", "check_draft_tokens", "cpu_serving_refusal", "export_draft", "export_format",
-           "export_run", "fixed_draft_tokens", "load_export"]
+           "export_run", "fixed_draft_tokens", "load_export", "record_confidence_calibration"]
