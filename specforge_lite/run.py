@@ -16,6 +16,7 @@ from typing import Any
 
 from .config import Config
 from .data import BatchStream, DraftVocab
+from .data.images import image_inputs
 from .draft import Draft, Eagle3Objective, build_objective
 from .targets import Target, Teacher
 from .training.distributed import DistributedContext
@@ -80,7 +81,7 @@ class Run:
 
         t = self.config.trainer
         pad = pad_id(self.tokenizer) if self.tokenizer is not None else 0  # pads are masked; never read
-        return BatchStream(self.train_data, t.micro_batch_size, pad, t.seed, images=self.target.image_inputs,
+        return BatchStream(self.train_data, t.micro_batch_size, pad, t.seed, images=image_inputs(self.target),
                            rank=self.ctx.data_rank, world_size=self.ctx.data_world_size,
                            pack_length=packing_length(self.config, self.target), blocks=self._blocks())
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specforge_lite.config import available_presets, load_config
+from specforge_lite.data.images import image_inputs
 from specforge_lite.data.vocab import DraftVocab
 from specforge_lite.draft.ttt import shift_left
 from specforge_lite.pipeline import build_target
@@ -193,7 +194,7 @@ def test_qwen3_vl_image_conversations_are_laid_out_as_the_model_reads_them(tmp_p
     from specforge_lite.pipeline import load_tokenizer
 
     target = hf_target("qwen3_vl_tiny")
-    cfg, images = target.config, target.image_inputs
+    cfg, images = target.config, image_inputs(target)
     tok = load_tokenizer(target)
     messages = normalize_conversation(_image_conversation(tmp_path), base_dir=tmp_path)
     [(ids, mask, paths)] = tokenize_samples(tok, messages, 512, images)
@@ -235,7 +236,7 @@ def test_qwen3_vl_speculative_decoding_on_image_prompts_equals_hf_generate(tmp_p
 
     target = hf_target("qwen3_vl_tiny")
     draft = tiny_draft(target, draft_vocab_size=512)
-    tok, images = load_tokenizer(target), target.image_inputs
+    tok, images = load_tokenizer(target), image_inputs(target)
     messages = normalize_conversation(_image_conversation(tmp_path), base_dir=tmp_path)
     stops = stop_ids(tok, target)
     text_prompt = tok.apply_chat_template([{"role": "user", "content": "Name three colours."}],

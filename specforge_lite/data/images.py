@@ -18,11 +18,24 @@ import torch
 from .errors import MalformedRow
 
 IMAGE_MARKER = "<image>"
+_BUILT: dict[int, tuple[Any, "ImageInputs"]] = {}  # per target's intake: one ImageInputs (its token counts kept)
+
+
+def image_inputs(target) -> "ImageInputs | None":
+    """The image handling of a vision target (built once from the intake its family states,
+    ``TargetFamily.image_intake``), or None for a text-only target."""
+    intake = getattr(target, "image_intake", None)
+    if intake is None:
+        return None
+    if id(intake) not in _BUILT:
+        _BUILT[id(intake)] = (intake, ImageInputs(intake.processor, intake.placeholder_text, intake.image_token_id,
+                                                  intake.merge_size))
+    return _BUILT[id(intake)][1]
 
 
 @dataclass
 class ImageInputs:
-    """What a vision target needs to take images; built by its family (``TargetFamily.image_inputs``)."""
+    """What a vision target needs to take images, from its family's ``ImageIntake`` (``image_inputs(target)``)."""
 
     processor: Any  # the model's image processor (AutoImageProcessor of the checkpoint)
     placeholder_text: str  # what the chat template renders for one image

@@ -82,7 +82,7 @@ def collate(rows: list[dict], pad_id: int, images: Any = None) -> Batch:
     paths = [p for r in rows for p in r.get("images") or []]
     if paths and images is None:
         raise ValueError("these rows hold images but no image processor was given (a vision target's "
-                         "family.image_inputs)")
+                         "family.image_intake)")
     inputs = images.pixels(paths) if paths else {}
     if "store_index" in rows[0]:  # rows of a hidden-state store: which stored samples to read
         inputs["store_index"] = torch.tensor([r["store_index"] for r in rows])

@@ -14,6 +14,7 @@ import torch
 
 from ..config import Config, EvalConfig
 from ..data.chat import generation_prompt_ids
+from ..data.images import image_inputs
 from ..device import dtype_name
 from ..draft import build_objective, draft_method
 from ..draft.ttt import TreeCache
@@ -50,7 +51,7 @@ def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, s
     """Decode every item of a set (multi-turn items turn by turn, each turn after the target's own answer),
     then the same prompts (or the first eval.baseline_prompts) with the target alone, timed in the same
     process."""
-    images = target.image_inputs
+    images = image_inputs(target)
     prompts, prompt_images, outputs, accepted, contexts, per_prompt = [], [], [], [], [], []
     confidences = []  # per round (greedy chain decoding records them)
 
@@ -208,7 +209,7 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
         "dtype": dtype_name(target.dtype),  # what our greedy outputs were computed in; vLLM serves in it too
         "max_model_len": max(len(p) for p in prompts) + ev.max_new_tokens + ev.num_draft_tokens + 8}))
     held = heldout_accuracy(build_objective(config.draft), teacher, draft, data.heldout,
-                            pad_id(tokenizer), ev.heldout_batches, target.image_inputs)
+                            pad_id(tokenizer), ev.heldout_batches, image_inputs(target))
     pooled = acceptance_summary(every("_accepted"), ev.num_draft_tokens)
     pooled["by_context_length"] = acceptance_by_context_length(every("_accepted"), every("_contexts"),
                                                                ev.num_draft_tokens, ev.context_length_edges)

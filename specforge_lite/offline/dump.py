@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config
+from ..data.images import image_inputs
 from ..data.loader import collate
 from ..targets.capture import CONVENTION
 from ..targets.hf import HFTarget
@@ -166,7 +167,7 @@ def _write(run, target: HFTarget, folder: Path, samples: range, log, parts: bool
     with torch.no_grad():
         for start in range(samples.start + manifest.num_samples, n, sc.batch_size):
             rows = [data.train[i] for i in range(start, min(start + sc.batch_size, n))]
-            batch = collate(rows, pad, target.image_inputs).to(target.device)
+            batch = collate(rows, pad, image_inputs(target)).to(target.device)
             captured = target.capture(batch.input_ids, batch.attention_mask, **batch.inputs)
             _, in_vocab = teacher(captured, batch.attention_mask.bool())
             for r, row in enumerate(rows):

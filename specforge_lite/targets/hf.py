@@ -131,11 +131,11 @@ class HFTarget:
         return gathered(self.family.final_norm(self.model).weight)
 
     @property
-    def image_inputs(self) -> Any:
-        """How this target takes images (data.images.ImageInputs), or None for text-only targets."""
-        if not hasattr(self, "_image_inputs"):
-            self._image_inputs = self.family.image_inputs(self.location, self.config)
-        return self._image_inputs
+    def image_intake(self) -> Any:
+        """How this target takes images (targets.protocol.ImageIntake), or None for text-only targets."""
+        if not hasattr(self, "_image_intake"):
+            self._image_intake = self.family.image_intake(self.location, self.config)
+        return self._image_intake
 
     # ---- training capture -------------------------------------------------------------------
     @torch.no_grad()

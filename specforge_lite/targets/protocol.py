@@ -28,6 +28,17 @@ class Captured:
     topk: tuple[torch.Tensor, torch.Tensor] | None = None  # ([B, T, k] logits, [B, T, k] draft ids)
 
 
+@dataclass(frozen=True)
+class ImageIntake:
+    """How a vision target takes images, as its family states it (the data stage builds its image handling,
+    data/images.py ``ImageInputs``, from it: the target never needs the data stage's code)."""
+
+    processor: Any  # the model's image processor (AutoImageProcessor of the checkpoint)
+    placeholder_text: str  # what the chat template renders for one image
+    image_token_id: int  # the pad token the processor repeats per merged patch group
+    merge_size: int  # patches merged per side into one token
+
+
 class Target(Protocol):
     family: Any  # targets.families.TargetFamily: where the parts live, the logit transform
     config: Any  # the target's transformers config
@@ -39,7 +50,7 @@ class Target(Protocol):
     vocab_size: int
     device: torch.device
     dtype: torch.dtype
-    image_inputs: Any  # data.images.ImageInputs for vision targets, else None
+    image_intake: ImageIntake | None  # how a vision target takes images, else None
 
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, **inputs: Any) -> Captured: ...

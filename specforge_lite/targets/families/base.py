@@ -128,8 +128,8 @@ class TargetFamily:
         cap = self.logit_softcap(config)
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def image_inputs(self, location: str, config: Any) -> Any:
-        """How the model takes images (data.images.ImageInputs), or None for text-only families."""
+    def image_intake(self, location: str, config: Any) -> Any:
+        """How the model takes images (targets.protocol.ImageIntake), or None for text-only families."""
         return None
 
     # ---- capture -----------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..protocol import ImageIntake
 from .base import TargetFamily
 
 IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
@@ -32,12 +33,10 @@ class Qwen3VLFamily(TargetFamily):
     supports_tree_mask = False
     supports_packing = False
 
-    def image_inputs(self, location: str, config: Any) -> Any:
+    def image_intake(self, location: str, config: Any) -> ImageIntake:
         from transformers import AutoImageProcessor
 
-        from ...data.images import ImageInputs
-
-        return ImageInputs(AutoImageProcessor.from_pretrained(location), IMAGE_PLACEHOLDER, config.image_token_id,
+        return ImageIntake(AutoImageProcessor.from_pretrained(location), IMAGE_PLACEHOLDER, config.image_token_id,
                            config.vision_config.spatial_merge_size)
 
     def _image_inputs(self, model: nn.Module, input_ids: torch.Tensor, inputs: dict[str, Any]) -> dict[str, Any]:
