@@ -61,13 +61,13 @@ def target_alone(inputs: dict, dtype: str, memory_fraction: float, eager: bool) 
 
 
 # the layouts with a method of their own in vLLM
-OWN_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DSparkDraftModel": "dspark"}
+OWN_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash", "DSparkDraftModel": "dspark"}
 
 
 def speculative_config(draft_dir: Path, k: int) -> dict:
     """How vLLM runs the draft: EAGLE3 step by step, with its mask slots in one forward (P-EAGLE: the
     export writes parallel_drafting; vLLM takes it from the speculative config, not from the folder), or
-    DFlash and DSpark (their own architectures and methods)."""
+    DFlash, DFlash 2 and DSpark (their own architectures; DFlash 2 runs as method=dflash)."""
     config = json.loads((draft_dir / "config.json").read_text())
     archs = config.get("architectures") or []
     method = next((m for arch, m in OWN_ARCHITECTURES.items() if arch in archs), "eagle3")

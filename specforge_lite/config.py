@@ -96,6 +96,7 @@ class DraftConfig:
     # proposes ttt_length tokens in one forward from mask slots (draft/dflash.py; vLLM method=dflash).
     # dspark: DFlash's backbone with a Markov head (each token's logits biased by the token before it) and a
     # confidence head, whose estimates a server sizes verification with (draft/dspark.py; vLLM method=dspark).
+    # dflash2: DFlash with local convolutions along the block and a candidate selector (draft/dflash2.py).
     method: str = "eagle3"
     # Decoder layers: 1 is EAGLE3 as every server loads it; more are plain Llama layers after the first
     # (served by vLLM; SGLang loads one layer).
@@ -105,7 +106,15 @@ class DraftConfig:
     # speculators' default 256 is sized for 100k+ vocabularies and hidden sizes of thousands)
     markov_rank: int = 64
     confidence_weight: float = 1.0  # dspark: the confidence head's BCE weight beside the token loss (speculators: 1)
-    draft_vocab_size: int = 32000  # capped at the target vocabulary
+    # dflash2: taps of the convolutions along the block (speculators: 2) and channels sharing one kernel (16)
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    # dflash2: the selector rescores the draft's top selector_top_k tokens per slot (speculators: 16) with a
+    # rank-selector_rank edge term (speculators' 256 is sized for hidden sizes of thousands)
+    selector_top_k: int = 16
+    selector_rank: int = 64
+    selector_weight: float = 1.0  # dflash2: the selector's cross-entropy weight beside the token loss
+    draft_vocab_size: int = 32000  # capped at the target vocabulary (dflash2: always the whole vocabulary)
     # Capture ids in the convention of specforge_lite/targets/capture.py; null derives [2, L//2, L-3].
     aux_layer_ids: Optional[list[int]] = None
     use_aux_norm: bool = False  # one RMSNorm per aux state before fc (exported as fc_norm)

@@ -9,8 +9,10 @@ import torch
 
 from .config import Config
 from .data import DraftVocab, build_draft_vocab
+from .data.images import image_inputs
 from .data.vocab import choose_mask_token
 from .draft import Draft, Eagle3Spec, draft_method
+from .draft.methods import draft_vocab_size
 from .generation import LazyGenerator
 from .targets import HFTarget, Target
 from .targets.hf import BACKENDS
@@ -98,7 +100,7 @@ def prepare(config: Config, target: HFTarget, tokenizer, log=print):
                            max_new_tokens=sg.max_new_tokens, seed=sg.seed)
     try:
         return prepare_data(config.data, tokenizer, generate=generator, model_fingerprint=generator.fingerprint(),
-                            log=log, images=target.image_inputs, request_writer=writer)
+                            log=log, images=image_inputs(target), request_writer=writer)
     finally:
         if server is not None:
             server.stop()
@@ -133,7 +135,7 @@ def packing_length(config: Config, target: Target) -> int | None:
 
 
 def build_vocab(config: Config, target: Target, train_dataset, tokenizer) -> DraftVocab:
-    return build_draft_vocab(train_dataset, target.vocab_size, config.draft.draft_vocab_size,
+    return build_draft_vocab(train_dataset, target.vocab_size, draft_vocab_size(config.draft, target.vocab_size),
                              f"{tokenizer.name_or_path}|{len(tokenizer)}")
 
 

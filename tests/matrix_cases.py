@@ -27,6 +27,8 @@ OPTIONS = {
     "peagle": ["draft.parallel_drafting=true", "draft.mask_token_id=3"],
     "dflash": ["draft.method=dflash", "draft.mask_token_id=3", "eval.num_draft_tokens=3"],
     "dspark": ["draft.method=dspark", "draft.mask_token_id=3", "eval.num_draft_tokens=3", "draft.markov_rank=16"],
+    "dflash2": ["draft.method=dflash2", "draft.mask_token_id=3", "eval.num_draft_tokens=3", "draft.selector_rank=16",
+                "draft.selector_top_k=8"],
     "packing": ["data.packing=true"],
     "checkpointing": ["draft.checkpointing=true"],
     "dense_attention": ["draft.ttt_attention=dense"],

@@ -8,7 +8,7 @@ same case trained in one process on each rank's row (an independent engine).
 
 Coverage: one process, every option x (fp32, bf16 autocast): the full product. DeepSpeed ZeRO-2, every option
 in bf16 (the GPU user's engine and precision), and fp32 for ``DEEPSPEED_FP32`` only, the options whose step
-differs most in what DeepSpeed sees (a plain EAGLE3 step, packed rows, the extra layer and norms, the three
+differs most in what DeepSpeed sees (a plain EAGLE3 step, packed rows, the extra layer and norms, the four
 methods other than EAGLE3): pairwise coverage of engine x precision and engine x option, which keeps the
 DeepSpeed launch to about half the cases of the full product."""
 
@@ -26,7 +26,7 @@ from conftest import ROOT
 from matrix_cases import OPTIONS, case_losses
 
 BF16_TOLERANCE = 0.03  # relative, first-step loss, bf16 against fp32
-DEEPSPEED_FP32 = ("eagle3", "packing", "eagle31_two_layers", "peagle", "dflash", "dspark")
+DEEPSPEED_FP32 = ("eagle3", "packing", "eagle31_two_layers", "peagle", "dflash", "dspark", "dflash2")
 DEEPSPEED_CASES = [(o, "bf16") for o in OPTIONS] + [(o, "fp32") for o in DEEPSPEED_FP32]
 
 

@@ -91,80 +91,126 @@ def test_speculators_loads_our_export_and_its_logits_equal_ours(serving_python, 
         torch.testing.assert_close(theirs[k][:rows], ours[k][:rows], atol=1e-4, rtol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def dspark_export(tmp_path_factory):
-    """A DSpark draft for the tiny Qwen3 target (a reduced draft vocabulary, two layers, heads whose terms are
-    not negligible), exported in vLLM's layout, with the target it was built for."""
+@pytest.fixture(scope="module", params=["dspark", "dflash2"])
+def block_draft_export(request, tmp_path_factory):
+    """A DSpark draft (a reduced draft vocabulary, heads whose terms are not negligible) or a DFlash 2 draft
+    (convolutions away from the identity, a selector that matters) of two layers for the tiny Qwen3 target,
+    exported in vLLM's layout, with the target it was built for."""
     from specforge_lite.config import load_config
     from specforge_lite.export import export_draft
     from specforge_lite.pipeline import build_target
-    from test_dspark import tiny_dspark
 
     target = build_target(load_config(["model=qwen3_tiny", "model.tiny.config.head_dim=32", "tracker=none"]))
-    draft = tiny_dspark(target, layers=2, rank=16, draft_vocab=512, k=3)
-    out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path_factory.mktemp("dspark") / "export",
-                       num_speculative_tokens=3)
+    if request.param == "dspark":
+        from test_dspark import tiny_dspark
+
+        draft = tiny_dspark(target, layers=2, rank=16, draft_vocab=512, k=3)
+    else:
+        from test_dflash2 import tiny_dflash2
+
+        draft = tiny_dflash2(target, layers=2, rank=16, top_k=8, k=3)
+        with torch.no_grad():
+            for name, p in draft.named_parameters():
+                if "_conv." in name:
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
+    out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm",
+                       tmp_path_factory.mktemp(request.param) / "export", num_speculative_tokens=3)
     return target, draft, out
 
 
-def test_speculators_dspark_model_computes_our_logits_and_confidences(serving_python, dspark_export, tmp_path):
-    """speculators 0.9.0's own DSpark model (its training forward: the anchored blocks, the Markov bias of each
-    slot's previous token, the confidence head) built from our export gives, at every anchor it picks, our
-    Markov-biased logits and confidence logits of every slot. Fails with DFlash's block layout, a bias from
-    the wrong token or a confidence head over the pre-norm state."""
-    from specforge_lite.draft.dspark import DSparkContext
-
-    target, draft, export = dspark_export
-    ids = torch.randint(0, target.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
-    aux = target.capture(ids).aux
-    save_file({"aux": torch.cat(aux, -1).contiguous(), "input_ids": ids, "loss_mask": torch.ones_like(ids)},
-              str(tmp_path / "in.safetensors"))
-    proc = subprocess.run([str(serving_python), str(ROOT / "eval" / "speculators_dspark.py"), "--export", str(export),
-                           "--target", str(target.location), "--inputs", str(tmp_path / "in.safetensors"),
-                           "--out", str(tmp_path / "out.safetensors")], cwd=tmp_path, capture_output=True, text=True,
+def in_serving_env(python, script: str, export: Path, target, inputs: dict, tmp_path: Path) -> dict:
+    """eval/<script> on the export and ``inputs`` in the serving environment; its output tensors."""
+    save_file(inputs, str(tmp_path / "in.safetensors"))
+    proc = subprocess.run([str(python), str(ROOT / "eval" / script), "--export", str(export), "--target",
+                           str(target.location), "--inputs", str(tmp_path / "in.safetensors"), "--out",
+                           str(tmp_path / "out.safetensors")], cwd=tmp_path, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    theirs = load_file(str(tmp_path / "out.safetensors"))
-    k = draft.spec.block_size
+    return load_file(str(tmp_path / "out.safetensors"))
+
+
+def test_speculators_own_model_computes_our_block_draft(serving_python, block_draft_export, tmp_path):
+    """speculators 0.9.0's own model of the method, built from our export, runs its training forward (its
+    anchored blocks; DSpark: the Markov bias of each slot's previous token and the confidence head; DFlash 2:
+    the convolutions along the block and the selector over the top-k with the teacher's token put in) and gives,
+    at every anchor it picks, our logits and (DSpark) confidence logits or (DFlash 2) candidates and selector
+    scores of every slot. Fails with another block layout, a bias or edge from the wrong token, or a head over
+    the pre-norm state."""
+    from specforge_lite.draft.dflash import DFlashContext
+
+    target, draft, export = block_draft_export
+    ids = torch.randint(0, target.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    aux = target.capture(ids).aux
+    theirs = in_serving_env(serving_python, "speculators_block_draft.py", export, target,
+                            {"aux": torch.cat(aux, -1).contiguous(), "input_ids": ids,
+                             "loss_mask": torch.ones_like(ids)}, tmp_path)
+    S, dspark = draft.spec.block_size, draft.spec.method == "dspark"
+    k = S if dspark else S - 1
     assert len(theirs["anchors"]) >= 10
     with torch.no_grad():
         for i, a in enumerate(theirs["anchors"].tolist()):
-            states = DSparkContext(draft).block_states([x[:, :a] for x in aux], ids[0, :a].tolist(), int(ids[0, a]),
-                                                       k - 1)[0, :, 0]
-            logits, confidence = draft.slot_logits(states, ids[0, a : a + k])  # the committed tokens in training
-            torch.testing.assert_close(theirs["logits"][i * k : (i + 1) * k], logits, atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(theirs["confidence"][i * k : (i + 1) * k], confidence, atol=1e-4, rtol=1e-4)
+            states = DFlashContext(draft).block_states([x[:, :a] for x in aux], ids[0, :a].tolist(), int(ids[0, a]),
+                                                       S - 1)[0, :, 0]  # the block: the anchor's token, S - 1 masks
+            if dspark:  # every slot predicts, each after the token the target committed before it
+                logits, confidence = draft.slot_logits(states, ids[0, a : a + k])
+                torch.testing.assert_close(theirs["logits"][i * S : (i + 1) * S], logits, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(theirs["confidence"][i * S : (i + 1) * S], confidence, atol=1e-4,
+                                           rtol=1e-4)
+                continue
+            rows = slice(i * S + 1, (i + 1) * S)  # the mask slots (the anchor's slot predicts nothing)
+            forced = theirs["candidate_ids"][rows][:, -1]  # (where the top-k lacked the teacher's token)
+            logits, candidates, scores = draft.candidates(states[1:], ids[0, a : a + k], forced=forced)
+            torch.testing.assert_close(theirs["unary_logits"][rows], logits, atol=1e-4, rtol=1e-4)
+            assert torch.equal(theirs["candidate_ids"][rows], candidates)
+            torch.testing.assert_close(theirs["candidate_logits"][rows], scores, atol=1e-4, rtol=1e-4)
 
 
-def test_vllm_loads_our_dspark_export_into_its_own_class(serving_python, dspark_export, tmp_path):
-    """vLLM's ``Qwen3DSparkForCausalLM`` takes the export through its own ``load_weights`` (every weight where
-    its loader puts it, the fused q/k/v and gate/up included), reads its mask token and draft-to-target map, and
-    its DSpark heads (draft logits, Markov bias, the confidence's sigmoid) compute ours on the same states. vLLM
-    0.32 serves DSpark only in its V2 model runner, which needs Triton's CPU backend: a CPU cannot serve it
-    (eval/vllm_dspark.py), so this is the server's side of the proof; the backbone is DFlash's, served above."""
-    target, draft, export = dspark_export
-    states = torch.randn(7, draft.spec.hidden_size, generator=torch.Generator().manual_seed(1)) * 3
-    previous = torch.randint(0, target.vocab_size, (7,), generator=torch.Generator().manual_seed(2))
-    save_file({"states": states, "previous": previous}, str(tmp_path / "in.safetensors"))
-    proc = subprocess.run([str(serving_python), str(ROOT / "eval" / "vllm_dspark.py"), "--export", str(export),
-                           "--target", str(target.location), "--inputs", str(tmp_path / "in.safetensors"),
-                           "--out", str(tmp_path / "out.safetensors")], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    theirs = load_file(str(tmp_path / "out.safetensors"))
+def test_vllm_loads_our_block_draft_into_its_own_class(serving_python, block_draft_export, tmp_path):
+    """vLLM's own class (``Qwen3DSparkForCausalLM``, ``DFlash2Qwen3ForCausalLM``) takes the export through its
+    ``load_weights`` (every weight where its loader puts it, the fused q/k/v and gate/up included) and reads its
+    mask token, and vLLM's parts beyond the DFlash backbone compute ours on the same inputs: DSpark's heads
+    (draft logits, Markov bias, the confidence's sigmoid); DFlash 2's top-k candidates, its selector's edge
+    scores and every layer's convolutions. vLLM 0.32 runs both only in its V2 model runner, which needs Triton's
+    CPU backend: a CPU cannot serve them (eval/vllm_block_draft.py), so this is the server's side of the proof;
+    the backbone is DFlash's, served above."""
+    target, draft, export = block_draft_export
+    g = torch.Generator().manual_seed(1)
+    states = torch.randn(7, draft.spec.hidden_size, generator=g) * 3
+    previous = torch.randint(0, target.vocab_size, (7,), generator=g)
+    S = draft.spec.block_size
+    block = torch.randn(2 * S, draft.spec.hidden_size, generator=g)
+    theirs = in_serving_env(serving_python, "vllm_block_draft.py", export, target,
+                            {"states": states, "previous": previous, "block": block}, tmp_path)
     ours = draft.trainable_state_dict()
     held = {name[len("weight."):] for name in theirs if name.startswith("weight.")}
     assert held == {n for n in ours if n not in ("d2t", "t2d")}
     for name in held:
         assert torch.equal(theirs[f"weight.{name}"], ours[name].float()), name
-    with torch.no_grad():
-        embed = draft.markov_head.embed(previous)
-        torch.testing.assert_close(theirs["draft_logits"], draft.lm_head(states), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(theirs["markov_bias"], draft.markov_head.markov_w2(embed), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(theirs["confidence"], torch.sigmoid(draft.confidence_head(states, embed)),
-                                   atol=1e-5, rtol=1e-5)
     assert torch.equal(theirs["draft_to_target"], draft.draft_vocab_ids())
     assert int(theirs["mask_token_id"]) == draft.spec.mask_token_id
+    with torch.no_grad():
+        if draft.spec.method == "dspark":
+            embed = draft.markov_head.embed(previous)
+            torch.testing.assert_close(theirs["draft_logits"], draft.lm_head(states), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(theirs["markov_bias"], draft.markov_head.markov_w2(embed), atol=1e-4,
+                                       rtol=1e-4)
+            torch.testing.assert_close(theirs["confidence"], torch.sigmoid(draft.confidence_head(states, embed)),
+                                       atol=1e-5, rtol=1e-5)
+            return
+        top = draft.lm_head(states).topk(draft.spec.selector_top_k, dim=-1)
+        assert torch.equal(theirs["candidate_ids"], top.indices)
+        torch.testing.assert_close(theirs["unary_logits"], top.values, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(theirs["edge_scores"],
+                                   draft.candidate_selector.scores(top.values, states, previous, top.indices),
+                                   atol=1e-4, rtol=1e-4)
+        blocks = block.view(2, S, -1).transpose(0, 1)[None]  # [1, S, 2 blocks, H]
+        for i, layer in enumerate(draft.layers):
+            for side in ("attention", "mlp"):
+                conv = getattr(layer, f"{side}_conv")
+                prepared, delta = conv.prepare(blocks)
+                mine = torch.stack([prepared, conv.finish(blocks, delta)])[:, 0].transpose(1, 2).reshape(2, 2 * S, -1)
+                assert not torch.allclose(mine[0], block, atol=1e-3)  # (not the identity: the test would be blind)
+                torch.testing.assert_close(theirs[f"conv.{i}.{side}"], mine, atol=1e-5, rtol=1e-5)
 
 
 # Drafts our trainer made, served by vLLM: SmolLM2-135M, and tiny Qwen3 and Gemma 4 targets (their

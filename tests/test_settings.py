@@ -47,7 +47,7 @@ def test_every_problem_is_said_at_once_and_train_py_says_them_before_building_an
 
 def test_the_defaults_of_every_method_pass():
     for name in METHODS:
-        k = ["draft.ttt_length=3"] if name in ("dflash", "dspark") else []  # (a block is the served k)
+        k = ["draft.ttt_length=3"] if name in ("dflash", "dspark", "dflash2") else []  # (a block is the served k)
         assert setting_problems(load_config(["tracker=none", f"draft.method={name}", *k])) == []
 
 
@@ -56,7 +56,7 @@ def test_no_method_is_named_outside_its_own_module():
     never compares a method's name. Config defaults and the exporters' own server vocabulary (speculators'
     model type "eagle3", the export format named dflash) are names of settings and formats, not branches."""
     # a comparison with a method's name, or a table keyed by the names (how the branches looked before)
-    branch = re.compile(r"""method\s*(==|!=|\bin\b|\bnot in\b)\s*[("'\[]|[{,]\s*["'](eagle3|dflash|dspark)["']\s*:""")
+    branch = re.compile(r"""method\s*(==|!=|\bin\b|\bnot in\b)\s*[("'\[]|[{,]\s*["'](eagle3|dflash2?|dspark)["']\s*:""")
     found = []
     for path in sorted((ROOT / "specforge_lite").rglob("*.py")):
         if path.parent.name == "draft":

@@ -84,11 +84,13 @@ class DFlashDraft(TargetWiredDraft):
     """The DFlash draft, with vLLM's weight names (``fc``, ``hidden_norm``, ``layers.{i}.*``, ``norm``,
     ``lm_head``, ``d2t``); the token embedding is the target's, frozen and shared, as vLLM shares it."""
 
+    layer_class = DFlashLayer  # (DFlash 2's layers add convolutions around attention and MLP)
+
     def __init__(self, spec):
         super().__init__(spec)
         self.fc = nn.Linear(len(spec.aux_layer_ids) * spec.target_hidden_size, spec.hidden_size, bias=False)
         self.hidden_norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(spec) for _ in range(spec.num_layers))
         self._finish_build()
 
     def compute_logits(self, state: torch.Tensor) -> torch.Tensor:

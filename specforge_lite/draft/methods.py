@@ -39,6 +39,9 @@ class DraftMethod:
     # the one k a draft can be served and evaluated at, from its spec (a dict): a block draft's block is its
     # input, so its k is fixed at training; None: any k
     fixed_draft_tokens: Callable[[dict], int | None] = lambda spec: None
+    # whether its draft keeps the whole target vocabulary whatever draft.draft_vocab_size says (DFlash 2: its
+    # selector indexes codebooks with token ids as vLLM does)
+    whole_vocabulary: bool = False
 
 
 METHODS: dict[str, DraftMethod] = {}
@@ -59,6 +62,14 @@ def draft_method(name: str) -> DraftMethod:
 def build_objective(draft_cfg, sequence=None):
     """The objective of the configured method (``sequence``: a rank's share of each row, EAGLE3 only)."""
     return draft_method(draft_cfg.method).objective.from_config(draft_cfg, sequence)
+
+
+def draft_vocab_size(draft_cfg, target_vocab_size: int) -> int:
+    """The draft vocabulary a run of these settings has: draft.draft_vocab_size capped at the target's, or the
+    whole target vocabulary for a method that needs it."""
+    if draft_method(draft_cfg.method).whole_vocabulary:
+        return target_vocab_size
+    return min(draft_cfg.draft_vocab_size, target_vocab_size)
 
 
 def layers_label(spec: dict) -> str:

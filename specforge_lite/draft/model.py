@@ -72,8 +72,13 @@ class Eagle3Spec:
     # DSpark: the next token and k - 1 mask slots, block_size = k). The block is the draft's input, so it is
     # served at that k only. None: a draft that proposes step by step, at any k.
     block_size: int | None = None
-    method: str = "eagle3"  # draft/methods.py: eagle3 (this module) | dflash, dspark (draft/dflash.py, dspark.py)
+    method: str = "eagle3"  # draft/methods.py: eagle3 (this module) | dflash, dspark, dflash2 (their modules)
     markov_rank: int = 0  # DSpark's Markov head (0: none)
+    # DFlash 2 (0: none): the convolutions' taps and channels per kernel, the candidate selector's rank and top-k
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
     attention_bias: bool = False
     mlp_bias: bool = False
     extra: dict = field(default_factory=dict)

