@@ -139,6 +139,10 @@ class DraftConfig:
     # the embedding half of the first layer's input zero), fc passing the top aux state through, the target's
     # final norm. Llama-layout targets only (the draft's layer is a Llama layer); EAGLE3 drafts.
     init_layers_from_target: bool = False
+    # Continue training an existing draft: an export folder (a config.json this trainer wrote) or a run folder
+    # (its final/). The draft keeps its own shapes, aux ids and vocabulary; these settings' draft.method must
+    # be its method. Null: a new draft.
+    init_from: Optional[str] = None
     # Long rows: blockwise holds no [T, T] scores (memory linear in T); dense is the reference that does.
     ttt_attention: str = "blockwise"
     # Rows per chunk of the lm_head + loss: no [N, draft_vocab] logits of a whole step are kept (soft_ce:

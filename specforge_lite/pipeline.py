@@ -184,6 +184,27 @@ def build_draft(config: Config, target: Target, vocab: DraftVocab, tokenizer=Non
     return draft
 
 
+def initial_draft(config: Config, log=print) -> tuple[Eagle3Spec, dict[str, torch.Tensor]]:
+    """draft.init_from: the (spec, weights) of the draft a run continues, from an export folder or a run folder's
+    final/. Its method must be the run's (the objective trains that method)."""
+    from pathlib import Path
+
+    from .export import load_export
+
+    source = Path(config.draft.init_from).expanduser()
+    folder = source / "final" if (source / "final" / "config.json").is_file() else source
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"draft.init_from={config.draft.init_from}: no draft there (an export folder with a "
+                                "config.json, or a run folder with final/); give the folder of the draft to continue")
+    spec, weights = load_export(folder)
+    if spec.method != config.draft.method:
+        raise ValueError(f"draft.init_from={config.draft.init_from} is a {spec.method} draft and this run trains "
+                         f"draft.method={config.draft.method}: set draft.method={spec.method}")
+    log(f"[draft] continuing the {spec.method} draft of {folder} (its {spec.num_layers} layer(s), aux ids "
+        f"{spec.aux_layer_ids} and {spec.draft_vocab_size}-token vocabulary)")
+    return spec, weights
+
+
 def draft_from_weights(spec: Eagle3Spec, weights: dict[str, torch.Tensor], target: Target) -> Draft:
     """A draft rebuilt from a checkpoint or export, wired to its target's embedding."""
     if spec.target_hidden_size != target.hidden_size or spec.vocab_size != target.vocab_size:

@@ -32,6 +32,8 @@ class Run:
     tokenizer: Any = None  # online runs only
     data: Any = None  # data.PreparedData (held-out conversations, prompt sets): online runs only
     ctx: DistributedContext = field(default_factory=DistributedContext)
+    # draft.init_from: the draft training continues from, as (spec, weights); None builds a new one
+    initial: tuple[Any, dict] | None = None
     teacher: Teacher = field(init=False)
     objective: Eagle3Objective = field(init=False)
 
@@ -47,9 +49,13 @@ class Run:
         """The live target, its tokenizer, the prepared data and the draft vocabulary (``vocab``: one
         given, e.g. an export's; else built from the training data). ``parts_only``: the target's
         embedding, final norm and lm_head only, read from its safetensors (what a store's ingest needs)."""
-        from .pipeline import build_target, build_vocab, describe_precision, load_tokenizer, prepare
+        from .pipeline import build_target, build_vocab, describe_precision, initial_draft, load_tokenizer, prepare
 
         ctx = ctx or DistributedContext()
+        initial = initial_draft(config, log) if config.draft.init_from else None
+        if initial is not None:  # the draft keeps its own aux ids and vocabulary
+            aux_layer_ids, vocab = list(initial[0].aux_layer_ids), DraftVocab.from_d2t(initial[1]["d2t"],
+                                                                                     initial[0].vocab_size)
         target = build_target(config, aux_layer_ids=aux_layer_ids, ctx=ctx, parts_only=parts_only)
         tokenizer = load_tokenizer(target, config.model.chat_template)
         log(f"[target] {config.model.name} from {target.location}: {target.num_layers} layers, hidden "
@@ -66,12 +72,14 @@ class Run:
         if vocab is None:
             vocab = build_vocab(config, target, data.train, tokenizer)
             log(f"[vocab] draft vocabulary {vocab.size} tokens, covering {vocab.coverage:.1%} of training loss tokens")
-        return cls(config, target, vocab, data.train, data.stats, tokenizer, data, ctx)
+        return cls(config, target, vocab, data.train, data.stats, tokenizer, data, ctx, initial)
 
     # ---- what training reads ------------------------------------------------------------------
     def build_draft(self) -> Draft:
-        from .pipeline import build_draft
+        from .pipeline import build_draft, draft_from_weights
 
+        if self.initial is not None:
+            return draft_from_weights(*self.initial, self.target)
         return build_draft(self.config, self.target, self.vocab, self.tokenizer,
                            log=print if self.ctx.is_main else lambda message: None)
 

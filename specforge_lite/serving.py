@@ -35,13 +35,15 @@ def _free_port() -> int:
 class VLLMServer:
     """``vllm.entrypoints.openai.api_server`` serving ``model`` (a local folder) from the serving
     environment, started by ``start()`` (once; returns the base URL, ``.../v1``) and stopped by ``stop()``
-    or at the end of a ``with`` block. Its log goes to a file named in every error."""
+    or at the end of a ``with`` block. Its log goes to a file named in every error. ``log_requests``: the log
+    also holds every request's body and served output (--enable-log-requests --enable-log-outputs at DEBUG),
+    which adapt/traffic.py reads as served traffic."""
 
     def __init__(self, model: str, max_model_len: int, dtype: str = "auto", memory_fraction: float = 0.25,
-                 python: Path | None = None, startup_timeout: float = 900, log=print):
+                 python: Path | None = None, startup_timeout: float = 900, log=print, log_requests: bool = False):
         self.model, self.max_model_len, self.dtype = model, max_model_len, dtype
         self.memory_fraction, self.python, self.log = memory_fraction, python, log
-        self.startup_timeout = startup_timeout
+        self.startup_timeout, self.log_requests = startup_timeout, log_requests
         self.proc: subprocess.Popen | None = None
         self.base_url: str | None = None
         self.log_path = Path(tempfile.gettempdir()) / f"specforge_lite_vllm_{os.getpid()}.log"
@@ -59,10 +61,12 @@ class VLLMServer:
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                "--served-model-name", str(self.model), "--host", "127.0.0.1", "--port", str(port),
                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--seed", "0",
-               "--gpu-memory-utilization", str(self.memory_fraction), "--enforce-eager"]
+               "--gpu-memory-utilization", str(self.memory_fraction), "--enforce-eager",
+               *(["--enable-log-requests", "--enable-log-outputs"] if self.log_requests else [])]
+        env = {**os.environ, **({"VLLM_LOGGING_LEVEL": "DEBUG"} if self.log_requests else {})}
         self.log(f"[serving] starting vLLM on 127.0.0.1:{port} for {self.model} (log: {self.log_path})")
         with open(self.log_path, "w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
         while not self._healthy(url):
             if self.proc.poll() is not None or time.monotonic() - t0 > self.startup_timeout:

@@ -101,6 +101,41 @@ def test_trained_draft_beats_an_untrained_one_on_heldout_acc0(default_run):
     assert trained[0] > base["acc"][0] + 0.05, (trained, base)
 
 
+def test_a_run_continues_a_trained_draft_as_it_is(default_run, tmp_path):
+    """draft.init_from=RUN: the run's draft is the trained one, exactly (its weights, vocabulary and aux ids,
+    whatever this run's draft settings say), so its held-out accuracy is the one the first run's evaluation
+    measured. A folder with no draft, or a draft of another method, is refused with the fix."""
+    import dataclasses
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from specforge_lite.config import to_config
+    from specforge_lite.evaluate.heldout import heldout_accuracy
+    from specforge_lite.export import load_export
+    from specforge_lite.pipeline import pad_id
+    from specforge_lite.run import Run
+
+    out, _ = default_run
+    config = to_config(OmegaConf.load(out / "config.yaml"))
+    config.draft = dataclasses.replace(config.draft, init_from=str(out), draft_vocab_size=1234, aux_layer_ids=[1, 2, 3])
+    run = Run.online(config, log=lambda m: None)
+    draft = run.build_draft()
+    spec, weights = load_export(out / "final")
+    assert draft.spec == spec and torch.equal(run.vocab.draft_to_target, draft.draft_vocab_ids().cpu())
+    for name, tensor in draft.trainable_state_dict().items():
+        assert torch.equal(tensor.cpu(), weights[name].to(tensor.dtype)), name
+    with torch.no_grad():
+        held = heldout_accuracy(run.objective, run.teacher, draft, run.data.heldout, pad_id(run.tokenizer),
+                                run.config.eval.heldout_batches)
+    assert held["acc"] == pytest.approx(json.loads((out / "eval.json").read_text())["heldout_acc"], abs=1e-6)
+    for init_from, method, message in ((str(tmp_path), "eagle3", "no draft there"),
+                                       (str(out), "dflash", "set draft.method=eagle3")):
+        config.draft = dataclasses.replace(config.draft, init_from=init_from, method=method)
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            Run.online(config, log=lambda m: None)
+
+
 def test_eval_cli_reevaluates_a_run(default_run):
     from specforge_lite.evaluate.__main__ import main as cli
 

@@ -530,3 +530,51 @@ def test_regeneration_through_vllms_own_server_agrees_with_the_hf_engine(serving
     cached, _ = regenerate(convs, lambda batch: pytest.fail("regenerated again"), settings["openai"], "key-openai",
                            log=lambda m: None)
     assert [c[1]["content"] for c in cached] == answers["openai"]
+
+
+def test_a_vllm_servers_request_log_reads_as_the_conversations_it_served(serving_python, smollm2, tmp_path):
+    """adapt's traffic reader on a real vLLM server's log (--enable-log-requests --enable-log-outputs at DEBUG):
+    every chat completion it answered, streamed or not, is one conversation, the request's messages and then
+    the very answer the client received. Beside it, an OpenAI exchange log and a broken line: the exchanges read,
+    the broken line counted and named."""
+    import urllib.request
+
+    from specforge_lite.adapt import read_traffic
+    from specforge_lite.serving import VLLMServer
+
+    config, target, tok = smollm2
+    requests = [[{"role": "user", "content": p}] for p in PROMPTS[:3]]
+    requests[2] = [{"role": "system", "content": "Answer in one sentence."}, *requests[2]]
+    served = []
+    with VLLMServer(str(target.location), max_model_len=512, dtype="float32", python=serving_python,
+                    log=lambda m: None, log_requests=True) as server:
+        for i, messages in enumerate(requests):
+            body = {"model": str(target.location), "messages": messages, "max_tokens": 24, "temperature": 0,
+                    "stream": i == 1}
+            req = urllib.request.Request(server.base_url + "/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as response:
+                text = response.read().decode()
+            if i == 1:  # server-sent events: the answer is the deltas' content joined
+                chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+                served.append("".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]))
+            else:
+                served.append(json.loads(text)["choices"][0]["message"]["content"])
+        log_file = server.log_path
+    traffic = read_traffic([log_file])
+    assert traffic.skipped == [] and len(traffic.conversations) == 3, traffic.summary()
+    got = {tuple((m["role"], m["content"]) for m in c[:-1]): c[-1] for c in traffic.conversations}
+    for messages, answer in zip(requests, served):
+        assert got[tuple((m["role"], m["content"]) for m in messages)] == {"role": "assistant", "content": answer}
+
+    log = tmp_path / "gateway.jsonl"
+    log.write_text("\n".join([
+        json.dumps({"request": {"messages": requests[0]}, "response": {"choices": [{"message": {
+            "role": "assistant", "content": served[0]}}]}}),
+        json.dumps({"request": {"messages": requests[1]}, "response": {"error": "overloaded"}}),
+        '{"request": {"messages": [',
+    ]) + "\n")
+    traffic = read_traffic([log, tmp_path / "missing.jsonl"])
+    assert [c[-1]["content"] for c in traffic.conversations] == [served[0]]
+    assert [s.split(": ", 1)[0] for s in traffic.skipped] == [f"{log}:2", f"{log}:3", f"{tmp_path / 'missing.jsonl'}"]
+    assert "nothing was served" in traffic.skipped[0] and "invalid JSON" in traffic.skipped[1]
