@@ -8,10 +8,10 @@ Three kinds of file:
   The conversation is the request's messages followed by the first choice's message.
 * **Conversations** (ShareGPT ``conversations`` or OpenAI ``messages`` JSONL/JSON), read as data.formats reads
   any training file.
-* **A vLLM server's request log** (``vllm serve --enable-log-requests --enable-log-outputs --log-level DEBUG``):
-  the ``Request <id> JSON body: {...}`` line of each request paired with its ``Generated response chatcmpl-<id>:
-  output: '...'`` line (the complete one, for a streamed answer). A body cut short by ``--max-log-len``, a request without a logged response and a streaming
-  delta are counted, never guessed.
+* **A vLLM server's request log** (``vllm serve --enable-log-requests --enable-log-outputs`` with
+  ``VLLM_LOGGING_LEVEL=DEBUG``): the ``Request <id> JSON body: {...}`` line of each request paired with its
+  ``Generated response chatcmpl-<id>: output: '...'`` line (the complete one, for a streamed answer). A body
+  cut short by ``--max-log-len`` and a request without a logged response are counted, never guessed.
 
 A row that cannot be read is counted and named (file and line, and why), never fatal: ``Traffic.skipped``.
 """
@@ -114,7 +114,7 @@ def _read_vllm_log(path: Path, traffic: Traffic) -> None:
             found = bodies.pop(m["id"], None) or bodies.pop(m["id"].split("-", 1)[-1], None)
             if found is None:
                 traffic.skipped.append(f"{where}: a response to request {m['id']}, whose body was not logged (log "
-                                       "at --log-level DEBUG)")
+                                       "with VLLM_LOGGING_LEVEL=DEBUG)")
                 continue
             try:
                 output = ast.literal_eval(m["output"])
