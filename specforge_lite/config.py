@@ -106,12 +106,10 @@ class DraftConfig:
     # speculators' default 256 is sized for 100k+ vocabularies and hidden sizes of thousands)
     markov_rank: int = 64
     confidence_weight: float = 1.0  # dspark: the confidence head's BCE weight beside the token loss (speculators: 1)
-    # dflash2: taps of the convolutions along the block (speculators: 2) and channels sharing one kernel (16)
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
-    # dflash2: the selector rescores the draft's top selector_top_k tokens per slot (speculators: 16) with a
-    # rank-selector_rank edge term (speculators' 256 is sized for hidden sizes of thousands)
-    selector_top_k: int = 16
+    conv_kernel_size: int = 2  # dflash2: taps of the convolutions along the block (speculators: 2)
+    conv_group_size: int = 16  # dflash2: channels sharing one convolution kernel (speculators: 16)
+    selector_top_k: int = 16  # dflash2: the draft's top tokens per slot the selector rescores (speculators: 16)
+    # dflash2: the rank of the selector's edge term (speculators' 256 is sized for hidden sizes of thousands)
     selector_rank: int = 64
     selector_weight: float = 1.0  # dflash2: the selector's cross-entropy weight beside the token loss
     draft_vocab_size: int = 32000  # capped at the target vocabulary (dflash2: always the whole vocabulary)

@@ -104,8 +104,12 @@ def record_confidence_calibration(export_dir: Path, fit: dict) -> None:
 
 
 def cpu_serving_refusal(export_dir: Path) -> str | None:
-    """Why vLLM's CPU build cannot serve this export (its format's reason), or None when it can."""
-    config = json.loads((Path(export_dir) / "config.json").read_text())
+    """Why vLLM's CPU build cannot serve this export (its format's reason), or None when it can (or when there is
+    no export to read: what is missing is then said by whoever needs it)."""
+    path = Path(export_dir) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
     form = next((f for f in FORMATS.values() if f.cpu_serving_refusal and f.reads(config)), None)
     return form.cpu_serving_refusal if form else None
 
