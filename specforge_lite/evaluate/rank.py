@@ -6,7 +6,7 @@ per kind). Each is served by vLLM (``evaluate/served.py``, with ``--speed``: a t
 acceptance pass, and the target served alone on the same prompts), and the table ranks them by vLLM's
 acceptance length, beside vLLM's speed-up over the target alone and the training tokens per second of
 the run. Runs whose vllm_eval.json already holds the timed figures at the same k are not served again
-(``--serve-again`` serves them anyway). A draft this machine's vLLM cannot serve (DSpark on vLLM's CPU build)
+(``--serve-again`` serves them anyway). A draft this machine's vLLM cannot serve (DSpark, DFlash 2 on its CPU build)
 is ranked by our own evaluation's figures, and the table says which measured each row. Writes rank.md and
 rank.json to ``--out`` when given.
 """
