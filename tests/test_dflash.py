@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_target, tiny_vocab
 from specforge_lite.config import DraftConfig
-from specforge_lite.draft import DFlashDraft, DFlashObjective, Eagle3Spec
+from specforge_lite.draft import DFlashDraft, DFlashObjective, Eagle3Spec, draft_method
 from specforge_lite.draft.dflash import DFlashContext
 from specforge_lite.draft.objective import UnrollInputs
 from test_ttt import rms, rope
@@ -19,22 +19,45 @@ from test_ttt import rms, rope
 MASK = 3
 
 
-def tiny_dflash(target, layers: int = 2, seed: int = 0) -> DFlashDraft:
-    vocab = tiny_vocab(target, target.vocab_size)
-    spec = Eagle3Spec.from_target(target.config, DraftConfig(method="dflash", mask_token_id=MASK, num_layers=layers),
+HEADS = ("markov_head.", "confidence_head.", "candidate_selector.")  # DSpark's and DFlash 2's heads
+
+
+def tiny_block_draft(target, method: str = "dflash", layers: int = 2, seed: int = 0, draft_vocab: int | None = None,
+                     **settings):
+    """A block draft (DFlash, DSpark, DFlash 2) for the tiny target, ``settings`` its DraftConfig fields. Norms away
+    from 1, so a norm left out or applied to the wrong tensor shows; layers whose attention moves the state as
+    much as a trained one's; heads whose terms are not negligible. DFlash 2's convolutions stay the identity."""
+    vocab = tiny_vocab(target, draft_vocab or target.vocab_size)
+    spec = Eagle3Spec.from_target(target.config, DraftConfig(method=method, mask_token_id=MASK, num_layers=layers,
+                                                             **settings),
                                   target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
                                   target.hidden_size)
     torch.manual_seed(seed)
-    draft = DFlashDraft(spec)
+    draft = draft_method(method).model(spec)
     draft.set_vocab(vocab.d2t, vocab.t2d)
     draft.set_embedding(target.embedding_weight())
-    with torch.no_grad():  # norms away from 1, so a norm left out or applied to the wrong tensor shows, and
-        for name, p in draft.named_parameters():  # layers whose attention moves the state as much as a trained one's
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif "_conv." in name:
+                continue
             elif name.startswith("layers."):
                 p.mul_(15.0)
+            elif name.startswith(HEADS):
+                p.mul_(30.0)
     return draft
+
+
+def block_inputs(target, draft, teacher_scale: float = 1.0, T: int = 11) -> UnrollInputs:
+    """One random row of the tiny target for a block draft's objective: its aux states, a random teacher, a
+    3-token prompt out of the loss and a fifth of the teacher rows outside the draft vocabulary."""
+    ids = torch.randint(0, target.vocab_size, (1, T))
+    aux = target.capture(ids).aux
+    teacher = torch.randn(1, T, draft.spec.draft_vocab_size) * teacher_scale
+    loss_mask = torch.ones(1, T, dtype=torch.long)
+    loss_mask[0, :3] = 0  # a prompt: those tokens are never predicted
+    return UnrollInputs(aux, ids, teacher, torch.rand(1, T) > 0.2, loss_mask)
 
 
 def naive_block(draft, aux, input_ids, anchor: int, k: int) -> list[torch.Tensor]:
@@ -81,15 +104,11 @@ def test_dflash_loss_and_drafting_equal_the_naive_block_forward():
     over context and block) proposes the naive block's argmax. Fails with a causal block or with the
     context keys passed through the layer's input norm."""
     target = tiny_target()
-    draft = tiny_dflash(target)
+    draft = tiny_block_draft(target)
     T, k, decay = 11, 3, 0.8
-    ids = torch.randint(0, target.vocab_size, (1, T))
-    aux = target.capture(ids).aux
-    teacher = torch.randn(1, T, draft.spec.draft_vocab_size)
-    loss_mask = torch.ones(1, T, dtype=torch.long)
-    loss_mask[0, :3] = 0  # a prompt: those tokens are never predicted
-    in_vocab = torch.rand(1, T) > 0.2
-    out = DFlashObjective(k, decay).unroll(draft, UnrollInputs(aux, ids, teacher, in_vocab, loss_mask))
+    x = block_inputs(target, draft, T=T)
+    ids, aux, teacher, loss_mask, in_vocab = x.input_ids, x.aux, x.teacher_logits, x.loss_mask, x.in_vocab
+    out = DFlashObjective(k, decay).unroll(draft, x)
     expected, blocks = 0.0, {}
     with torch.no_grad():
         for j in range(1, k + 1):
@@ -130,7 +149,7 @@ def test_dflash_settings_refused_and_export_round_trip(tmp_path):
         check_settings(load_config(["draft.method=dflash", "tracker=none"]))  # the recipe's TTT 4, k=3
     check_settings(load_config(["draft.method=dflash", "draft.ttt_length=3", "tracker=none"]))
     target = tiny_target(aux_ids=[2, 4, 6])
-    draft = tiny_dflash(target)
+    draft = tiny_block_draft(target)
     out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "v", num_speculative_tokens=3)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"

@@ -14,30 +14,8 @@ from conftest import tiny_target, tiny_vocab
 from specforge_lite.config import DraftConfig
 from specforge_lite.draft import DFlash2Draft, DFlash2Objective, DFlashDraft, DFlashObjective, Eagle3Spec
 from specforge_lite.draft.dflash2 import DFlash2Context, grouped_causal_conv
-from specforge_lite.draft.objective import UnrollInputs
-from test_dflash import MASK, naive_block
+from test_dflash import MASK, block_inputs, naive_block, tiny_block_draft
 from test_ttt import rms
-
-
-def tiny_dflash2(target, layers: int = 2, rank: int = 8, top_k: int = 4, k: int = 3, seed: int = 0) -> DFlash2Draft:
-    vocab = tiny_vocab(target, target.vocab_size)
-    spec = Eagle3Spec.from_target(target.config, DraftConfig(method="dflash2", mask_token_id=MASK, num_layers=layers,
-                                                             selector_rank=rank, selector_top_k=top_k, ttt_length=k),
-                                  target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
-                                  target.hidden_size)
-    torch.manual_seed(seed)
-    draft = DFlash2Draft(spec)
-    draft.set_vocab(vocab.d2t, vocab.t2d)
-    draft.set_embedding(target.embedding_weight())
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif "_conv." not in name and name.startswith("layers."):
-                p.mul_(15.0)
-            elif name.startswith("candidate_selector."):
-                p.mul_(30.0)
-    return draft
 
 
 def test_the_convolution_slot_by_slot():
@@ -64,15 +42,10 @@ def test_a_fresh_dflash2_draft_is_the_dflash_draft_of_its_weights_and_its_select
     succ[candidate]>, weighted like the slot's loss. Then drafting walks the block taking the best candidate
     after the one it took. Fails with the selector reading the pre-norm state or the predicted token."""
     target = tiny_target()
-    draft = tiny_dflash2(target)
     T, k, decay, alpha = 11, 3, 0.8, 0.6
-    ids = torch.randint(0, target.vocab_size, (1, T))
-    aux = target.capture(ids).aux
-    teacher = torch.randn(1, T, draft.spec.draft_vocab_size) * 3
-    loss_mask = torch.ones(1, T, dtype=torch.long)
-    loss_mask[0, :3] = 0
-    in_vocab = torch.rand(1, T) > 0.2
-    x = UnrollInputs(aux, ids, teacher, in_vocab, loss_mask)
+    draft = tiny_block_draft(target, "dflash2", selector_rank=8, selector_top_k=4, ttt_length=k)
+    x = block_inputs(target, draft, teacher_scale=3.0, T=T)
+    ids, aux, teacher, loss_mask, in_vocab = x.input_ids, x.aux, x.teacher_logits, x.loss_mask, x.in_vocab
     out = DFlash2Objective(k, decay, loss_chunk_rows=5, selector_weight=alpha).unroll(draft, x)
     plain = DFlashDraft(draft.spec)
     plain.load_state_dict({n: t for n, t in draft.state_dict().items() if "_conv." not in n and "selector" not in n})
@@ -135,7 +108,7 @@ def test_dflash2_settings_refused_export_checked_and_round_trip(tmp_path):
     with pytest.raises(ValueError, match="keeps the whole target vocabulary"):  # (runs build it whole)
         DFlash2Draft(reduced)
 
-    draft = tiny_dflash2(target)
+    draft = tiny_block_draft(target, "dflash2", selector_rank=8, selector_top_k=4, ttt_length=3)
     out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "v", num_speculative_tokens=3)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"] and config["block_size"] == 4

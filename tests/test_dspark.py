@@ -10,35 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_target, tiny_vocab
-from specforge_lite.config import DraftConfig
-from specforge_lite.draft import DSparkDraft, DSparkObjective, Eagle3Spec
+from conftest import tiny_target
+from specforge_lite.draft import DSparkObjective
 from specforge_lite.draft.dspark import DSparkContext
-from specforge_lite.draft.objective import UnrollInputs
-from test_dflash import MASK, naive_block
+from test_dflash import MASK, block_inputs, naive_block, tiny_block_draft
 from test_ttt import rms
-
-
-def tiny_dspark(target, layers: int = 2, rank: int = 8, draft_vocab: int | None = None, k: int = 3,
-                seed: int = 0) -> DSparkDraft:
-    vocab = tiny_vocab(target, draft_vocab or target.vocab_size)
-    spec = Eagle3Spec.from_target(target.config, DraftConfig(method="dspark", mask_token_id=MASK, num_layers=layers,
-                                                             markov_rank=rank, ttt_length=k),
-                                  target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
-                                  target.hidden_size)
-    torch.manual_seed(seed)
-    draft = DSparkDraft(spec)
-    draft.set_vocab(vocab.d2t, vocab.t2d)
-    draft.set_embedding(target.embedding_weight())
-    with torch.no_grad():  # norms away from 1, layers that move the state, heads whose terms are not negligible
-        for name, p in draft.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.startswith("layers."):
-                p.mul_(15.0)
-            elif name.startswith(("markov_head.", "confidence_head.")):
-                p.mul_(30.0)
-    return draft
 
 
 def naive_slot(draft, state: torch.Tensor, previous: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,16 +36,11 @@ def test_dspark_loss_and_drafting_equal_the_naive_forward():
     predicting x[a + s]), with the bias taken from the predicted token, or with the confidence head fed the
     pre-norm state."""
     target = tiny_target()
-    draft = tiny_dspark(target)
     T, k, decay, alpha = 11, 3, 0.8, 0.7
-    ids = torch.randint(0, target.vocab_size, (1, T))
-    aux = target.capture(ids).aux
-    teacher = torch.randn(1, T, draft.spec.draft_vocab_size) * 3
-    loss_mask = torch.ones(1, T, dtype=torch.long)
-    loss_mask[0, :3] = 0
-    in_vocab = torch.rand(1, T) > 0.2
-    objective = DSparkObjective(k, decay, loss_chunk_rows=5, confidence_weight=alpha)
-    out = objective.unroll(draft, UnrollInputs(aux, ids, teacher, in_vocab, loss_mask))
+    draft = tiny_block_draft(target, "dspark", markov_rank=8, ttt_length=k)
+    x = block_inputs(target, draft, teacher_scale=3.0, T=T)
+    ids, aux, teacher, loss_mask, in_vocab = x.input_ids, x.aux, x.teacher_logits, x.loss_mask, x.in_vocab
+    out = DSparkObjective(k, decay, loss_chunk_rows=5, confidence_weight=alpha).unroll(draft, x)
     expected = 0.0
     with torch.no_grad():
         for s in range(k):
@@ -128,7 +99,7 @@ def test_dspark_settings_refused_export_checked_and_round_trip(tmp_path):
             check_settings(load_config([*base, "draft.ttt_length=3", "eval.serve=vllm"]))
 
     target = tiny_target(aux_ids=[2, 4, 6])
-    draft = tiny_dspark(target, draft_vocab=96, k=4)
+    draft = tiny_block_draft(target, "dspark", draft_vocab=96, markov_rank=8, ttt_length=4)
     assert draft.spec.block_size == 4  # k slots: the next token's and k - 1 masks, every one a prediction
     out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "v", num_speculative_tokens=4)
     config = json.loads((out / "config.json").read_text())

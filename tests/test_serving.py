@@ -99,16 +99,13 @@ def block_draft_export(request, tmp_path_factory):
     from specforge_lite.config import load_config
     from specforge_lite.export import export_draft
     from specforge_lite.pipeline import build_target
+    from test_dflash import tiny_block_draft
 
     target = build_target(load_config(["model=qwen3_tiny", "model.tiny.config.head_dim=32", "tracker=none"]))
     if request.param == "dspark":
-        from test_dspark import tiny_dspark
-
-        draft = tiny_dspark(target, layers=2, rank=16, draft_vocab=512, k=3)
+        draft = tiny_block_draft(target, "dspark", draft_vocab=512, markov_rank=16, ttt_length=3)
     else:
-        from test_dflash2 import tiny_dflash2
-
-        draft = tiny_dflash2(target, layers=2, rank=16, top_k=8, k=3)
+        draft = tiny_block_draft(target, "dflash2", selector_rank=16, selector_top_k=8, ttt_length=3)
         with torch.no_grad():
             for name, p in draft.named_parameters():
                 if "_conv." in name:
