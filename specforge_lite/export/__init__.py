@@ -121,10 +121,8 @@ def fixed_draft_tokens(export_dir: Path) -> int | None:
     spec = (config.get(PROVENANCE_KEY) or {}).get("spec")
     if spec:
         return draft_method(spec.get("method", DEFAULT)).fixed_draft_tokens(spec)
-    if DSparkFormat().reads(config):  # a DSpark folder written elsewhere: vLLM's block_size is its k
-        return config.get("block_size")
-    dflash = DFlashFormat().reads(config) or DFlash2Format().reads(config)
-    return config["block_size"] - 1 if dflash and config.get("block_size") else None
+    form = next((f for f in FORMATS.values() if f.reads(config)), None)  # a folder written elsewhere
+    return form.fixed_draft_tokens(config) if form else None
 
 
 def check_draft_tokens(export_dir: Path, k: int) -> None:

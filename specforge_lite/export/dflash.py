@@ -26,8 +26,22 @@ _WEIGHTS = (r"fc\.weight|hidden_norm\.weight|norm\.weight|lm_head\.weight|d2t|t2
             r"|self_attn\.(?:q|k)_norm\.weight|(?:input_layernorm|post_attention_layernorm)\.weight)")
 
 
+def expect_shapes(expected: dict, shapes: dict, report) -> None:
+    """Each weight the config implies, present with its shape (``shapes``: name -> (shape, dtype))."""
+    for name, shape in expected.items():
+        if name not in shapes:
+            report.errors.append(f"weight {name} is missing")
+        elif tuple(shapes[name][0]) != tuple(shape):
+            report.errors.append(f"{name} has shape {tuple(shapes[name][0])}, the config implies {shape}")
+
+
 class DFlashFormat(ExportFormat):
+    """DFlash's layout, and the base of the layouts built on it (DSpark, DFlash 2): each names its architecture
+    and the weights it adds (checked by its ``check_extra``), the DFlash part checked here."""
+
     name, server, layout = "dflash", "vLLM (method=dflash)", "dflash"
+    arch = ARCH
+    extra_weights = ""  # a regex of the weight names a layout built on DFlash's adds
 
     def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:
@@ -36,7 +50,7 @@ class DFlashFormat(ExportFormat):
             raise ExportRefused("aux id 0 (the embedding output) has no DFlash target_layer_id (it would be -1); "
                                 "train with ids >= 1")
         return {
-            "architectures": [ARCH],
+            "architectures": [self.arch],
             "model_type": "qwen3",
             # rope_theta written out: vLLM's DFlash layer defaults it to 1e6 when the config has none
             **decoder_shape(spec),
@@ -57,7 +71,11 @@ class DFlashFormat(ExportFormat):
 
     # ---- reading (the check) ----------------------------------------------------------------------
     def reads(self, config: dict) -> bool:
-        return ARCH in (config.get("architectures") or [])
+        return self.arch in (config.get("architectures") or [])
+
+    def fixed_draft_tokens(self, config: dict) -> int | None:
+        """The next token and k mask slots: vLLM's block_size is k + 1."""
+        return config["block_size"] - 1 if config.get("block_size") else None
 
     def read_aux_ids(self, config: dict) -> list[int] | None:
         """vLLM's DFlash reads target_layer_ids as layer outputs: ours are one more."""
@@ -68,6 +86,14 @@ class DFlashFormat(ExportFormat):
         """(The Llama-EAGLE3 layout's rules do not apply: everything is checked in ``check``.)"""
 
     def check(self, config: dict, shapes: dict, report) -> None:
+        extra = {k: v for k, v in shapes.items() if self.extra_weights and re.fullmatch(self.extra_weights, k)}
+        self.check_dflash(config, {k: v for k, v in shapes.items() if k not in extra}, report)
+        self.check_extra(config, extra, report)
+
+    def check_extra(self, config: dict, shapes: dict, report) -> None:
+        """The config and ``shapes`` (the ``extra_weights``) of what a layout adds on DFlash's."""
+
+    def check_dflash(self, config: dict, shapes: dict, report) -> None:
         dflash = config.get("dflash_config") or {}
         ids = dflash.get("target_layer_ids")
         if not ids:
@@ -91,11 +117,7 @@ class DFlashFormat(ExportFormat):
                     "norm.weight": (H,)}
         for i in range(layers):
             expected[f"layers.{i}.self_attn.k_norm.weight"] = (config.get("head_dim"),)
-        for name, shape in expected.items():
-            if name not in shapes:
-                report.errors.append(f"weight {name} is missing")
-            elif shapes[name][0] != shape:
-                report.errors.append(f"{name} has shape {shapes[name][0]}, the config implies {shape}")
+        expect_shapes(expected, shapes, report)
         vocab, draft_vocab = config.get("vocab_size"), config.get("draft_vocab_size")
         if draft_vocab and vocab and draft_vocab < vocab and "d2t" not in shapes:
             report.errors.append(f"draft_vocab_size {draft_vocab} < vocab_size {vocab} but no d2t: vLLM would map "

