@@ -4,20 +4,39 @@
 # 1. the bf16 path (trainer.precision=bf16: autocast over fp32 master weights, target in bf16) of every draft
 #    method on the real SmolLM2-135M-Instruct: EAGLE3, EAGLE 3.1 (2 layers), P-EAGLE, DFlash, each with a
 #    finite loss that fell and an export that passes `export --check`;
-# 2. DeepSpeed ZeRO-2 and ZeRO-3 (DeepSpeed bf16) on every visible GPU (torchrun), same checks;
+# 2. DeepSpeed ZeRO-2 and ZeRO-3 (DeepSpeed bf16) on every visible GPU (torchrun, also with one GPU), same checks;
 # 3. vLLM's CUDA build (its own venv, .serving-gpu: vllm==0.32.0, speculators==0.9.0) serving every export
 #    with speculative output equal to the target's greedy output (python -m specforge_lite.evaluate.served).
-# One line per check: "PASS <check>: <figures>" or "FAIL <check>: <reason> (log: <file>)"; exit 1 if any
-# check failed. Logs and runs go to runs/gpu_check/. Needs the project venv (bash scripts/setup.sh).
+# The checks run in the order of their value (the default path first, then DeepSpeed, then each other
+# method), so a run cut short has covered the most. One line per check: "PASS <check>: <figures>" (steps,
+# loss, tokens/s, peak GPU memory used as nvidia-smi reads it, seconds) or "FAIL <check>: <reason> (log:
+# <file>)"; exit 1 if any check failed. Logs and runs go to runs/gpu_check/. Needs the project venv (bash
+# scripts/setup.sh).
+# Environment (all optional):
+#   PY=python3                       the Python that runs everything (default .venv/bin/python)
+#   GPU_CHECK_MODEL=PRESET           the target instead of the default, e.g. smollm2_135m_shape (SmolLM2-135M's
+#                                    shape with random weights: a machine that cannot fetch the real weights)
+#   GPU_CHECK_ARGS="k=v ..."         more train.py overrides for every check (data.generation.max_conversations=128)
+#   GPU_CHECK_ONLY="name ..."        only these checks, in this order (names as printed, e.g. "eagle3_bf16 zero2_bf16")
+#   GPU_CHECK_TIMEOUT=SECONDS        a training or export command running longer fails its check (a hang ends)
+#   GPU_CHECK_VLLM=skip              do not set up or run vLLM (one SKIP line says so): e.g. a machine without network
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-300}
-OUT=runs/gpu_check
+LOGS=runs/gpu_check
 PY=${PY:-.venv/bin/python}
-mkdir -p "$OUT"
+MODEL=${GPU_CHECK_MODEL:-}
+read -r -a EXTRA <<<"${GPU_CHECK_ARGS:-}"
+[ -n "$MODEL" ] && EXTRA=("model=$MODEL" "${EXTRA[@]}")
+TIMEOUT=()
+[ -n "${GPU_CHECK_TIMEOUT:-}" ] && TIMEOUT=(timeout --kill-after 15 "$GPU_CHECK_TIMEOUT")
+mkdir -p "$LOGS"
 failed=0
 pass() { echo "PASS $1: $2"; }
 fail() { echo "FAIL $1: $2 (log: $3)"; failed=1; }
+# why a command failed: its exit status, named when it is the time limit's
+why() { [ "$1" -eq 124 ] || [ "$1" -eq 137 ] && echo "$2 ran past GPU_CHECK_TIMEOUT=${GPU_CHECK_TIMEOUT:-}s" ||
+          echo "$2 exited with status $1"; }
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "FAIL cuda: torch sees no CUDA device (this script is for a GPU machine; on CPU run bash scripts/test.sh)"
@@ -25,7 +44,10 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 GPU=$("$PY" -c "import torch; p = torch.cuda.get_device_properties(0); print(f'{p.name}, {p.total_memory / 2**30:.0f} GiB')")
-pass cuda "$NGPU x $GPU, torch $("$PY" -c 'import torch; print(torch.__version__)')"
+VERSIONS=$("$PY" -c "
+import importlib.metadata as m
+print(', '.join(f'{n} {m.version(n)}' for n in ('torch', 'transformers', 'deepspeed', 'datasets')))" 2>&1 | tail -1)
+pass cuda "$NGPU x $GPU; $VERSIONS; target ${MODEL:-the default (smollm2_135m)}"
 
 # the loss fell (mean of the last 10 logged steps below the first 10), every loss finite; figures of the run
 summarise() {
@@ -43,40 +65,77 @@ print(f"{rows[-1]['step']} steps, loss {head:.3f} -> {tail:.3f}, {speed:.0f} tok
 EOF
 }
 
-# name | train.py overrides | launcher (one process, or torchrun over every GPU)
+# the most GPU memory any GPU had in use (MiB, every process: nvidia-smi) while it runs; stopped by its caller
+sample_gpu_memory() {
+  local peak=0 now
+  while now=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | sort -n | tail -1) &&
+        [ -n "$now" ]; do
+    [ "$now" -gt "$peak" ] && { peak=$now; echo "$peak" >"$1"; }
+    sleep 0.5
+  done
+}
+
+# name | train.py overrides | launcher (1: one process; all: torchrun over every GPU, one GPU included)
 CHECKS=(
   "eagle3_bf16||1"
-  "eagle31_2layers_bf16|draft.norm_before_fc=true draft.norm_output=true draft.num_layers=2|1"
-  "peagle_bf16|draft.parallel_drafting=true|1"
+  "zero2_bf16|trainer=zero2|all"
   "dflash_bf16|draft.method=dflash draft.ttt_length=3 eval.num_draft_tokens=3|1"
-  "zero2_bf16|trainer=zero2|$NGPU"
-  "zero3_bf16|trainer=zero3|$NGPU"
+  "zero3_bf16|trainer=zero3|all"
+  "peagle_bf16|draft.parallel_drafting=true|1"
+  "eagle31_2layers_bf16|draft.norm_before_fc=true draft.norm_output=true draft.num_layers=2|1"
 )
+if [ -n "${GPU_CHECK_ONLY:-}" ]; then
+  chosen=()
+  for want in ${GPU_CHECK_ONLY//,/ }; do
+    match=""
+    for check in "${CHECKS[@]}"; do [ "${check%%|*}" = "$want" ] && match=$check; done
+    if [ -z "$match" ]; then
+      fail "$want" "no such check (GPU_CHECK_ONLY names: ${CHECKS[*]%%|*})" "$0"
+    else
+      chosen+=("$match")
+    fi
+  done
+  CHECKS=("${chosen[@]}")
+fi
 RUNS=()
 for check in "${CHECKS[@]}"; do
   IFS='|' read -r name overrides ranks <<<"$check"
-  run="$OUT/$name"
-  rm -rf "$run"
+  run="$LOGS/$name"
+  rm -rf "$run" "$run.mem"
   launch=("$PY")
-  [ "$ranks" -gt 1 ] && launch=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$ranks")
+  [ "$ranks" = all ] && launch=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$NGPU")
+  start=$SECONDS
+  sample_gpu_memory "$run.mem" & sampler=$!
   # shellcheck disable=SC2086
-  if ! "${launch[@]}" train.py model.dtype=bfloat16 trainer.precision=bf16 trainer.max_steps="$STEPS" trainer.max_minutes=null \
-       tracker=none eval.enabled=false output_dir="$run" $overrides >"$run.log" 2>&1; then
-    fail "$name" "train.py exited non-zero" "$run.log"; continue
-  fi
+  "${TIMEOUT[@]}" "${launch[@]}" train.py model.dtype=bfloat16 trainer.precision=bf16 trainer.max_steps="$STEPS" \
+    trainer.max_minutes=null tracker=none eval.enabled=false output_dir="$run" $overrides "${EXTRA[@]}" \
+    >"$run.log" 2>&1
+  status=$?
+  kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+  memory="peak GPU memory $(cat "$run.mem" 2>/dev/null || echo '?') MiB (nvidia-smi), $((SECONDS - start)) s"
+  if [ "$status" -ne 0 ]; then fail "$name" "$(why "$status" train.py), $memory" "$run.log"; continue; fi
   if ! figures=$(summarise "$run" 2>&1); then fail "$name" "$figures" "$run.log"; continue; fi
-  if ! "$PY" -m specforge_lite.export --check "$run/final" >"$run.check.log" 2>&1; then
-    fail "$name" "its export fails the check" "$run.check.log"; continue
+  "${TIMEOUT[@]}" "$PY" -m specforge_lite.export --check "$run/final" >"$run.check.log" 2>&1
+  status=$?
+  if [ "$status" -ne 0 ]; then
+    fail "$name" "its export fails the check ($(why "$status" 'export --check'))" "$run.check.log"; continue
   fi
-  pass "$name" "$figures ($ranks GPU(s))"
+  pass "$name" "$figures, $memory ($([ "$ranks" = all ] && echo "torchrun, $NGPU GPU(s)" || echo "1 GPU"))"
   RUNS+=("$run")
 done
 
 # vLLM (CUDA build) in its own venv, serving every export on the prompts our evaluation chose
+if [ "${GPU_CHECK_VLLM:-}" = skip ]; then
+  echo "SKIP vllm: not set up or run (GPU_CHECK_VLLM=skip): no export was served by vLLM"
+  exit "$failed"
+fi
 SERVING=.serving-gpu
 if [ ! -x "$SERVING/bin/python" ] || ! "$SERVING/bin/python" -c "import vllm, speculators" 2>/dev/null; then
-  "$PY" -m venv "$SERVING" >/dev/null && "$SERVING/bin/python" -m pip install -q vllm==0.32.0 speculators==0.9.0 \
-      >"$OUT/serving_setup.log" 2>&1 || fail vllm_setup "vllm==0.32.0 could not be installed" "$OUT/serving_setup.log"
+  # one try, short network time-outs: a machine without network fails here in seconds, not after retries
+  { "$PY" -m venv "$SERVING" && "$SERVING/bin/python" -m pip install -q --retries 0 --timeout 10 \
+      vllm==0.32.0 speculators==0.9.0; } >"$LOGS/serving_setup.log" 2>&1 ||
+    fail vllm_setup "vllm==0.32.0 could not be installed: $(grep -m1 -i 'error' "$LOGS/serving_setup.log" |
+      cut -c1-200)" "$LOGS/serving_setup.log"
 fi
 if "$SERVING/bin/python" -c "import vllm" 2>/dev/null; then
   for run in "${RUNS[@]}"; do
