@@ -195,6 +195,9 @@ class MixSource:
     source: str = "builtin_chitchat"  # builtin_chitchat | builtin_shapes | path (with path) | self_generated
     path: Optional[str] = None  # source path: the file or folder
     weight: float = 1.0  # relative share of the training conversations
+    # With data.regenerate=true: false keeps this source's answers as written (served traffic, whose answers
+    # are already the target's own: python -m specforge_lite.adapt); null follows data.regenerate.
+    regenerate: Optional[bool] = None
 
 
 @dataclass

@@ -126,6 +126,27 @@ def test_self_generated_requests_join_the_mix_answered_by_the_target(tmp_path, s
     assert all("alpha" in tok.decode(p) for p in data.heldout_prompts)  # held out from the file source only
 
 
+def test_a_source_with_regenerate_false_keeps_its_served_answers(tmp_path, smollm2):
+    """Served traffic (python -m specforge_lite.adapt) beside data the target answers: only the other source's
+    answers are regenerated, and the key of the prepared data tells the two mixes apart."""
+    _, _, tok = smollm2
+    served, other = _write(tmp_path / "s.jsonl", 30, "served", "SERVED"), _write(tmp_path / "o.jsonl", 30, "other")
+    asked = []
+    mix = [MixSource("path", str(served), 3.0, regenerate=False), MixSource("path", str(other), 1.0)]
+    cfg = DataConfig(source="mix", mix=mix, max_samples=16, heldout_samples=4, regenerate=True)
+    data = prepare_data(cfg, tok, generate=lambda convs: asked.extend(convs) or ["TARGET" for _ in convs],
+                        model_fingerprint="fake", log=lambda m: None)
+    texts = [tok.decode(ids) for ids in data.train["input_ids"]]
+    assert sum("served question" in t and "SERVED" in t and "TARGET" not in t for t in texts) == 12
+    assert sum("other question" in t and "TARGET" in t for t in texts) == 4
+    assert asked and all("other" in c[0]["content"] for c in asked)  # nothing served was asked again
+    assert data.stats["regeneration"]["answers_kept_as_written"] == 12
+    with pytest.raises(DataError, match="empty answers"):
+        prepare_data(DataConfig(source="mix", mix=[MixSource("path", str(other), 1.0),
+                                                   MixSource("self_generated", None, 1.0, regenerate=False)],
+                                regenerate=True), tok, log=lambda m: None)
+
+
 def test_mix_mistakes_are_named(tmp_path, smollm2):
     _, _, tok = smollm2
     a = _write(tmp_path / "a.jsonl", 10, "alpha")

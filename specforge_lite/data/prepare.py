@@ -61,6 +61,9 @@ def mix_sources(cfg: DataConfig) -> list[MixSource]:
     if any(m.source == SELF_GENERATED for m in cfg.mix) and not cfg.regenerate:
         raise DataError("self_generated requests have no answers until the target writes them: set "
                         "data.regenerate=true")
+    if any(m.source == SELF_GENERATED and m.regenerate is False for m in cfg.mix):
+        raise DataError("data.mix: self_generated with regenerate: false would train on empty answers; drop "
+                        "regenerate from that source")
     return list(cfg.mix)
 
 
@@ -145,7 +148,8 @@ def _fingerprint(paths: list[Path], tokenizer: Any, cfg: DataConfig, images: Ima
     if cfg.images_outside_folder:
         h.update(b"images_outside_folder")
     if cfg.source == "mix":  # the mix's composition, and how self-generated requests are sampled
-        h.update(json.dumps([[m.source, m.path, m.weight] for m in cfg.mix], sort_keys=True).encode())
+        h.update(json.dumps([[m.source, m.path, m.weight] + ([m.regenerate] if m.regenerate is not None else [])
+                             for m in cfg.mix], sort_keys=True).encode())
         h.update(json.dumps(vars(cfg.self_generated), sort_keys=True).encode())
     # (regeneration settings are keyed separately, see regenerate.regeneration_key)
     return h.hexdigest()[:20]
@@ -188,6 +192,7 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     # Each file source: its rows, a held-out share (of data.heldout_samples, by weight) and the rest.
     file_weight = sum(sources[i].weight for i in files)
     pools, heldout_convs, reasons, total, n_convs, first_at = {}, [], Counter(), 0, 0, {}
+    as_written: set[int] = set()  # (ids of the conversations whose answers regeneration leaves alone)
     for i, path in files.items():
         conversations, bad, rows, where = _read_conversations(path, cfg)
         reasons.update(bad)
@@ -205,6 +210,8 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
         n_held = min(round(cfg.heldout_samples * sources[i].weight / file_weight), len(order) // 2)
         heldout_convs += [conversations[j] for j in order[:n_held]]
         pools[i] = [conversations[j] for j in order[n_held:]]
+        if sources[i].regenerate is False:
+            as_written.update(map(id, conversations))
     # Evaluation prompts are held-out openings: no training conversation may start the same way
     # (chit-chat repeats "hi"-style openings, and a greedy target answers them identically).
     held_openings = {_opening(c) for c in heldout_convs}
@@ -237,16 +244,20 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     if cfg.regenerate:
         if generate is None:
             raise ValueError("data.regenerate=true needs the target to generate answers (pass generate=...)")
-        # Answers to image turns keep the dataset's text: the generator takes text prompts only.
-        train_convs, kept = _text_first(train_convs)
-        heldout_convs, _ = _text_first(heldout_convs)
+        # Answers to image turns keep the dataset's text (the generator takes text prompts only), and a source
+        # with regenerate: false keeps its own.
+        keep = lambda c: bool(conversation_images(c)) or id(c) in as_written  # noqa: E731
+        train_convs, kept = _regenerated_first(train_convs, keep)
+        heldout_convs, held_kept = _regenerated_first(heldout_convs, keep)
         train_text, regen_stats = regenerate(train_convs[: len(train_convs) - kept], generate, cfg.generation,
                                              regen_key + "-train", log=log)
         train_convs = train_text + train_convs[len(train_convs) - kept :]
-        held_text = [c for c in heldout_convs if not conversation_images(c)]
-        held_text, _ = regenerate(held_text, generate, cfg.generation, regen_key + "-heldout", log=log)
-        heldout_convs = held_text + [c for c in heldout_convs if conversation_images(c)]
-        stats["regeneration"] = {**regen_stats, "image_conversations_kept_as_is": kept}
+        held_text, _ = regenerate(heldout_convs[: len(heldout_convs) - held_kept], generate, cfg.generation,
+                                  regen_key + "-heldout", log=log)
+        heldout_convs = held_text + heldout_convs[len(heldout_convs) - held_kept :]
+        stats["regeneration"] = {**regen_stats, "image_conversations_kept_as_is": sum(
+            bool(conversation_images(c)) for c in train_convs), "answers_kept_as_written": sum(
+            id(c) in as_written for c in train_convs)}
 
     def tokenize(batch):
         out = {"input_ids": [], "loss_mask": [], "images": [], "error": []}
@@ -393,10 +404,11 @@ def _interleave(pools: dict, sources: list[MixSource], total: int) -> tuple[list
                  for i, n in taken.items()}
 
 
-def _text_first(convs: list) -> tuple[list, int]:
-    """Text-only conversations first (order kept), then those with images; and how many have images."""
-    with_images = [c for c in convs if conversation_images(c)]
-    return [c for c in convs if not conversation_images(c)] + with_images, len(with_images)
+def _regenerated_first(convs: list, keep) -> tuple[list, int]:
+    """The conversations to regenerate first (order kept), then those that ``keep`` as they are; and how
+    many are kept."""
+    kept = [c for c in convs if keep(c)]
+    return [c for c in convs if not keep(c)] + kept, len(kept)
 
 
 def _check_malformed(total: int, reasons: Counter, cfg: DataConfig, path: Path, first_at: dict[str, str],
