@@ -11,45 +11,14 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from specforge_lite.arguments import check_arguments
-from specforge_lite.config import Config, register_configs, to_config
+from specforge_lite.config import register_configs, to_config
 from specforge_lite.errors import said_in_one_line
+from specforge_lite.job import run  # (the job itself; tests call it as train.run)
 
 register_configs()
-
-
-def run(config: Config, run_dir: Path, log=print) -> dict:
-    import torch
-
-    from specforge_lite.data.prepare import check_data_sources
-    from specforge_lite.evaluate.finish import finish
-    from specforge_lite.offline import store_run
-    from specforge_lite.run import Run
-    from specforge_lite.settings import check_settings
-    from specforge_lite.training.distributed import init_distributed, process_group
-    from specforge_lite.training.loop import train
-    from specforge_lite.training.output_dir import hold_output_dir
-
-    check_settings(config)  # (every setting, once, before anything is built)
-    if config.data.source != "offline":
-        check_data_sources(config.data)
-    with process_group(lambda: init_distributed(config.trainer)) as ctx:  # (destroyed when the run ends)
-        if not ctx.is_main:
-            log = lambda message: None  # noqa: E731  (rank 0 speaks for the run)
-        if config.trainer.num_threads:
-            torch.set_num_threads(config.trainer.num_threads)
-        with hold_output_dir(run_dir, holder=ctx.is_main):  # (one run writes a folder at a time)
-            if ctx.is_main:
-                OmegaConf.save(OmegaConf.structured(config), run_dir / "config.yaml")
-            # the target (live, or read back from a store), data, draft vocabulary, teacher and objective
-            job = store_run(config, ctx, log) if config.data.source == "offline" else Run.online(config, ctx, log)
-            draft = job.build_draft()
-            job.write_stats(run_dir)
-            result = train(config.trainer, job.objective, job.teacher, draft, job.batches(), run_dir,
-                           lambda step: job.tracker(run_dir, step), draft.spec.to_dict(), log=log, ctx=ctx)
-            return finish(job, result, draft, run_dir, log)  # export, evaluation, served check
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
