@@ -24,6 +24,7 @@ TOOLS = {
     "rank": ("specforge_lite.evaluate.rank", "train several draft methods on one capture and rank them"),
     "sweep": ("specforge_lite.evaluate.sweep", "the table of a --multirun sweep's runs"),
     "offline": ("specforge_lite.offline", "hidden-state stores: dump the target's, or ingest vLLM's or speculators'"),
+    "adapt": ("specforge_lite.adapt", "adapt a draft to served traffic: versions, promotion rails, rollback, watch"),
     "bench": ("specforge_lite.bench", "the benchmarks (speed, memory, acceptance per unit of compute)"),
     "config-reference": ("specforge_lite.config_reference", "write (or --check) the configuration reference page"),
 }

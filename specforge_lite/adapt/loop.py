@@ -1,0 +1,238 @@
+"""Adaptation: start a home from a draft, adapt it once on traffic files, or watch a folder for them.
+
+One adaptation: read the traffic (bad rows counted and named), split it into training and held-out
+conversations, train a candidate from the current version, measure both on held-out traffic and the
+regression set (judge.py), then promote (publish a version, log, swap ``current``) or reject (log). Every
+step before the log line can be killed and is started over: the traffic files count as used only once their
+decision is logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+from .candidate import as_prompts, opening_key, split_traffic, train_candidate
+from .home import AdaptHomeError, Home, write_json_atomic, write_jsonl_atomic
+from .judge import JUDGES, decide, judge_folder, measure, write_prompts
+from .traffic import read_traffic
+
+TRAFFIC_SUFFIXES = (".jsonl", ".json", ".log", ".txt")
+HELDOUT_KEPT = 256  # held-out traffic conversations the home keeps (the newest)
+REGRESSION_SETS = ("assistant", "mtbench", "gsm8k", "summarization", "humaneval")
+
+DEFAULTS = {
+    "judge": "vllm",  # vllm | ours: whose acceptance decides (judge.py)
+    "margin": 0.02,  # the candidate's held-out traffic acceptance must beat the current's by this (relative)
+    "tolerance": 0.02,  # its regression acceptance may fall by at most this (relative)
+    "replay_ratio": 0.25,  # share of the candidate's training conversations drawn from the base data
+    "heldout_fraction": 0.2,  # share of the traffic held out for judging (by each conversation's opening)
+    "min_conversations": 64,  # adapt watch: new conversations that start an adaptation
+    "steps": 200,  # the candidate's optimizer steps
+    "minutes": None,  # or its training minutes (trainer.max_minutes), whichever ends first
+    "k": 3,  # draft tokens per verification when judging
+    "eval_prompts": 24,  # prompts per judged set
+    "max_new_tokens": 48,  # tokens generated per judged prompt
+}
+
+
+def fingerprint(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:20]
+
+
+def check_judge(judge: str) -> None:
+    """The judge can run here (checked before anything is trained)."""
+    if judge not in JUDGES:
+        raise AdaptHomeError(f"--judge {judge}: use one of {', '.join(JUDGES)}")
+    if judge == "vllm":
+        from ..serving import serving_python
+
+        if serving_python() is None:
+            raise AdaptHomeError("the judge vllm needs the serving environment: build it with bash "
+                                 "scripts/setup_serving.sh, or judge by our speculative decoding with --judge ours")
+
+
+# ---- init -----------------------------------------------------------------------------------------------
+def base_config(draft: Path, overrides: list[str]):
+    """The configuration candidates start from: a run's own config.yaml (with ``key=value`` overrides on
+    top), or, for an export folder, train.py's composition of the overrides (model=..., data=...)."""
+    from omegaconf import OmegaConf
+
+    from ..config import load_config, to_config
+
+    if (draft / "config.yaml").is_file() and (draft / "final" / "config.json").is_file():
+        return to_config(OmegaConf.merge(OmegaConf.load(draft / "config.yaml"), OmegaConf.from_dotlist(overrides)))
+    if (draft / "config.json").is_file():
+        return load_config(overrides)
+    raise AdaptHomeError(f"--draft {draft}: no draft there (a finished run folder with config.yaml and final/, or an "
+                         "export folder with config.json)")
+
+
+def regression_prompts(source: Path | None, per_set: int) -> list[dict]:
+    """The frozen regression set: a file's MT-bench rows, or the first prompts of each bundled set."""
+    from ..evaluate.prompts import load_file_set
+
+    if source is not None:
+        return [{"turns": item.turns} for item in load_file_set("regression", source).items]
+    return [{"turns": item.turns} for name in REGRESSION_SETS for item in load_file_set(name, None, per_set).items]
+
+
+def init(home: Home, draft: Path, overrides: list[str], settings: dict, regression: Path | None = None,
+         regression_per_set: int = 4, log=print) -> str:
+    from omegaconf import OmegaConf
+
+    if home.events():
+        raise AdaptHomeError(f"{home.root} already holds an adaptation (current: {home.current().name}); use "
+                             "another --home, or adapt run/watch with this one")
+    settings = {**DEFAULTS, **settings}
+    check_judge(settings["judge"])
+    if not 0 <= settings["replay_ratio"] < 1:
+        raise AdaptHomeError(f"--replay-ratio {settings['replay_ratio']}: use a share in [0, 1)")
+    draft = Path(draft).expanduser().resolve()
+    config = base_config(draft, overrides)
+    if config.data.source == "offline" and settings["replay_ratio"] > 0:
+        raise AdaptHomeError("the draft was trained from a hidden-state store, which cannot be replayed online: "
+                             "name its data (data.source=... data.path=...) or use --replay-ratio 0")
+    final = draft / "final" if (draft / "final").is_dir() else draft
+    if settings["judge"] == "vllm":
+        import torch
+
+        from ..export import cpu_serving_refusal
+
+        refusal = None if torch.cuda.is_available() else cpu_serving_refusal(final)
+        if refusal:
+            raise AdaptHomeError(f"{refusal}; judge its candidates by our speculative decoding: --judge ours")
+    home.root.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.structured(config), home.root / "base_config.yaml")
+    write_json_atomic(home.root / "settings.json", settings)
+    write_jsonl_atomic(home.root / "regression.jsonl", regression_prompts(regression, regression_per_set))
+    name = home.publish(final, home.root / "base_config.yaml")
+    home.log("init", version=name, source=str(draft))
+    home.point_at(name)
+    log(f"[adapt] {home.root}: current -> {name} (from {draft})")
+    return name
+
+
+# ---- one adaptation -------------------------------------------------------------------------------------
+def _file_record(path: Path) -> dict:
+    return {"path": str(path.resolve()), "fingerprint": fingerprint(path)}
+
+
+def _update_heldout(home: Home, held: list[list[dict]]) -> Path:
+    """The home's held-out traffic with this batch's added (each opening once, the newest kept)."""
+    path = home.root / "heldout.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    seen = {opening_key(r["messages"]) for r in rows}
+    rows += [{"messages": c} for c in held if opening_key(c) not in seen and not seen.add(opening_key(c))]
+    write_jsonl_atomic(path, rows[-HELDOUT_KEPT:])
+    return path
+
+
+def adapt_once(home: Home, files: list[Path], log=print) -> dict:
+    """One adaptation on these traffic files; the logged event (promote, reject, skip or fail)."""
+    settings = home.settings()
+    traffic = read_traffic(files)
+    log(f"[adapt] traffic: {traffic.summary()}")
+    records = [_file_record(f) for f in files]
+    skipped = {"skipped_rows": len(traffic.skipped), "first_skipped": traffic.skipped[:5]}
+    train, held = split_traffic(traffic.conversations, settings["heldout_fraction"])
+    if not train:
+        return home.log("skip", files=records, why="no training conversations in these files", **skipped)
+    heldout_file = _update_heldout(home, held)
+    work = home.root / "work"
+    shutil.rmtree(work, ignore_errors=True)  # (a killed attempt starts over)
+    work.mkdir()
+    current = home.current()
+    try:
+        heldout = as_prompts([json.loads(x)["messages"] for x in heldout_file.read_text().splitlines()])
+        if not heldout:
+            raise AdaptHomeError("no held-out traffic to judge on yet: raise --heldout-fraction or send more traffic")
+        prompts = {"traffic": write_prompts(work / "traffic_prompts.jsonl", heldout[::-1]),
+                   "regression": home.root / "regression.jsonl"}
+        run_dir = train_candidate(home, current, train, work, log)
+        folders = {"current": judge_folder(run_dir, current, work / "judge-current"),
+                   "candidate": judge_folder(run_dir, run_dir, work / "judge-candidate")}
+        numbers = measure(folders, prompts, settings, log)
+    except Exception as e:  # a failed candidate is a decision too: logged, and the loop goes on
+        event = home.log("fail", parent=current.name, files=records, error=f"{type(e).__name__}: {e}"[:2000],
+                         **skipped)
+        log(f"[adapt] candidate failed: {event['error']}")
+        return event
+    promote, why = decide(numbers["current"], numbers["candidate"], settings["margin"], settings["tolerance"])
+    common = {"parent": current.name, "files": records, "train_conversations": len(train),
+              "heldout_conversations": len(heldout[: settings["eval_prompts"]]), "numbers": numbers, "why": why,
+              **skipped}
+    if promote:
+        name = home.publish(run_dir / "final", run_dir / "config.yaml")
+        event = home.log("promote", version=name, **common)
+        home.point_at(name)
+        log(f"[adapt] promoted {name}: {why}")
+    else:
+        event = home.log("reject", **common)
+        log(f"[adapt] rejected the candidate, current stays {current.name}: {why}")
+    _keep_reports(home, folders, len(home.events()))
+    shutil.rmtree(work, ignore_errors=True)
+    return event
+
+
+def _keep_reports(home: Home, folders: dict[str, Path], number: int) -> None:
+    """Each judged draft's evaluation (ours, and vLLM's) under HOME/reports/<decision number>/."""
+    out = home.root / "reports" / f"{number:04d}"
+    out.mkdir(parents=True, exist_ok=True)
+    for name, folder in folders.items():
+        for report in ("eval.json", "vllm_eval.json"):
+            if (folder / report).is_file():
+                shutil.copyfile(folder / report, out / f"{name}_{report}")
+
+
+# ---- the loop -------------------------------------------------------------------------------------------
+def new_files(home: Home, folder: Path, settle: float) -> list[Path]:
+    """Traffic files in ``folder`` not yet used and unchanged for ``settle`` seconds (still being written
+    otherwise); a used file that changed since is logged once as skipped (a file is read whole, once)."""
+    consumed, out, now = home.consumed(), [], time.time()
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.suffix in TRAFFIC_SUFFIXES):
+        try:
+            if now - path.stat().st_mtime < settle:
+                continue
+            key = str(path.resolve())
+            if key not in consumed:
+                out.append(path)
+            elif consumed[key] != fingerprint(path):
+                home.log("skip", files=[_file_record(path)], why="the file changed after it was read; a traffic "
+                         "file is read once: write new traffic to new files (rotate the log)")
+        except OSError:
+            continue  # (gone between listing and reading: a later poll sees what is there)
+    return out
+
+
+def watch(home: Home, folder: Path, interval: float = 30, settle: float = 10, once: bool = False, log=print) -> None:
+    """Adapt whenever ``min_conversations`` new conversations have landed in ``folder``; keep going after a bad
+    file or a failed candidate. ``once``: one poll (and at most one adaptation), then return."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise AdaptHomeError(f"adapt watch {folder}: no such folder (the folder the server's traffic files land in)")
+    wanted = home.settings()["min_conversations"]
+    log(f"[adapt] watching {folder} (adapting every {wanted} new conversations; current: {home.current().name})")
+    while True:
+        ready, count = [], 0
+        for path in new_files(home, folder, settle):
+            traffic = read_traffic([path])
+            if traffic.conversations:
+                ready.append(path)
+                count += len(traffic.conversations)
+            else:  # a bad file is named in the log, counted as used, and the loop goes on
+                home.log("skip", files=[_file_record(path)], why="no conversation could be read",
+                         skipped_rows=len(traffic.skipped), first_skipped=traffic.skipped[:5])
+                log(f"[adapt] skipped {path}: {traffic.summary()}")
+        if ready and count >= wanted:
+            adapt_once(home, ready, log)
+        if once:
+            return
+        time.sleep(interval)
