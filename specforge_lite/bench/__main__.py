@@ -1,7 +1,7 @@
 """python -m specforge_lite.bench <benchmark> [options]
 
 Benchmarks: train_step, regenerate, capture, memory, store, packing, seq_scaling, draft_cache, kill_resume, levers,
-recipe_parity, recipe_card."""
+recipe_parity, recipe_card, adapt."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ BENCHMARKS = {"train_step": "specforge_lite.bench.train_step", "regenerate": "sp
               "store": "specforge_lite.bench.store", "packing": "specforge_lite.bench.packing",
               "seq_scaling": "specforge_lite.bench.seq_scaling", "draft_cache": "specforge_lite.bench.draft_cache",
               "kill_resume": "specforge_lite.bench.kill_resume", "levers": "specforge_lite.bench.levers",
-              "recipe_parity": "specforge_lite.bench.recipe_parity", "recipe_card": "specforge_lite.bench.recipe_card"}
+              "recipe_parity": "specforge_lite.bench.recipe_parity", "recipe_card": "specforge_lite.bench.recipe_card",
+              "adapt": "specforge_lite.bench.adapt"}
 
 
 def main() -> None:
