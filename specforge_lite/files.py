@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Callable
@@ -37,6 +39,19 @@ def write_then_rename(path: Path, write: Callable[[Path], object]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """JSON rows, one per line, written whole or not at all (``write_then_rename``)."""
+    write_then_rename(path, lambda tmp: tmp.write_text("".join(json.dumps(row) + "\n" for row in rows)))
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def safetensors_problem(path: Path) -> str | None:

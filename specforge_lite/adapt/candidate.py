@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from ..config import MixSource
-from .home import write_jsonl_atomic
+from ..files import write_jsonl
 
 HELDOUT_FOR_DATA = 8  # the candidate's own held-out split (its data needs one; the judge does not read it)
 
@@ -99,12 +100,10 @@ def candidate_config(home, current: Path, traffic_file: Path, n_traffic: int, ru
 
 def train_candidate(home, current: Path, train_convs: list, work: Path, log=print) -> Path:
     """Train the candidate into ``work/run`` (a killed attempt's folder is started over); the run folder."""
-    import shutil
-
     from omegaconf import OmegaConf
 
     traffic_file = work / "traffic_train.jsonl"
-    write_jsonl_atomic(traffic_file, [{"messages": c} for c in train_convs])
+    write_jsonl(traffic_file, [{"messages": c} for c in train_convs])
     run_dir = work / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
     config = candidate_config(home, current, traffic_file, len(train_convs), run_dir)

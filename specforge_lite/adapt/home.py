@@ -32,7 +32,6 @@ from ..errors import UserError
 from ..files import fsync, write_then_rename
 
 DECISIONS, CURRENT = "decisions.jsonl", "current"
-POINTER_EVENTS = ("init", "promote", "rollback")  # the events that move ``current``
 
 
 class AdaptHomeError(UserError):
@@ -49,10 +48,6 @@ def fsync_tree(path: Path) -> None:
 
 def write_json_atomic(path: Path, value: Any) -> None:
     write_then_rename(path, lambda tmp: tmp.write_text(json.dumps(value, indent=1) + "\n"))
-
-
-def write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
-    write_then_rename(path, lambda tmp: tmp.write_text("".join(json.dumps(row) + "\n" for row in rows)))
 
 
 @dataclass

@@ -13,7 +13,6 @@ regression acceptance is not lower by more than the tolerance (relative).
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -72,8 +71,3 @@ def decide(current: dict, candidate: dict, margin: float, tolerance: float) -> t
     if drop > tolerance:
         return False, "the regression set fell: " + said
     return True, said
-
-
-def write_prompts(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path

@@ -9,15 +9,15 @@ decision is logged.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
 from pathlib import Path
 
 from .candidate import as_prompts, opening_key, split_traffic, train_candidate
-from .home import AdaptHomeError, Home, write_json_atomic, write_jsonl_atomic
-from .judge import JUDGES, decide, judge_folder, measure, write_prompts
+from ..files import sha256_file, write_jsonl
+from .home import AdaptHomeError, Home, write_json_atomic
+from .judge import JUDGES, decide, judge_folder, measure
 from .traffic import read_traffic
 
 TRAFFIC_SUFFIXES = (".jsonl", ".json", ".log", ".txt")
@@ -37,14 +37,6 @@ DEFAULTS = {
     "eval_prompts": 24,  # prompts per judged set
     "max_new_tokens": 48,  # tokens generated per judged prompt
 }
-
-
-def fingerprint(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:20]
 
 
 def check_judge(judge: str) -> None:
@@ -112,7 +104,7 @@ def init(home: Home, draft: Path, overrides: list[str], settings: dict, regressi
     home.root.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.structured(config), home.root / "base_config.yaml")
     write_json_atomic(home.root / "settings.json", settings)
-    write_jsonl_atomic(home.root / "regression.jsonl", regression_prompts(regression, regression_per_set))
+    write_jsonl(home.root / "regression.jsonl", regression_prompts(regression, regression_per_set))
     name = home.publish(final, home.root / "base_config.yaml")
     home.log("init", version=name, source=str(draft))
     home.point_at(name)
@@ -125,13 +117,17 @@ def _file_record(path: Path) -> dict:
     return {"path": str(path.resolve()), "fingerprint": fingerprint(path)}
 
 
+def fingerprint(path: Path) -> str:
+    return sha256_file(path)[:20]
+
+
 def _update_heldout(home: Home, held: list[list[dict]]) -> Path:
     """The home's held-out traffic with this batch's added (each opening once, the newest kept)."""
     path = home.root / "heldout.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
     seen = {opening_key(r["messages"]) for r in rows}
     rows += [{"messages": c} for c in held if opening_key(c) not in seen and not seen.add(opening_key(c))]
-    write_jsonl_atomic(path, rows[-HELDOUT_KEPT:])
+    write_jsonl(path, rows[-HELDOUT_KEPT:])
     return path
 
 
@@ -154,8 +150,8 @@ def adapt_once(home: Home, files: list[Path], log=print) -> dict:
         heldout = as_prompts([json.loads(x)["messages"] for x in heldout_file.read_text().splitlines()])
         if not heldout:
             raise AdaptHomeError("no held-out traffic to judge on yet: raise --heldout-fraction or send more traffic")
-        prompts = {"traffic": write_prompts(work / "traffic_prompts.jsonl", heldout[::-1]),
-                   "regression": home.root / "regression.jsonl"}
+        prompts = {"traffic": work / "traffic_prompts.jsonl", "regression": home.root / "regression.jsonl"}
+        write_jsonl(prompts["traffic"], heldout[::-1])
         run_dir = train_candidate(home, current, train, work, log)
         folders = {"current": judge_folder(run_dir, current, work / "judge-current"),
                    "candidate": judge_folder(run_dir, run_dir, work / "judge-candidate")}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from collections import deque
@@ -24,6 +23,7 @@ from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 import torch
 
 from ..config import GenerationConfig, cache_dir
+from ..files import write_jsonl
 
 Messages = list[dict[str, str]]
 Generate = Callable[[list[Messages]], list[str]]
@@ -156,16 +156,9 @@ class ConversationJob:
         return conv if any(m["role"] == "assistant" for m in conv) else None
 
 
-def write_rows_atomic(path: Path, rows: list[dict]) -> None:
-    """A JSONL shard written to a temporary file and renamed: a killed run never leaves half a shard."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    os.replace(tmp, path)
-
-
 def _write_shard(path: Path, jobs: list[ConversationJob]) -> None:
     rebuilt = [{"messages": c} for c in (job.result() for job in jobs) if c is not None]
-    write_rows_atomic(path, rebuilt + [{"_empty_answers": sum(job.empty for job in jobs)}])
+    write_jsonl(path, rebuilt + [{"_empty_answers": sum(job.empty for job in jobs)}])
 
 
 def regenerate(conversations: list[Messages], generate: Generate | AnswerStream, cfg: GenerationConfig, key: str,

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import SelfGeneratedConfig, cache_dir
-from .regenerate import PromptQueue, answer_stream, counters, write_rows_atomic
+from ..files import write_jsonl
+from .regenerate import PromptQueue, answer_stream, counters
 
 _MARK = "\u2063SFL-USER-TURN\u2063"  # an invisible separator around a word no template contains
 # Openings of a reply, not a request: the model wrote the assistant's side.
@@ -140,5 +141,5 @@ def _sample_shards(writer: Any, root: Path, todo: range, prefix: str, batch_size
     for (i, j), text in stream.stream(queue):
         texts[i][j] = text
         if len(texts[i]) == batch_size:
-            write_rows_atomic(_shard_path(root, i, batch_size), [{"text": texts[i][k]} for k in range(batch_size)])
+            write_jsonl(_shard_path(root, i, batch_size), [{"text": texts[i][k]} for k in range(batch_size)])
     return counters(stream).get("tokens_generated", 0) - before

@@ -31,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import UserError
+from ..files import sha256_file
 
 FORMAT = "specforge_lite.store"
 VERSION = 1
@@ -40,14 +41,6 @@ PARTS = "target_parts.safetensors"
 
 class StoreError(UserError):
     pass
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def shard_name(index: int) -> str:
