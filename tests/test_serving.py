@@ -289,6 +289,36 @@ def test_vllm_serves_our_draft_with_the_targets_greedy_output(served_runs, prese
     assert ours["mean_acceptance_length"] >= MIN_ACCEPTANCE.get(preset, 1.0), ours
 
 
+def test_the_adapt_judge_decides_by_what_vllm_serves(served_runs, tmp_path):
+    """python -m specforge_lite.adapt's judge (--judge vllm): two drafts of one target evaluated by us, then served by
+    vLLM in one process on held-out traffic and a regression set; the figures it decides by are vLLM's per set,
+    with vLLM's outputs equal to the target's greedy ones and its acceptance beside ours."""
+    from specforge_lite.adapt.judge import decide, judge_folder, measure
+    from specforge_lite.files import write_jsonl
+
+    base, _ = served_runs["qwen3_tiny"]
+    other, _ = served_runs["qwen3_tiny+eagle3.1"]
+    folders = {"current": judge_folder(base, base, tmp_path / "current"),
+               "candidate": judge_folder(base, other, tmp_path / "candidate")}
+    prompts = {"traffic": tmp_path / "traffic.jsonl", "regression": tmp_path / "regression.jsonl"}
+    write_jsonl(prompts["traffic"], [{"turns": ["Write a function that adds two numbers."]},
+                                     {"turns": ["What is 12 times 7?"]}])
+    write_jsonl(prompts["regression"], [{"turns": ["Tell me about the moon."]}, {"turns": ["Say hello."]}])
+    settings = {"judge": "vllm", "k": 3, "eval_prompts": 2, "max_new_tokens": 16}
+    numbers = measure(folders, prompts, settings, log=lambda m: None)
+    for name, folder in folders.items():
+        served = json.loads((folder / "vllm_eval.json").read_text())  # vLLM's own report of this draft
+        assert numbers[name]["measured_by"] == "vllm" and numbers[name]["outputs_equal_greedy"] == "4/4"
+        for s in ("traffic", "regression"):
+            assert numbers[name][s] == served["sets"][s]["mean_acceptance_length"]
+            assert abs(numbers[name][s] - numbers[name]["ours"][s]) <= 0.15, numbers
+    layers = [json.loads((f / "final" / "config.json").read_text())["num_hidden_layers"] for f in folders.values()]
+    assert layers == [1, 2]  # two drafts were served, each from its own folder
+    # (a random Qwen3 mostly repeats one token: both drafts accept alike here, so the margin is not met)
+    promote, why = decide(numbers["current"], numbers["candidate"], 0.02, 0.02)
+    assert not promote and why.startswith("not enough gain")
+
+
 @pytest.fixture(scope="module")
 def dspark_run(tmp_path_factory) -> Path:
     """A DSpark draft trained by train.py for the Qwen3 target with the served presets' data and evaluation."""
