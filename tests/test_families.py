@@ -140,6 +140,31 @@ def test_gemma4_teacher_is_softcapped_over_the_draft_vocab_only():
     assert float(logits.abs().max()) < 30.0 and torch.allclose(logits, torch.tanh(raw / 30) * 30, atol=1e-4)
 
 
+@pytest.mark.parametrize("preset", ["gemma4_tiny", "llama3_tiny"])
+def test_in_bf16_the_teacher_reads_the_logits_the_targets_own_forward_gives(preset):
+    """The one head-logit policy: in bf16 the teacher's logits (and so the lean decoder's, the same
+    LogitHead) are bit-equal to HF's forward logits, Gemma 4's soft-cap rounded in bf16 as transformers and
+    vLLM round it; the argmax it trains toward is the served model's, near ties included."""
+    target = build_target(load_config([f"model={preset}", "tracker=none", "model.dtype=bfloat16"]), aux_layer_ids=AUX)
+    assert target.model.dtype == torch.bfloat16
+    ids, mask = batch(target.vocab_size)
+    seen = {}
+    norm = target.family.final_norm(target.model)
+    handle = norm.register_forward_hook(lambda m, args, out: seen.__setitem__("h", out))
+    try:
+        with torch.no_grad():
+            hf_logits = target.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    finally:
+        handle.remove()
+    real = mask.bool()
+    everything = torch.arange(target.vocab_size)
+    teacher = Teacher(target, everything, torch.ones(target.vocab_size, dtype=torch.bool))
+    mine = teacher.logits(seen["h"][real])
+    assert mine.dtype == torch.float32
+    assert torch.equal(mine, hf_logits[real].float()), "the teacher's bf16 logits differ from HF's forward"
+    assert torch.equal(teacher.draft_head.argmax(seen["h"][real]), hf_logits[real].argmax(-1))
+
+
 def test_qwen3_vl_capture_includes_the_deepstack_injection():
     """With an image, the state entering text layers 1..3 is the layer output plus the deepstack
     features at image positions (what the servers capture); HF's output_hidden_states are taken before."""

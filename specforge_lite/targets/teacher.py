@@ -8,6 +8,7 @@ and offline (store) paths share it, and so do a store's dump and ingest, which r
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .protocol import Captured, Target
 
@@ -17,16 +18,28 @@ _ARGMAX_CHUNK = 256
 
 class LogitHead:
     """An lm_head (all rows, or the draft vocabulary's) with the family's logit transform (Gemma's
-    soft-capping): the logits the target's own forward would give for post-final-norm states."""
+    soft-capping): the logits the target's own forward gives for post-final-norm states.
+
+    The one precision policy for target logits: the product and the transform run in the head's dtype, as
+    transformers' forward and vLLM compute them (so a near tie rounds as the served model rounds it and the
+    teacher's argmax is the server's), then everything that reads them (softmax, argmax, losses) takes
+    float32. The teacher and the lean decoder's generation read logits here; evaluation reads the model's
+    own forward, which this reproduces bit for bit (tests/test_families.py)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, family, config):
         self.weight, self.bias, self.family, self.config = weight, bias, family, config
 
-    def __call__(self, h: torch.Tensor, fp32: bool = False) -> torch.Tensor:
-        logits = h.to(self.weight.dtype) @ self.weight.T
-        if self.bias is not None:
-            logits = logits + self.bias
-        return self.family.postprocess_logits(logits.float() if fp32 else logits, self.config)
+    def _in_head_dtype(self, h: torch.Tensor) -> torch.Tensor:
+        # F.linear, as nn.Linear: the same kernel as the model's lm_head, so the same rounding
+        return self.family.postprocess_logits(F.linear(h.to(self.weight.dtype), self.weight, self.bias), self.config)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [..., rows] for post-final-norm states h [..., H]."""
+        return self._in_head_dtype(h).float()
+
+    def argmax(self, h: torch.Tensor) -> torch.Tensor:
+        """The argmax of ``self(h)`` without its float32 copy (the cast is exact, ties keep the first row)."""
+        return self._in_head_dtype(h).argmax(-1)
 
 
 class Teacher:
@@ -43,7 +56,7 @@ class Teacher:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Teacher logits over the draft vocabulary (fp32) for post-final-norm states h [..., H]."""
-        return self.draft_head(h, fp32=True)
+        return self.draft_head(h)
 
     def in_vocab(self, rows: torch.Tensor) -> torch.Tensor:
         """Whether the target's full-vocabulary argmax lies in the draft vocabulary, for states [N, H]."""
@@ -55,7 +68,7 @@ class Teacher:
         head = LogitHead(*whole, self.target.family, self.target.config)
         top = torch.empty(rows.shape[0], dtype=torch.long, device=rows.device)
         for s in range(0, rows.shape[0], _ARGMAX_CHUNK):
-            top[s : s + _ARGMAX_CHUNK] = head(rows[s : s + _ARGMAX_CHUNK]).argmax(-1)
+            top[s : s + _ARGMAX_CHUNK] = head.argmax(rows[s : s + _ARGMAX_CHUNK])
         return self.t2d[top]
 
     @torch.no_grad()

@@ -94,7 +94,7 @@ class LeanDecoder:
     ``pop``, such as data.regenerate.PromptQueue) and yields ``(key, answer token ids)`` as rows finish;
     prompts pushed while it runs (an answer's follow-up turn) are taken as slots free up.
 
-    ``head`` maps final-norm states [N, H] to full-vocabulary logits (the family's transform applied)."""
+    ``head`` maps final-norm states [N, H] to float32 full-vocabulary logits (targets.teacher.LogitHead)."""
 
     def __init__(self, lean: LeanForward, head: Callable[[torch.Tensor], torch.Tensor], slots: int,
                  max_new_tokens: int, stop_ids: set[int], temperature: float = 0.0, top_p: float = 1.0):
@@ -279,7 +279,7 @@ class LeanDecoder:
 
     def _pick(self, h: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """Next token per row from pre-final-norm states [n, H]: greedy, or sampled with each row's generator."""
-        logits = self.head(self.lean.final_norm(h)).float()
+        logits = self.head(self.lean.final_norm(h))  # float32 (targets.teacher.LogitHead)
         if self.temperature <= 0:
             return logits.argmax(-1).cpu()
         probs = torch.softmax(logits / self.temperature, dim=-1)
