@@ -1,6 +1,6 @@
 """What raises served acceptance per unit of compute: each lever against the embedded default, judged by vLLM.
 
-    python -m specforge_lite.bench levers [--minutes 10] [--only warm_start,eagle31] [--out DIR]
+    python -m specforge_lite.bench levers [--minutes 10] [--only warm_start,eagle31] [--seed N] [--out DIR]
     python -m specforge_lite.bench levers --warm-start-study [--study-steps 100,400] [--out DIR]
 
 Every candidate is the embedded default (``python train.py``: SmolLM2-135M-Instruct, the cpu_20min recipe)
@@ -33,6 +33,9 @@ LEVERS = [
     Candidate("warm_start", ["draft.init_layers_from_target=true"],
               "the draft's layer starts as the target's layer after the top aux id"),
     Candidate("eagle31", ["draft.norm_before_fc=true", "draft.norm_output=true"], "EAGLE 3.1 norms"),
+    Candidate("eagle31_ttt3_vocab4k", ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.ttt_length=3",
+                                       "draft.draft_vocab_size=4096"],
+              "the three levers that won on chat together: EAGLE 3.1 norms, TTT 3, draft vocabulary 4096"),
     Candidate("eagle31_2layers", ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.num_layers=2"],
               "EAGLE 3.1 norms and two layers"),
     Candidate("loss_acceptance", ["draft.loss=acceptance"], "-log expected acceptance (LK)"),
@@ -90,6 +93,9 @@ def main(argv=None) -> None:
     p.add_argument("--only", default=None, help="comma-separated lever names (the default is always included)")
     p.add_argument("--warm-start-study", action="store_true", help="warm start vs default at equal steps")
     p.add_argument("--study-steps", default="100,400", help="the warm-start study's step counts (comma-separated)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="trainer.seed of every candidate (draft initialisation and data order): a repeat of a "
+                        "lever's win under another seed")
     p.add_argument("--prompts", type=int, default=8, help="prompts per prompt set")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=3)
@@ -100,6 +106,8 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
 
     out = a.out / ("warm_start_study" if a.warm_start_study else f"minutes_{a.minutes:g}")
+    if a.seed or a.prompts != 8:
+        out = out.with_name(f"{out.name}_seed{a.seed}_prompts{a.prompts}")
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "extra.json"
     extra = {}
@@ -118,7 +126,7 @@ def main(argv=None) -> None:
             extra["step0_accuracy_before_training"] = saved_step0_accuracy(saved)
         # max_steps only caps: the time budget ends every candidate's training
         chosen = [Candidate(c.name, [*c.overrides, f"trainer.max_minutes={a.minutes}", "trainer.max_steps=100000",
-                                     "trainer.save_every=0"], c.note) for c in chosen]
+                                     "trainer.save_every=0", f"trainer.seed={a.seed}"], c.note) for c in chosen]
         budget = f"equal training wall time ({a.minutes:g} min of the training loop each)"
     runs = {}
     for c in chosen:
@@ -143,7 +151,8 @@ def main(argv=None) -> None:
                 "general = every set but the held-out chit-chat, pooled by drafts; chat = the held-out chit-chat. "
                 "Regenerate: python -m specforge_lite.bench levers "
                 + (f"--warm-start-study --study-steps {a.study_steps}" if a.warm_start_study
-                   else f"--minutes {a.minutes:g}" + (f" --only {a.only}" if a.only else "")))
+                   else f"--minutes {a.minutes:g}" + (f" --only {a.only}" if a.only else ""))
+                + (f" --seed {a.seed}" if a.seed else "") + (f" --prompts {a.prompts}" if a.prompts != 8 else ""))
     if extra:
         preamble += "\n\nTeacher-forced held-out accuracy per TTT step before training: " + json.dumps(
             {k: [round(x, 3) for x in v] for k, v in extra["step0_accuracy_before_training"].items()})
