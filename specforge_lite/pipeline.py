@@ -181,6 +181,14 @@ def build_draft(config: Config, target: Target, vocab: DraftVocab, tokenizer=Non
                                 target.final_norm_weight())
     draft.to(target.device)
     draft.set_embedding(target.embedding_weight())
+    return frozen_as_configured(draft, config)
+
+
+def frozen_as_configured(draft: Draft, config: Config) -> Draft:
+    """draft.freeze_lm_head: the lm_head keeps its rows (the optimizer, checkpoints' optimizer state and ZeRO
+    take trainable weights only; the weights themselves are saved and exported whole)."""
+    if config.draft.freeze_lm_head:
+        draft.lm_head.requires_grad_(False)
     return draft
 
 

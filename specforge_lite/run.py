@@ -76,10 +76,10 @@ class Run:
 
     # ---- what training reads ------------------------------------------------------------------
     def build_draft(self) -> Draft:
-        from .pipeline import build_draft, draft_from_weights
+        from .pipeline import build_draft, draft_from_weights, frozen_as_configured
 
         if self.initial is not None:
-            return draft_from_weights(*self.initial, self.target)
+            return frozen_as_configured(draft_from_weights(*self.initial, self.target), self.config)
         return build_draft(self.config, self.target, self.vocab, self.tokenizer,
                            log=print if self.ctx.is_main else lambda message: None)
 

@@ -22,6 +22,11 @@ def setting_problems(config: Config) -> list[str]:
     except ValueError as e:
         return [*problems, str(e)]
     problems += method.refused(config)
+    d = config.draft
+    if d.freeze_lm_head and not (d.init_lm_head_from_target or d.init_from):
+        problems.append("draft.freeze_lm_head=true with draft.init_lm_head_from_target=false: a frozen lm_head would "
+                        "keep its random rows; set draft.init_lm_head_from_target=true (or continue a draft with "
+                        "draft.init_from)")
     if config.eval.drafting not in DRAFTING:
         problems.append(f"eval.drafting={config.eval.drafting!r}: use one of {', '.join(DRAFTING)}")
     else:

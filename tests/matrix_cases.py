@@ -35,6 +35,7 @@ OPTIONS = {
     "loss_acceptance": ["draft.loss=acceptance"],
     "loss_tv": ["draft.loss=tv"],
     "warm_start": ["draft.init_layers_from_target=true"],
+    "frozen_head": ["draft.freeze_lm_head=true"],
 }
 STEPS = 3
 

@@ -71,3 +71,38 @@ def test_deepspeed_zero2_fp32_and_bf16(deepspeed_matrix, option):
         reference = one_process(option, "fp32", row=c["rank"])[0]  # the same row, one process, fp32
         tolerance = 1e-4 if c["precision"] == "fp32" else BF16_TOLERANCE
         assert abs(c["losses"][0] - reference) <= tolerance * abs(reference), (option, c, reference)
+
+
+def test_a_frozen_lm_head_keeps_the_targets_rows_while_the_rest_learns():
+    """draft.freeze_lm_head (speculators' recipe): after training the head is still the target's rows, bit for
+    bit, the optimizer holds nothing for it, and the other weights moved."""
+    import torch
+
+    from conftest import tiny_target, tiny_vocab
+    from matrix_cases import STEPS, rows
+    from specforge_lite.config import load_config
+    from specforge_lite.data.loader import collate
+    from specforge_lite.draft import build_objective
+    from specforge_lite.pipeline import build_draft
+    from specforge_lite.targets import Teacher
+    from specforge_lite.training.distributed import DistributedContext
+    from specforge_lite.training.engine import build_engine
+
+    for frozen in (True, False):
+        config = load_config(["model=llama3_tiny", "tracker=none", "draft.ttt_length=3", "trainer.lr=3e-3",
+                              "trainer.warmup_ratio=0", f"draft.freeze_lm_head={str(frozen).lower()}"])
+        target = tiny_target(aux_ids=[1, 3, 5])
+        vocab = tiny_vocab(target, 128)
+        draft = build_draft(config, target, vocab)
+        fc_before = draft.fc.weight.detach().clone()
+        engine = build_engine(draft, config.trainer, DistributedContext())
+        teacher, objective = Teacher(target, vocab.draft_to_target, vocab.t2d), build_objective(config.draft)
+        batch = collate([rows(10, 2)[0], rows(20, 2)[0]], 0)
+        for _ in range(STEPS):
+            engine.backward(objective(engine.forward, teacher, batch).loss)
+            engine.step()
+        target_rows = target.full_head()[0][vocab.draft_to_target].float()
+        kept = torch.equal(draft.lm_head.weight.detach(), target_rows)
+        assert kept == frozen, f"freeze_lm_head={frozen}: the head {'moved' if frozen else 'never moved'}"
+        assert (draft.lm_head.weight in engine.optimizer.state) != frozen
+        assert not torch.equal(draft.fc.weight.detach(), fc_before), "the rest of the draft did not learn"
