@@ -4,7 +4,9 @@
 where the hardware runs it natively and fp32 elsewhere. Machines differ: a CPU with avx512_bf16 or AMX
 runs a bf16 matmul about twice as fast as fp32, an AVX2-only CPU emulates it ~57x slower. So on CPU the
 choice is made by a short timed probe of both dtypes (cached per machine, so every run on it decides the
-same way and cache keys that include a dtype stay stable); on CUDA by the device's bf16 support.
+same way and cache keys that include a dtype stay stable); on CUDA by the device's bf16 support. A probe
+that did not get the CPU to itself (another job running) is used for that run only, never cached: once
+cached, one busy moment would decide every later run on the machine.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 FORCE_ENV = "SPECFORGE_LITE_NATIVE_BF16"
 # bf16 is chosen when its probe matmul takes at most this share of fp32's time: a clear win, not noise.
 _BF16_WIN = 0.8
-_PROBE_VERSION = 1
+# The probe had the CPU to itself when its process used at least this share of (wall time x torch threads).
+_UNCONTENDED = 0.75
+_PROBE_VERSION = 2  # 2: interleaved timings and the CPU share (version 1 caches could hold a contended probe)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,9 @@ def _native_bf16(device_type: str) -> Bf16Support:
     verdict = "faster" if ratio < 1 else "slower"
     factor = 1 / ratio if ratio < 1 else ratio
     evidence = f"a bf16 matmul ran {factor:.1f}x {verdict} than fp32 in the probe"
+    if not uncontended(probe):
+        evidence += (f" (the probe had {probe['cpu_share']:.0%} of the CPU: another job was running; this run uses it "
+                     "and the next one measures again)")
     return Bf16Support(ratio <= _BF16_WIN, f"{where}: {evidence}")
 
 
@@ -96,8 +103,9 @@ def cpu_flags() -> list[str]:
 
 
 def cpu_probe(cache: Path | None = None) -> dict:
-    """Seconds for one [128, 1024] x [1024, 1024] matmul in fp32 and in bf16 (best of 3 after a warm-up),
-    with the CPU's capability and flags; cached per machine (CPU model, flags, torch, threads)."""
+    """Seconds for one [128, 1024] x [1024, 1024] matmul in fp32 and in bf16 (the best of interleaved timings
+    after a warm-up), with the CPU's capability and flags and the share of the CPU the probe got; cached per
+    machine (CPU model, flags, torch, threads) only when it had the CPU to itself."""
     from .config import cache_dir
 
     key = _machine_key()
@@ -107,14 +115,38 @@ def cpu_probe(cache: Path | None = None) -> dict:
             return json.loads(path.read_text())
         except (OSError, ValueError):
             pass  # unreadable: measure again
+    share = _cpu_share()
+    timings = {torch.float32: [], torch.bfloat16: []}
+    for _ in range(_ROUNDS):  # interleaved, so a burst of other work slows both dtypes, not one
+        for dtype, seen in timings.items():
+            seen.append(_time_matmul(dtype))
     result = {"capability": torch.backends.cpu.get_cpu_capability(), "bf16_flags": cpu_flags(),
-              "threads": torch.get_num_threads(), "fp32_s": _time_matmul(torch.float32),
-              "bf16_s": _time_matmul(torch.bfloat16)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, path)
+              "threads": torch.get_num_threads(), "fp32_s": min(timings[torch.float32]),
+              "bf16_s": min(timings[torch.bfloat16]), "cpu_share": min(share, _cpu_share())}
+    if uncontended(result):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, path)
     return result
+
+
+_ROUNDS = 3
+
+
+def uncontended(probe: dict) -> bool:
+    return probe.get("cpu_share", 1.0) >= _UNCONTENDED
+
+
+def _cpu_share(window_s: float = 0.05) -> float:
+    """The CPU time this process gets per second of fp32 matmuls on all torch threads: about 1 when it has
+    its cores, about 0.5 when another job holds half of them (a window long enough for the CPU-time clock)."""
+    a, b = torch.randn(128, 1024), torch.randn(1024, 1024)
+    a @ b
+    t0, c0 = time.perf_counter(), time.process_time()
+    while time.perf_counter() - t0 < window_s:
+        a @ b
+    return (time.process_time() - c0) / ((time.perf_counter() - t0) * torch.get_num_threads())
 
 
 def _time_matmul(dtype: torch.dtype) -> float:

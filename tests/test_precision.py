@@ -61,11 +61,38 @@ def test_the_probe_is_cached_per_machine(fresh_choice, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(d, "_time_matmul",
                         lambda dtype: calls.append(dtype) or (0.01 if dtype == torch.float32 else 0.5))
+    monkeypatch.setattr(d, "_cpu_share", lambda: 1.0)  # (the CPU to itself: see the test below for the other case)
     first = d.cpu_probe(tmp_path)
     again = d.cpu_probe(tmp_path)
-    assert first == again and len(calls) == 2  # measured once, read back the second time
+    assert first == again and len(calls) == 2 * d._ROUNDS  # measured once, read back the second time
     monkeypatch.setenv(d.FORCE_ENV, "1")
     assert d.native_bf16("cpu").native and d.FORCE_ENV in d.native_bf16("cpu").reason
+
+
+def test_a_probe_that_shared_the_cpu_with_another_job_is_used_once_and_never_kept(fresh_choice, tmp_path,
+                                                                                     monkeypatch):
+    """A real competing job holds every core while the probe runs: the probe says it had about half the CPU,
+    and nothing is cached, so that one busy moment does not decide every later run on the machine (a cached
+    probe taken under load once made a native-bf16 CPU train in fp32 for days)."""
+    import os
+    import subprocess
+    import sys
+
+    d = fresh_choice
+    spin = ("import time, torch; torch.set_num_threads(os.cpu_count()); a = torch.randn(512, 1024); "
+            "b = torch.randn(1024, 1024); print('busy', flush=True); t = time.time()\n"
+            "while time.time() - t < 60: a @ b")
+    job = subprocess.Popen([sys.executable, "-c", "import os; " + spin], stdout=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline().strip() == "busy"
+        probe = d.cpu_probe(tmp_path)
+    finally:
+        job.kill()
+        job.wait()
+    assert probe["cpu_share"] < d._UNCONTENDED, probe
+    assert not list(tmp_path.rglob("*.json")), "a probe taken under load was cached"
+    monkeypatch.setattr(d, "cpu_probe", lambda cache=None: probe)
+    assert "another job was running" in d.native_bf16("cpu").reason
 
 
 def test_the_run_says_what_auto_chose_and_why(fresh_choice, monkeypatch):
