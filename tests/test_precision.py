@@ -73,8 +73,7 @@ def test_a_probe_that_shared_the_cpu_with_another_job_is_used_once_and_never_kep
                                                                                      monkeypatch):
     """A real competing job holds every core while the probe runs: the probe says it had about half the CPU,
     and nothing is cached, so that one busy moment does not decide every later run on the machine (a cached
-    probe taken under load once made a native-bf16 CPU train in fp32 for days)."""
-    import os
+    probe taken under load once made a native-bf16 CPU train every later run in fp32)."""
     import subprocess
     import sys
 
