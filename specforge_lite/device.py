@@ -92,6 +92,15 @@ def _native_bf16(device_type: str) -> Bf16Support:
     return Bf16Support(ratio <= _BF16_WIN, f"{where}: {evidence}")
 
 
+def describe_cpu() -> str:
+    """The CPU a measurement ran on, for every benchmark's output and report: capability, bf16 flags, threads,
+    and what ``auto`` precision runs there and why (a bench's timings mean little without it)."""
+    bf16 = native_bf16("cpu")
+    return (f"CPU capability {torch.backends.cpu.get_cpu_capability()} "
+            f"({', '.join(cpu_flags()) or 'no avx512/bf16 flags'}), {torch.get_num_threads()} threads; "
+            f"auto precision {'bf16' if bf16.native else 'fp32'} ({bf16.reason.split(': ', 1)[-1]})")
+
+
 def cpu_flags() -> list[str]:
     """The CPU's bf16-related instruction flags (/proc/cpuinfo on Linux; empty where unreadable)."""
     try:

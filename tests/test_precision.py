@@ -103,3 +103,24 @@ def test_the_run_says_what_auto_chose_and_why(fresh_choice, monkeypatch):
     line = describe_precision(config, build_target(config))
     assert line.startswith("target float32 (auto), generation float32 (auto), draft training fp32 (auto)")
     assert "bf16 is not native on cpu" in line and "slower than fp32" in line
+
+
+def test_every_benchmark_says_what_auto_precision_runs_on_its_cpu(fresh_choice, monkeypatch):
+    """A timing means little without the precision it ran in: the machine line of every bench (and of their
+    written reports) says what auto chose there and the probe's evidence."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    d = fresh_choice
+    monkeypatch.setattr(d, "cpu_probe", probe_result(0.004, 0.23, []))
+    line = d.describe_cpu()
+    assert "auto precision fp32 (a bf16 matmul ran 57.5x slower than fp32 in the probe)" in line
+    d._native_bf16.cache_clear()
+    monkeypatch.setattr(d, "cpu_probe", lambda cache=None: {**probe_result(0.004, 0.002, ["avx512_bf16"])(),
+                                                            "cpu_share": 0.5})
+    assert "auto precision bf16" in d.describe_cpu() and "another job was running" in d.describe_cpu()
+    out = subprocess.run([sys.executable, "-m", "specforge_lite.bench", "levers", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120).stdout
+    assert out.startswith("[machine] CPU capability") and "auto precision " in out.splitlines()[0]

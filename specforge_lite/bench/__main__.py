@@ -23,11 +23,10 @@ def main() -> None:
 
     import torch
 
-    from ..device import cpu_flags
+    from ..device import describe_cpu
 
-    print(f"[machine] CPU capability {torch.backends.cpu.get_cpu_capability()} "
-          f"({', '.join(cpu_flags()) or 'no avx512/bf16 flags'}), {torch.get_num_threads()} threads"
-          + (f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
+    gpu = f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    print(f"[machine] {describe_cpu()}{gpu}")
     importlib.import_module(BENCHMARKS[sys.argv[1]]).main(sys.argv[2:])
 
 

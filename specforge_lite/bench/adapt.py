@@ -112,10 +112,8 @@ def traffic_log(folder: Path, r: int) -> Path:
 
 
 def main(argv=None) -> None:
-    import torch
-
     from ..adapt import Home, init, watch
-    from ..device import cpu_flags
+    from ..device import describe_cpu
 
     p = argparse.ArgumentParser(prog="python -m specforge_lite.bench adapt", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -153,8 +151,7 @@ def main(argv=None) -> None:
     failed = [e for e in events if e["event"] == "fail"]
     if failed:
         raise SystemExit(f"error: an adaptation failed: {failed[-1]['error']}")
-    machine = (f"CPU capability {torch.backends.cpu.get_cpu_capability()} "
-               f"({', '.join(cpu_flags()) or 'no avx512/bf16 flags'})")
+    machine = describe_cpu()
     command = "python -m specforge_lite.bench adapt " + " ".join(argv if argv is not None else sys.argv[2:])
     text = report(events, machine, command.strip())
     (a.out / "report.md").write_text(text + "\n")

@@ -144,12 +144,9 @@ def main(argv=None) -> None:
     serve_candidates(list(runs.values()), a.k)
     rows = [{**served_row(c.name, runs[c.name]), "overrides": c.overrides, "note": c.note} for c in chosen]
     saved.write_text(json.dumps(extra, indent=2) + "\n")
-    from ..device import cpu_flags
+    from ..device import describe_cpu
 
-    import torch
-
-    machine = (f"CPU capability {torch.backends.cpu.get_cpu_capability()} "
-               f"({', '.join(cpu_flags()) or 'no avx512/bf16 flags'})")
+    machine = describe_cpu()
     preamble = (f"SmolLM2-135M-Instruct, the embedded default with one lever changed each; {budget}; served by vLLM "
                 f"at k={a.k}, {a.prompts} prompts per set, {a.max_new_tokens} new tokens, greedy; {machine}. "
                 "general = every set but the held-out chit-chat, pooled by drafts; chat = the held-out chit-chat. "

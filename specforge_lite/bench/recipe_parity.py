@@ -126,15 +126,10 @@ def main(argv=None) -> None:
     share_prompts(reference, list(runs.values()))
     serve_candidates(list(runs.values()), a.k)
     rows = [served_row(name, run) for name, run in runs.items()]
-    import torch
+    from ..device import describe_cpu
 
-    from ..device import cpu_flags, native_bf16
-
-    bf16 = native_bf16("cpu")
-    machine = (f"CPU capability {torch.backends.cpu.get_cpu_capability()} ({', '.join(cpu_flags()) or 'no avx512/bf16'}"
-               f"), 2 threads; our runs at trainer.precision=auto, {'bf16 autocast' if bf16.native else 'fp32'} here "
-               f"({bf16.reason}); the peers' drivers in fp32 "
-               "(their CPU adaptation), and ours_time_fp32 is our equal-time run in fp32")
+    machine = (f"{describe_cpu()}; our runs at trainer.precision=auto, the peers' drivers in fp32 (their CPU "
+               "adaptation), and ours_time_fp32 is our equal-time run in fp32")
     preamble = (f"One capture of the embedded default's data (float32 store, {store}); the same batches in the same "
                 f"order for every trainer; equal steps: {a.steps} optimizer steps each; equal time: {a.minutes:g} "
                 f"minutes of training each. Served by vLLM at k={a.k} on {a.prompts} prompts per set. Ratios are to "
