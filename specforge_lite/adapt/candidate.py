@@ -18,27 +18,23 @@ model between adaptations and a failed candidate cannot take the loop down with 
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from ..config import MixSource
+from ..data.prepare import opening
 from ..files import write_jsonl
+from ..training.tracking import read_metrics
 
 HELDOUT_FOR_DATA = 8  # the candidate's own held-out split (its data needs one; the judge does not read it)
-
-
-def opening_key(conversation: list[dict]) -> str:
-    first_user = next((m["content"] for m in conversation if m["role"] == "user"), "")
-    return " ".join(first_user.split()).lower()
 
 
 def is_heldout(conversation: list[dict], fraction: float) -> bool:
     """Whether the conversation is held out: fixed by its opening, so a repeated request always lands on the
     same side and a held-out prompt is never trained on."""
-    digest = hashlib.sha256(opening_key(conversation).encode()).digest()
+    digest = hashlib.sha256(opening(conversation).encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
@@ -118,6 +114,6 @@ def train_candidate(home, current: Path, train_convs: list, work: Path, log=prin
         tail = (work / "train.log").read_text(errors="replace").splitlines()[-5:]
         raise RuntimeError(f"the candidate's training failed (exit {proc.returncode}); its log ends:\n  "
                            + "\n  ".join(tail))
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = read_metrics(run_dir / "metrics.jsonl")
     log(f"[adapt] candidate trained: {rows[-1]['step'] if rows else 0} steps")
     return run_dir

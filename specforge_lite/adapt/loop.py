@@ -14,7 +14,8 @@ import shutil
 import time
 from pathlib import Path
 
-from .candidate import as_prompts, opening_key, split_traffic, train_candidate
+from ..data.prepare import opening
+from .candidate import as_prompts, split_traffic, train_candidate
 from ..files import sha256_file, write_jsonl
 from .home import AdaptHomeError, Home, write_json_atomic
 from .judge import JUDGES, decide, judge_folder, measure
@@ -125,8 +126,8 @@ def _update_heldout(home: Home, held: list[list[dict]]) -> Path:
     """The home's held-out traffic with this batch's added (each opening once, the newest kept)."""
     path = home.root / "heldout.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
-    seen = {opening_key(r["messages"]) for r in rows}
-    rows += [{"messages": c} for c in held if opening_key(c) not in seen and not seen.add(opening_key(c))]
+    seen = {opening(r["messages"]) for r in rows}
+    rows += [{"messages": c} for c in held if opening(c) not in seen and not seen.add(opening(c))]
     write_jsonl(path, rows[-HELDOUT_KEPT:])
     return path
 

@@ -155,7 +155,7 @@ def _fingerprint(paths: list[Path], tokenizer: Any, cfg: DataConfig, images: Ima
     return h.hexdigest()[:20]
 
 
-def _opening(messages: list[dict[str, str]]) -> str:
+def opening(messages: list[dict[str, str]]) -> str:
     """A conversation's first user turn, normalised: what an evaluation prompt is made of."""
     first = next((m for m in messages if m["role"] == "user"), {"content": ""})
     # the same question about another image is another prompt
@@ -214,10 +214,10 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
             as_written.update(map(id, conversations))
     # Evaluation prompts are held-out openings: no training conversation may start the same way
     # (chit-chat repeats "hi"-style openings, and a greedy target answers them identically).
-    held_openings = {_opening(c) for c in heldout_convs}
+    held_openings = {opening(c) for c in heldout_convs}
     overlap = 0
     for i, pool in pools.items():
-        pools[i] = [c for c in pool if _opening(c) not in held_openings]
+        pools[i] = [c for c in pool if opening(c) not in held_openings]
         overlap += len(pool) - len(pools[i])
     self_stats = None
     if len(sources) > 1 or sources[0].source == SELF_GENERATED:
