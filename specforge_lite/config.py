@@ -117,9 +117,11 @@ class DraftConfig:
     aux_layer_ids: Optional[list[int]] = None
     use_aux_norm: bool = False  # one RMSNorm per aux state before fc (exported as fc_norm)
     # EAGLE 3.1 (speculators 0.9's defaults, served by vLLM 0.32): one RMSNorm over the concatenated aux
-    # states before fc (exclusive with use_aux_norm).
-    norm_before_fc: bool = False
-    norm_output: bool = False  # EAGLE 3.1: the next unroll step is fed the draft's normed output
+    # states before fc (exclusive with use_aux_norm). Null: the method decides (draft/methods.py
+    # ``defaults``): EAGLE3 turns both on unless use_aux_norm is (EAGLE 3.1 won every comparison of
+    # docs/levers.md), the block drafts keep them off.
+    norm_before_fc: Optional[bool] = None
+    norm_output: Optional[bool] = None  # EAGLE 3.1: the next unroll step is fed the draft's normed output
     # P-EAGLE (draft/parallel.py): all k draft tokens in one forward, the later ones from mask slots (vLLM:
     # method=eagle3, parallel_drafting=true). mask_token_id: the token the mask slots (P-EAGLE, DFlash)
     # embed; null chooses one no conversation uses (data/vocab.py choose_mask_token: the tokenizer's mask

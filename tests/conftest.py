@@ -60,8 +60,10 @@ EAGLE31 = {"norm_before_fc": True, "norm_output": True, "num_layers": 2}
 
 def tiny_draft(target: HFTarget, draft_vocab_size: int = 128, use_aux_norm: bool = False, seed: int = 0,
                **options) -> Eagle3Draft:
-    """``options``: DraftConfig fields (e.g. ``**EAGLE31``)."""
+    """``options``: DraftConfig fields (e.g. ``**EAGLE31``). Without them the plain EAGLE3 layout, which the
+    naive references here compute (a run's default is EAGLE 3.1: the method's, tests/test_settings.py)."""
     vocab = tiny_vocab(target, draft_vocab_size)
+    options = {"norm_before_fc": False, "norm_output": False, **options}
     spec = Eagle3Spec.from_target(target.config, DraftConfig(use_aux_norm=use_aux_norm, **options),
                                   target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
                                   target.hidden_size)

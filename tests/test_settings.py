@@ -88,3 +88,33 @@ def test_a_method_registered_elsewhere_is_checked_exported_and_labelled_without_
         assert draft_method("eagle3_plugin_test").label({}) == "the plug-in test's draft"
     finally:
         del METHODS["eagle3_plugin_test"]
+
+
+@pytest.mark.parametrize("recipe", ["cpu_20min", "none"])
+def test_each_method_owns_its_defaults_eagle3s_are_eagle_31s_and_no_documented_command_is_refused(recipe):
+    """EAGLE 3.1's norms are EAGLE3's default (they won every comparison of docs/levers.md), and they are the
+    method's, not the recipe's: a block draft and the per-aux norm (the brief's own example command) leave
+    them off instead of being refused for them, and what the user sets explicitly wins. Read from the spec
+    the run's draft is built with (what checkpoints and exports record)."""
+    from transformers import LlamaConfig
+
+    from specforge_lite.draft import Eagle3Spec
+
+    target = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+
+    def norms(*overrides):
+        config = load_config(["tracker=none", f"recipe={recipe}", *overrides])
+        assert setting_problems(config) == [], overrides
+        spec = Eagle3Spec.from_target(target, config.draft, [2, 4, 5], "input", 256, 128, 64)
+        return spec.norm_before_fc, spec.use_aux_norm, spec.norm_output
+
+    assert norms() == (True, False, True)
+    assert norms("draft.use_aux_norm=true") == (False, True, False)
+    assert norms("draft.norm_before_fc=false", "draft.norm_output=false") == (False, False, False)
+    assert norms("draft.norm_output=false") == (True, False, False)
+    for method in ("dflash", "dspark", "dflash2"):
+        assert norms(f"draft.method={method}", "draft.ttt_length=3", "eval.num_draft_tokens=3",
+                     "draft.mask_token_id=1") == (False, False, False)
+    refused = setting_problems(load_config(["tracker=none", "draft.use_aux_norm=true", "draft.norm_before_fc=true"]))
+    assert any("not both" in p for p in refused)

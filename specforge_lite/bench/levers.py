@@ -29,10 +29,13 @@ from .served_recipes import (Candidate, evaluate_reference, serve_candidates, se
 # Each lever as train.py overrides on top of the default; the data levers regenerate their own answers
 # (cached afterwards), so their first run spends that time before training.
 LEVERS = [
-    Candidate("default", [], "the embedded default (EAGLE3, 1 layer, TTT 4, soft CE, draft vocabulary 8192)"),
+    Candidate("default", [], "the embedded default (EAGLE 3.1, 1 layer, TTT 4, soft CE, draft vocabulary 8192)"),
+    Candidate("eagle3_plain", ["draft.norm_before_fc=false", "draft.norm_output=false"],
+              "EAGLE3 without the EAGLE 3.1 norms (the default before 2026-11-26)"),
     Candidate("warm_start", ["draft.init_layers_from_target=true"],
               "the draft's layer starts as the target's layer after the top aux id"),
-    Candidate("eagle31", ["draft.norm_before_fc=true", "draft.norm_output=true"], "EAGLE 3.1 norms"),
+    Candidate("eagle31", ["draft.norm_before_fc=true", "draft.norm_output=true"],
+              "EAGLE 3.1 norms (the default's since 2026-11-26: measured against eagle3_plain now)"),
     Candidate("eagle31_ttt3_vocab4k", ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.ttt_length=3",
                                        "draft.draft_vocab_size=4096"],
               "the three levers that won on chat together: EAGLE 3.1 norms, TTT 3, draft vocabulary 4096"),

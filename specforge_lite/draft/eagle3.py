@@ -10,6 +10,14 @@ from .model import Eagle3Draft
 from .objective import Eagle3Objective
 
 
+def defaults(draft_settings) -> dict:
+    """EAGLE 3.1's two norms unless the per-aux norm (fc_norm) was asked for: EAGLE 3.1 won all five
+    comparisons served by vLLM at equal time or steps (docs/levers.md, "EAGLE 3.1, repeated"), and the norm
+    over the concatenated states excludes the per-aux one."""
+    eagle31 = not draft_settings.use_aux_norm
+    return {"norm_before_fc": eagle31, "norm_output": eagle31}
+
+
 def refused(config) -> list[str]:
     d = config.draft
     if d.norm_before_fc and d.use_aux_norm:
@@ -40,4 +48,5 @@ def label(spec: dict) -> str:
 
 EAGLE3 = register(DraftMethod("eagle3", Eagle3Draft, Eagle3Objective, refused, refused_evaluation, drafting,
                               ("vllm", "sglang", "speculators"), label,
-                              has_mask_slots=lambda draft_settings: draft_settings.parallel_drafting))
+                              has_mask_slots=lambda draft_settings: draft_settings.parallel_drafting,
+                              defaults=defaults))

@@ -42,6 +42,9 @@ class DraftMethod:
     # whether its draft keeps the whole target vocabulary whatever draft.draft_vocab_size says (DFlash 2: its
     # selector indexes codebooks with token ids as vLLM does)
     whole_vocabulary: bool = False
+    # the values it gives the draft settings a user left null (config.py: norm_before_fc, norm_output), from
+    # the rest of its settings (``setting`` reads them); one it does not name is off
+    defaults: Callable[[Any], dict] = lambda draft_settings: {}
 
 
 METHODS: dict[str, DraftMethod] = {}
@@ -57,6 +60,16 @@ def draft_method(name: str) -> DraftMethod:
     if name not in METHODS:
         raise ValueError(f"draft.method={name!r}: use one of {sorted(METHODS)}")
     return METHODS[name]
+
+
+def setting(draft_cfg, name: str):
+    """A draft setting whose default is the method's (null in config.py) as a run of these settings uses it:
+    the user's value, else the method's default, else off. A draft's spec records the result, so a
+    checkpoint or an export never depends on this default again."""
+    value = getattr(draft_cfg, name)
+    if value is None:
+        value = bool(draft_method(draft_cfg.method).defaults(draft_cfg).get(name, False))
+    return value
 
 
 def build_objective(draft_cfg, sequence=None):

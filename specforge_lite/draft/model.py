@@ -29,7 +29,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from .head_loss import DraftHead
-from .methods import draft_method
+from .methods import draft_method, setting
 from .parallel import mask_slot_inputs, new_mask_hidden
 from .ttt import DraftCache
 
@@ -130,8 +130,8 @@ class Eagle3Spec:
             aux_convention=convention,
             use_aux_norm=draft_cfg.use_aux_norm,
             num_layers=draft_cfg.num_layers,
-            norm_before_fc=draft_cfg.norm_before_fc,
-            norm_output=draft_cfg.norm_output,
+            norm_before_fc=setting(draft_cfg, "norm_before_fc"),  # (null: the method's default)
+            norm_output=setting(draft_cfg, "norm_output"),
             parallel_drafting=draft_cfg.parallel_drafting,
             mask_token_id=draft_cfg.mask_token_id if draft_cfg.parallel_drafting or draft_cfg.method != "eagle3"
             else None,
