@@ -297,6 +297,12 @@ class TrainerConfig:
     lr: float = 1e-4  # AdamW's peak learning rate
     weight_decay: float = 0.0  # AdamW's decoupled weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's moment decays
+    # adamw: AdamW over every trained weight. muon: speculators' default, torch's Muon (the momentum's update
+    # orthogonalised, its RMS matched to AdamW's) over the layers' matrices and AdamW over the rest (norms,
+    # the lm_head and other token-indexed matrices); one process only (not under trainer.deepspeed).
+    optimizer: str = "adamw"
+    muon_lr: Optional[float] = None  # muon: the matrices' peak learning rate (null: trainer.lr)
+    muon_weight_decay: float = 0.1  # muon: the matrices' decoupled weight decay (speculators: 0.1)
     warmup_ratio: float = 0.015  # share of the run spent warming the learning rate up linearly
     min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
     grad_clip: float = 0.5  # the gradients' global norm is clipped to this (0: off)
@@ -435,7 +441,8 @@ RANGES = {
     "data.generation.max_new_tokens": "[1, inf)", "data.generation.concurrency": "[1, inf)",
     "data.generation.server_memory_fraction": "(0, 1]", "data.generation.batch_size": "[1, inf)",
     "trainer.max_steps": "[1, inf)", "trainer.micro_batch_size": "[1, inf)", "trainer.grad_accum_steps": "[1, inf)",
-    "trainer.lr": "[0, inf)", "trainer.weight_decay": "[0, inf)", "trainer.warmup_ratio": "[0, 1]",
+    "trainer.lr": "[0, inf)", "trainer.weight_decay": "[0, inf)", "trainer.muon_lr": "[0, inf)",
+    "trainer.muon_weight_decay": "[0, inf)", "trainer.warmup_ratio": "[0, 1]",
     "trainer.min_lr_ratio": "[0, 1]", "trainer.grad_clip": "[0, inf)", "trainer.log_every": "[1, inf)",
     "trainer.save_every": "[0, inf)", "trainer.keep_checkpoints": "[1, inf)", "trainer.stop_at_step": "[1, inf)",
     "trainer.max_minutes": "(0, inf)", "trainer.num_threads": "[1, inf)", "trainer.deepspeed.zero_stage": "[0, 3]",

@@ -13,6 +13,7 @@ from .draft import draft_method
 from .evaluate.acceptance import DRAFTING
 from .evaluate.finish import SERVED_CHECKS
 from .export import export_format
+from .training.optim import OPTIMIZERS
 
 
 def setting_problems(config: Config) -> list[str]:
@@ -27,6 +28,13 @@ def setting_problems(config: Config) -> list[str]:
         problems.append("draft.freeze_lm_head=true with draft.init_lm_head_from_target=false: a frozen lm_head would "
                         "keep its random rows; set draft.init_lm_head_from_target=true (or continue a draft with "
                         "draft.init_from)")
+    t = config.trainer
+    if t.optimizer not in OPTIMIZERS:
+        problems.append(f"trainer.optimizer={t.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+    elif t.optimizer == "muon" and t.deepspeed.enabled:
+        problems.append("trainer.optimizer=muon with trainer.deepspeed.enabled=true: ZeRO steps flat partitions of "
+                        "the weights, which Muon cannot orthogonalise as matrices; use trainer.optimizer=adamw "
+                        "under DeepSpeed, or train in one process")
     if config.eval.drafting not in DRAFTING:
         problems.append(f"eval.drafting={config.eval.drafting!r}: use one of {', '.join(DRAFTING)}")
     else:

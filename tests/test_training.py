@@ -36,7 +36,7 @@ def synthetic_dataset(n=24, vocab=256, seed=0, answers=True):
 
 def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, resume="auto", draft_vocab=None,
                  vocab_offset=0, answers=True, log=lambda m: None, max_minutes=None, save_every=2,
-                 stream_cls=BatchStream, data_seed=0, **stream_kw):
+                 stream_cls=BatchStream, data_seed=0, optimizer="adamw", **stream_kw):
     target = tiny_target()
     draft = tiny_draft(target, draft_vocab_size=draft_vocab or target.vocab_size, seed=seed)
     if vocab_offset:  # another mapping of the same size
@@ -45,7 +45,7 @@ def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, res
         draft.set_vocab(vocab.d2t, vocab.t2d)
     cfg = TrainerConfig(max_steps=max_steps, micro_batch_size=2, grad_accum_steps=accum, lr=lr, save_every=save_every,
                         stop_at_step=stop_at, progress_bar=False, precision="fp32", warmup_ratio=0.1, resume=resume,
-                        max_minutes=max_minutes)
+                        max_minutes=max_minutes, optimizer=optimizer)
     stream = stream_cls(synthetic_dataset(seed=data_seed, answers=answers), cfg.micro_batch_size, pad_id=0, seed=seed,
                         **stream_kw)
     result = train(cfg, Eagle3Objective.from_config(DraftConfig(ttt_length=3)), tiny_teacher(target, draft), draft,
@@ -55,11 +55,13 @@ def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, res
     return result, draft
 
 
-def test_resume_is_exact(tmp_path):
-    straight, d1 = run_training(tmp_path / "a", max_steps=8)
-    first, _ = run_training(tmp_path / "b", max_steps=8, stop_at=4)
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_is_exact(tmp_path, optimizer):
+    """With Muon the checkpoint must carry its momentum (and AdamW's moments for the rest)."""
+    straight, d1 = run_training(tmp_path / "a", max_steps=8, optimizer=optimizer)
+    first, _ = run_training(tmp_path / "b", max_steps=8, stop_at=4, optimizer=optimizer)
     assert first.step == 4
-    resumed, d2 = run_training(tmp_path / "b", max_steps=8)
+    resumed, d2 = run_training(tmp_path / "b", max_steps=8, optimizer=optimizer)
     assert resumed.step == 8
     for name, tensor in d1.trainable_state_dict().items():
         assert torch.equal(tensor, d2.trainable_state_dict()[name]), name
@@ -207,6 +209,57 @@ def test_a_setting_changed_on_resume_is_applied_with_a_notice_or_refused(tmp_pat
     result, _ = run_training(tmp_path, max_steps=10, lr=3e-3, log=said.append)
     assert result.step == 10
     assert "[train] trainer.max_steps changed since step_00000004 (8 -> 10): applied from step 4" in said
+    with pytest.raises(ckpt_mod.CheckpointError, match=r"trainer.optimizer adamw -> muon \(the saved optimizer"):
+        run_training(tmp_path, max_steps=12, lr=3e-3, optimizer="muon")
+
+
+def test_muon_steps_the_layers_matrices_as_torchs_muon_and_the_rest_as_adamw():
+    """trainer.optimizer=muon as speculators sets torch's optimizers up: Muon (momentum 0.95, Nesterov,
+    weight decay 0.1, its step scaled to AdamW's RMS) over the layer matrices and fc, AdamW over the norms and
+    the token-indexed lm_head. The reference is torch.optim.Muon and torch.optim.AdamW built here on the same
+    split. Ours orthogonalises in fp32 on an fp32 run where torch's always rounds to bf16, so the matrices
+    agree to a few percent of their change; the AdamW side is torch's own, bit for bit. Torch's other
+    scaling of the Muon step (adjust_lr_fn="original") moves the matrices 2-3x less and must not pass."""
+    from specforge_lite.training.optim import build_optimizer
+
+    target = tiny_target()
+    draft = tiny_draft(target, draft_vocab_size=64)
+    start = {n: p.detach().clone() for n, p in draft.named_parameters() if p.requires_grad}
+    cfg = TrainerConfig(optimizer="muon", lr=2e-3, weight_decay=0.01, precision="fp32")
+    ours = build_optimizer(draft.named_parameters(), cfg)
+    matrices = sorted(n for n, p in start.items() if p.ndim == 2 and "lm_head" not in n)
+    assert "fc.weight" in matrices and "midlayer.mlp.down_proj.weight" in matrices
+    assert "lm_head.weight" in start and "lm_head.weight" not in matrices  # (AdamW's: indexed by token)
+
+    def reference(adjust):
+        params = {n: torch.nn.Parameter(t.clone()) for n, t in start.items()}
+        return params, [torch.optim.Muon([params[n] for n in matrices], lr=2e-3, weight_decay=0.1, momentum=0.95,
+                                         nesterov=True, adjust_lr_fn=adjust),
+                        torch.optim.AdamW([p for n, p in params.items() if n not in matrices], lr=2e-3,
+                                          betas=(0.9, 0.95), weight_decay=0.01)]
+
+    references = {adjust: reference(adjust) for adjust in ("match_rms_adamw", "original")}
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        grads = {n: torch.randn(t.shape, generator=g) for n, t in start.items()}
+        for n, p in draft.named_parameters():
+            if n in grads:
+                p.grad = grads[n].clone()
+        ours.step()
+        for params, optimizers in references.values():
+            for n, p in params.items():
+                p.grad = grads[n].clone()
+            for o in optimizers:
+                o.step()
+    now = dict(draft.named_parameters())
+    for adjust, (params, _) in references.items():
+        for n in matrices:
+            change = (params[n] - start[n]).abs().max()
+            close = bool((now[n] - params[n]).abs().max() < 0.1 * change)
+            assert close == (adjust == "match_rms_adamw"), (adjust, n)
+    params = references["match_rms_adamw"][0]
+    for n in set(start) - set(matrices):
+        assert torch.equal(now[n], params[n]), n
 
 
 class SignalledStream(BatchStream):

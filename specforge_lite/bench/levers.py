@@ -39,6 +39,8 @@ LEVERS = [
     Candidate("eagle31_ttt3_vocab4k", ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.ttt_length=3",
                                        "draft.draft_vocab_size=4096"],
               "the three levers that won on chat together: EAGLE 3.1 norms, TTT 3, draft vocabulary 4096"),
+    Candidate("muon", ["trainer.optimizer=muon"],
+              "speculators' optimizer: Muon over the layers' matrices, AdamW over the rest, the same peak lr"),
     Candidate("frozen_head", ["draft.freeze_lm_head=true"], "the lm_head kept as the target's rows (speculators')"),
     Candidate("speculators_like", ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.ttt_length=3",
                                    "draft.step_loss_decay=1.0", "draft.freeze_lm_head=true"],

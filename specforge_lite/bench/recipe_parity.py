@@ -1,6 +1,7 @@
 """Our recipe against SpecForge's and speculators' own, on identical inputs, judged by vLLM.
 
     python -m specforge_lite.bench recipe_parity [--steps 400] [--minutes 10] [--out DIR]
+        [--budgets steps time] [--peers specforge speculators] [--variants muon]
 
 1. The embedded default's data (SmolLM2-135M-Instruct, the cpu_20min recipe: its regenerated answers and
    draft vocabulary) is captured once into a float32 hidden-state store (``offline dump``).
@@ -15,6 +16,9 @@
    trainer.max_minutes, the peers with the steps that fit the budget after a timing of their own step).
 5. Our evaluation of our draft fixes the prompts (8 per set) and the target's greedy outputs; vLLM serves all
    six exports on them; the table compares acceptance per set, general and chat.
+
+``--variants`` adds our recipe with one change at each budget (``VARIANTS``: e.g. muon, speculators'
+optimizer in our trainer); ``--budgets`` and ``--peers`` keep a part of the comparison.
 
 What the peers' drivers had to adapt to run on a CPU is printed by them and listed in the report.
 """
@@ -33,6 +37,8 @@ from .served_recipes import (evaluate_reference, serve_candidates, served_row, s
                              write_report)
 
 PEERS = ("specforge", "speculators")
+# our recipe with one change, as train.py overrides
+VARIANTS = {"muon": ["trainer.optimizer=muon"]}
 
 
 def make_store(out: Path, log=print) -> Path:
@@ -100,28 +106,34 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("runs/bench/recipe_parity"))
+    p.add_argument("--budgets", nargs="+", choices=("steps", "time"), default=["steps", "time"])
+    p.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS))
+    p.add_argument("--variants", nargs="*", choices=sorted(VARIANTS), default=[])
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     store = make_store(a.out)
     # enough batches for the equal-time runs too (a peer step is never faster than 0.05 s here)
     schedule = write_schedule(store, max(a.steps, int(a.minutes * 60 / 0.05)), a.out / "schedule.json")
-    python = peer_python()
+    python = peer_python() if a.peers else None
     from_store = ["data.source=offline", f"data.store={store}"]
     budgets = {"steps": ([f"trainer.max_steps={a.steps}"], ["--steps", str(a.steps)]),
                "time": ([f"trainer.max_minutes={a.minutes}", "trainer.max_steps=100000", "trainer.save_every=0"],
                         ["--minutes", str(a.minutes)])}
     runs: dict[str, Path] = {}
-    for budget, (ours, theirs) in budgets.items():
-        runs[f"ours_{budget}"] = a.out / f"ours_{budget}"
-        train_candidate(runs[f"ours_{budget}"], [*from_store, *ours])
-        for peer in PEERS:
+    for budget in a.budgets:
+        ours, theirs = budgets[budget]
+        for name, change in [("ours", []), *((f"ours_{v}", VARIANTS[v]) for v in a.variants)]:
+            runs[f"{name}_{budget}"] = a.out / f"{name}_{budget}"
+            train_candidate(runs[f"{name}_{budget}"], [*from_store, *ours, *change])
+        for peer in a.peers:
             runs[f"{peer}_{budget}"] = a.out / f"{peer}_{budget}"
             train_peer(peer, python, store, schedule, runs[f"{peer}_{budget}"], theirs)
-    # The peers' drivers train in fp32 (their CPU adaptation); ours trains at trainer.precision=auto, which is
-    # bf16 autocast on a CPU with native bf16. The same budget in fp32 separates recipe from precision there.
-    runs["ours_time_fp32"] = a.out / "ours_time_fp32"
-    train_candidate(runs["ours_time_fp32"], [*from_store, *budgets["time"][0], "trainer.precision=fp32"])
-    reference = runs["ours_steps"]
+    if "time" in a.budgets:
+        # The peers' drivers train in fp32 (their CPU adaptation); ours trains at trainer.precision=auto: bf16
+        # autocast on a CPU with native bf16. The same budget in fp32 separates recipe from precision there.
+        runs["ours_time_fp32"] = a.out / "ours_time_fp32"
+        train_candidate(runs["ours_time_fp32"], [*from_store, *budgets["time"][0], "trainer.precision=fp32"])
+    reference = runs[f"ours_{a.budgets[0]}"]
     evaluate_reference(reference, a.k, a.prompts, a.max_new_tokens)
     share_prompts(reference, list(runs.values()))
     serve_candidates(list(runs.values()), a.k)
@@ -130,14 +142,15 @@ def main(argv=None) -> None:
 
     machine = (f"{describe_cpu()}; our runs at trainer.precision=auto, the peers' drivers in fp32 (their CPU "
                "adaptation), and ours_time_fp32 is our equal-time run in fp32")
+    command = (f"--steps {a.steps} --minutes {a.minutes:g} --prompts {a.prompts} --budgets {' '.join(a.budgets)} "
+               f"--peers {' '.join(a.peers)}" + (f" --variants {' '.join(a.variants)}" if a.variants else ""))
     preamble = (f"One capture of the embedded default's data (float32 store, {store}); the same batches in the same "
                 f"order for every trainer; equal steps: {a.steps} optimizer steps each; equal time: {a.minutes:g} "
                 f"minutes of training each. Served by vLLM at k={a.k} on {a.prompts} prompts per set. Ratios are to "
-                "our draft at equal steps. Regenerate: python -m specforge_lite.bench recipe_parity "
-                f"--steps {a.steps} --minutes {a.minutes:g}. What each peer driver adapted to run on CPU is in its "
-                "train.log. " + machine + ".")
+                f"{reference.name}. Regenerate: python -m specforge_lite.bench recipe_parity {command}. What each "
+                "peer driver adapted to run on CPU is in its train.log. " + machine + ".")
     print(write_report(a.out, "Recipe parity: ours, SpecForge 0.2.0, speculators 0.9.0 on identical inputs", rows,
-                       "ours_steps", preamble))
+                       reference.name, preamble))
 
 
 if __name__ == "__main__":

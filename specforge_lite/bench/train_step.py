@@ -63,7 +63,7 @@ def main(argv=None) -> None:
     results = {}
     for precision in a.precisions.split(","):
         draft = run.build_draft()
-        opt = build_optimizer(draft.parameters(), config.trainer)
+        opt = build_optimizer(draft.named_parameters(), config.trainer)
         split = {"target": 0.0, "draft_fwd": 0.0, "draft_bwd": 0.0, "optimizer": 0.0}
         for step in range(a.steps + 1):
             cap, t_cap = _timed(lambda: target.capture(batch.input_ids, batch.attention_mask))

@@ -1,10 +1,11 @@
 """What steps the draft's weights: plain PyTorch in one process, or a DeepSpeed ZeRO engine.
 
-Both take the same AdamW and warmup + cosine schedule (optim.py), and offer the loop the same five
-things: run the draft's training forward, backward a micro-batch, step after the accumulation, save
-and load their state inside a checkpoint folder, and the full trainable weights (gathered from ZeRO-3
-shards where needed) for checkpoints and exports. Both save the optimizer in one consolidated layout
-(optimizer_state.py), so either resumes what the other wrote, on any number of ranks.
+Both take the same optimizer (AdamW; Muon with AdamW in one process only) and warmup + cosine schedule
+(optim.py), and offer the loop the same five things: run the draft's training forward, backward a
+micro-batch, step after the accumulation, save and load their state inside a checkpoint folder, and the
+full trainable weights (gathered from ZeRO-3 shards where needed) for checkpoints and exports. Both save
+the optimizer in one consolidated layout (optimizer_state.py), so either resumes what the other wrote, on
+any number of ranks.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 from ..config import TrainerConfig
 from .distributed import DistributedContext, deepspeed_config, sequence_parallel_mpu, use_bf16
 from .optim import Budget, build_optimizer, build_scheduler
-from .optimizer_state import (MASTER, MOMENTS, OptimizerState, adam_state, adam_step, ensure_adam_state,
-                              set_adam_step, set_lrs)
+from .optimizer_state import (MASTER, MOMENTS, OptimizerState, adam_step, ensure_adam_state,
+                              saved_state, set_adam_step, set_lrs, state_kinds)
 
 DEEPSPEED_DIR = "deepspeed"  # DeepSpeed's own layout, written only with trainer.deepspeed.native_checkpoint
 
@@ -28,21 +29,15 @@ def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 
-def saved_moments(saved: OptimizerState, name: str, where: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    moments = [saved.get(kind, name) for kind in MOMENTS]
-    if any(m is None for m in moments):
-        raise RuntimeError(f"checkpoint {where} has no optimizer state for {name}: it does not fit this draft")
-    return moments[0], moments[1]
-
-
 class PlainEngine:
-    """One process: AdamW over fp32 weights, bf16 autocast where asked, clipping, accumulation."""
+    """One process: AdamW (or Muon with AdamW) over fp32 weights, bf16 autocast where asked, clipping,
+    accumulation."""
 
     kind = "plain"
 
     def __init__(self, draft: torch.nn.Module, cfg: TrainerConfig, budget: Budget | None = None):
         self.module, self.cfg = draft, cfg
-        self.optimizer = build_optimizer(draft.parameters(), cfg)
+        self.optimizer = build_optimizer(draft.named_parameters(), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, budget)
 
     def forward(self, *args: Any, **kwargs: Any):
@@ -72,7 +67,8 @@ class PlainEngine:
 
     def save(self, folder: Path, ctx: DistributedContext) -> None:
         tensors = {f"{kind}/{name}": state[kind] for name, p in trainable(self.module)
-                   for state in [self.optimizer.state.get(p, {})] for kind in MOMENTS if kind in state}
+                   for state in [self.optimizer.state.get(p, {})] for kind in state_kinds(self.optimizer, p)
+                   if kind in state}
         OptimizerState(tensors, adam_step(self.optimizer), [g["lr"] for g in self.optimizer.param_groups],
                        self.scheduler.state_dict()).save(folder)
 
@@ -82,8 +78,7 @@ class PlainEngine:
         masters = {name: saved.get(MASTER, name) for name, _ in trainable(self.module)}
         load_weights(self.module, {**weights, **{k: v for k, v in masters.items() if v is not None}}, folder)
         for name, p in trainable(self.module):
-            exp_avg, exp_avg_sq = saved_moments(saved, name, folder)
-            self.optimizer.state[p] = adam_state(saved.step, exp_avg.to(p.device), exp_avg_sq.to(p.device))
+            self.optimizer.state[p] = saved_state(saved, name, state_kinds(self.optimizer, p), folder, p.device)
         set_lrs(self.optimizer, saved.lrs)
         self.scheduler.load_state_dict(saved.scheduler)
 
@@ -101,7 +96,7 @@ class DeepSpeedEngine:
         import deepspeed
 
         self.cfg, self.ctx = cfg, ctx
-        optimizer = build_optimizer(draft.parameters(), cfg)
+        optimizer = build_optimizer(draft.named_parameters(), cfg)
         scheduler = build_scheduler(optimizer, cfg, budget)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=draft, optimizer=optimizer, lr_scheduler=scheduler, mpu=sequence_parallel_mpu(ctx),
@@ -185,13 +180,13 @@ class DeepSpeedEngine:
         if link is not None:  # ZeRO-1/2 and bf16 tie each weight to its slice of the state at the first step
             link()
         for name, p in named:
-            exp_avg, exp_avg_sq = saved_moments(saved, name, folder)
+            state = saved_state(saved, name, MOMENTS, folder, p.device)
             if _partitioned(p):
                 safe_set_full_fp32_param(p, masters[name].to(p.device))
-                safe_set_full_optimizer_state(p, exp_avg.to(p.device), "exp_avg")
-                safe_set_full_optimizer_state(p, exp_avg_sq.to(p.device), "exp_avg_sq")
+                for kind in MOMENTS:
+                    safe_set_full_optimizer_state(p, state[kind], kind)
             else:
-                self._adam.state[p] = adam_state(saved.step, exp_avg.to(p.device), exp_avg_sq.to(p.device))
+                self._adam.state[p] = state
         set_adam_step(self._adam, saved.step)
         set_lrs(self._adam, saved.lrs)
         self.scheduler.load_state_dict(saved.scheduler)

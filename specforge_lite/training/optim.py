@@ -1,4 +1,5 @@
-"""AdamW with linear warmup and cosine decay, over steps or over a time budget."""
+"""The optimizer (AdamW, or Muon with AdamW: trainer.optimizer) with linear warmup and cosine decay, over
+steps or over a time budget."""
 
 from __future__ import annotations
 
@@ -7,11 +8,97 @@ import math
 import torch
 
 from ..config import TrainerConfig
+from .distributed import use_bf16
+from .optimizer_state import MOMENTS, MOMENTUM
+
+OPTIMIZERS = ("adamw", "muon")
+# 2-D weights indexed by token, which Muon leaves to AdamW (speculators' rule, Muon's author's convention):
+# the embedding, the lm_head, DSpark's Markov factors, DFlash 2's codebooks
+VOCABULARY_MATRICES = ("embed_tokens", "lm_head", "markov_w1", "markov_w2", "codebook")
 
 
-def build_optimizer(params, cfg: TrainerConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.betas),
-                             weight_decay=cfg.weight_decay)
+def build_optimizer(named_params, cfg: TrainerConfig) -> torch.optim.Optimizer:
+    """``named_params``: the draft's ``named_parameters()``; the frozen ones are left out."""
+    named = [(name, p) for name, p in named_params if p.requires_grad]
+    adamw = {"lr": cfg.lr, "betas": tuple(cfg.betas), "weight_decay": cfg.weight_decay}
+    if cfg.optimizer != "muon":
+        return torch.optim.AdamW([p for _, p in named], **adamw)
+    # the orthogonalisation in the run's training precision: torch's Muon always runs it in bf16, which an
+    # AVX2 CPU computes ~57x slower than fp32 (use_bf16 is true only where bf16 is native, or asked for)
+    ns_dtype = torch.bfloat16 if use_bf16(cfg.precision, named[0][1].device) else torch.float32
+    muon = {"lr": cfg.lr if cfg.muon_lr is None else cfg.muon_lr, "weight_decay": cfg.muon_weight_decay,
+            "ns_dtype": ns_dtype}
+    return MuonWithAdamW(named, adamw, muon)
+
+
+def for_muon(name: str, p: torch.Tensor) -> bool:
+    """A matrix Muon orthogonalises: 2-D, not a vector, not indexed by token."""
+    return p.ndim == 2 and min(p.shape) > 1 and not any(hint in name for hint in VOCABULARY_MATRICES)
+
+
+def orthogonalised(update: torch.Tensor, dtype: torch.dtype, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Muon's approximate orthogonalisation: the update scaled to spectral norm <= 1 (by its Frobenius norm),
+    then ``steps`` quintic Newton-Schulz iterations X <- a X + (b S + c S^2) X, S = X X^T, on the wide
+    orientation (S is the smaller Gram matrix). Its singular values end near 1, not at 1: Muon's design."""
+    a, b, c = 3.4445, -4.7750, 2.0315  # Muon's coefficients (the steepest slope at zero)
+    tall = update.shape[0] > update.shape[1]
+    x = (update.T if tall else update).to(dtype)
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon over 2-D weights with speculators' settings of torch's Muon (momentum 0.95 with Nesterov, 5
+    Newton-Schulz steps, decoupled weight decay, the step scaled by 0.2 sqrt(max(rows, cols)) so that its RMS
+    matches AdamW's and AdamW's learning rates carry over), its orthogonalisation in ``ns_dtype``
+    (tests/test_training.py compares it with torch.optim.Muon)."""
+
+    def __init__(self, params, lr: float, weight_decay: float, ns_dtype: torch.dtype, momentum: float = 0.95):
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "ns_dtype": ns_dtype})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, mu = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                momentum = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                momentum.mul_(mu).add_(p.grad, alpha=1 - mu)  # an average of the gradients
+                nesterov = p.grad * (1 - mu) + momentum * mu  # looking one step ahead
+                update = orthogonalised(nesterov, group["ns_dtype"]).to(p.dtype)
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """speculators' optimizer: Muon over the layers' matrices, torch's AdamW over the rest. One optimizer to
+    the schedule, the clipping and the checkpoint: its parameter groups (and per-weight state) are the two
+    optimizers' own, shared, so each steps exactly as it would alone."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], adamw: dict, muon: dict):
+        parts = [(Muon, [p for n, p in named if for_muon(n, p)], muon),
+                 (torch.optim.AdamW, [p for n, p in named if not for_muon(n, p)], adamw)]
+        self.parts = [kind(params, **settings) for kind, params, settings in parts if params]
+        super().__init__([group for part in self.parts for group in part.param_groups], {})
+        for part in self.parts:  # (the groups are the same dicts; the state becomes one)
+            part.state = self.state
+
+    def state_kinds(self, p: torch.Tensor) -> tuple[str, ...]:
+        """The state tensors of weight ``p`` (training/optimizer_state.py saves and restores them)."""
+        in_muon = any(p is q for part in self.parts if isinstance(part, Muon)
+                      for group in part.param_groups for q in group["params"])
+        return MOMENTUM if in_muon else MOMENTS
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MuonWithAdamW.step takes no closure")
+        for part in self.parts:
+            part.step()
 
 
 class Budget:

@@ -1,10 +1,11 @@
 """The optimizer's state inside a checkpoint: consolidated, named, and free of pickles.
 
-Per trainable weight: its fp32 master copy and AdamW's two moments, whole (gathered from ZeRO partitions
-where the run had them), keyed by the weight's name, in ``optimizer.safetensors``; the step count, the
-learning rates and the schedule's state in ``optimizer.json``. Every engine writes and reads this one
-layout, so a run resumes on any number of ranks and under any ZeRO stage, and loading a checkpoint
-someone else made runs no code (safetensors and JSON hold data only).
+Per trainable weight: its fp32 master copy and AdamW's two moments (or Muon's momentum, for the matrices
+trainer.optimizer=muon gives it), whole (gathered from ZeRO partitions where the run had them), keyed by
+the weight's name, in ``optimizer.safetensors``; the step count, the learning rates and the schedule's
+state in ``optimizer.json``. Every engine writes and reads this one layout, so a run resumes on any number
+of ranks and under any ZeRO stage, and loading a checkpoint someone else made runs no code (safetensors
+and JSON hold data only).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from safetensors.torch import load_file, save_file
 
 TENSORS = "optimizer.safetensors"
 META = "optimizer.json"
-MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's, per weight
+MOMENTUM = ("momentum_buffer",)  # Muon's, per matrix
 MASTER = "master"
 
 
@@ -48,6 +50,24 @@ class OptimizerState:
 def adam_state(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> dict[str, torch.Tensor]:
     """One parameter's entry in torch AdamW's ``state``, as AdamW itself creates it (a float32 step)."""
     return {"step": torch.tensor(float(step), dtype=torch.float32), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+def state_kinds(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> tuple[str, ...]:
+    """The tensors the optimizer keeps for weight ``p``: Muon's momentum for its matrices, else AdamW's moments."""
+    kinds = getattr(optimizer, "state_kinds", None)  # (training/optim.py MuonWithAdamW)
+    return kinds(p) if kinds is not None else MOMENTS
+
+
+def saved_state(saved: OptimizerState, name: str, kinds: tuple[str, ...], where: Path,
+                device: torch.device) -> dict[str, torch.Tensor]:
+    """One weight's optimizer state from a checkpoint, as torch's optimizer itself keeps it."""
+    tensors = [saved.get(kind, name) for kind in kinds]
+    if any(t is None for t in tensors):
+        raise RuntimeError(f"checkpoint {where} has no optimizer state ({', '.join(kinds)}) for {name}: it does "
+                           "not fit this draft, or was written by another trainer.optimizer")
+    if kinds == MOMENTS:
+        return adam_state(saved.step, *(t.to(device) for t in tensors))
+    return {kind: t.to(device) for kind, t in zip(kinds, tensors)}
 
 
 def adam_step(optimizer: torch.optim.Optimizer) -> int:
