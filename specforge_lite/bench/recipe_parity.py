@@ -38,7 +38,9 @@ from .served_recipes import (evaluate_reference, serve_candidates, served_row, s
 
 PEERS = ("specforge", "speculators")
 # our recipe with one change, as train.py overrides
-VARIANTS = {"muon": ["trainer.optimizer=muon"]}
+VARIANTS = {"muon": ["trainer.optimizer=muon"],
+            "muon_lr1e3": ["trainer.optimizer=muon", "trainer.lr=1e-3"],  # (speculators' learning rate, both groups)
+            "lr1e3": ["trainer.lr=1e-3"]}  # (the same learning rate with our AdamW)
 
 
 def make_store(out: Path, log=print) -> Path:
