@@ -35,7 +35,7 @@ LEVERS = [
     Candidate("warm_start", ["draft.init_layers_from_target=true"],
               "the draft's layer starts as the target's layer after the top aux id"),
     Candidate("eagle31", ["draft.norm_before_fc=true", "draft.norm_output=true"],
-              "EAGLE 3.1 norms (the default's since 2026-11-26: measured against eagle3_plain now)"),
+              "EAGLE 3.1 norms (since 2026-11-26 the same run as default; eagle3_plain measures them)"),
     Candidate("eagle31_ttt3_vocab4k", ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.ttt_length=3",
                                        "draft.draft_vocab_size=4096"],
               "the three levers that won on chat together: EAGLE 3.1 norms, TTT 3, draft vocabulary 4096"),
