@@ -44,10 +44,10 @@ VOCAB_MAPS = ("d2t", "t2d")  # the draft's vocabulary mapping, saved with its we
 # (each change said in one line), and those it cannot apply, refused with the reason.
 APPLIED_ON_RESUME = ("max_steps", "max_minutes", "warmup_ratio", "min_lr_ratio", "micro_batch_size", "grad_accum_steps",
                      "grad_clip", "weight_decay", "betas", "precision")
-REFUSED_ON_RESUME = {"lr": "the optimizer and schedule come back with the saved peak learning rate",
+_SAVED_LR = "the optimizer and schedule come back with the saved peak learning rate"
+REFUSED_ON_RESUME = {"lr": _SAVED_LR, "muon_lr": _SAVED_LR,
                      "seed": "the data order and every random generator come back as saved",
-                     "optimizer": "the saved optimizer state is the other optimizer's",
-                     "muon_lr": "the optimizer and schedule come back with the saved peak learning rate"}
+                     "optimizer": "the saved optimizer state is the other optimizer's"}
 # the keys a resume reads from each JSON file of a checkpoint
 REQUIRED_KEYS = {STATE: ("step", "tokens_seen", "data"), OPTIMIZER_META: ("step", "lrs", "scheduler"),
                  "rng_rank*.json": ("python", "numpy", "torch")}

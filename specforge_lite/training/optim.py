@@ -80,8 +80,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
     optimizers' own, shared, so each steps exactly as it would alone."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], adamw: dict, muon: dict):
-        parts = [(Muon, [p for n, p in named if for_muon(n, p)], muon),
-                 (torch.optim.AdamW, [p for n, p in named if not for_muon(n, p)], adamw)]
+        matrices = [p for n, p in named if for_muon(n, p)]
+        self.matrices = {id(p) for p in matrices}
+        parts = [(Muon, matrices, muon), (torch.optim.AdamW, [p for n, p in named if not for_muon(n, p)], adamw)]
         self.parts = [kind(params, **settings) for kind, params, settings in parts if params]
         super().__init__([group for part in self.parts for group in part.param_groups], {})
         for part in self.parts:  # (the groups are the same dicts; the state becomes one)
@@ -89,9 +90,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def state_kinds(self, p: torch.Tensor) -> tuple[str, ...]:
         """The state tensors of weight ``p`` (training/optimizer_state.py saves and restores them)."""
-        in_muon = any(p is q for part in self.parts if isinstance(part, Muon)
-                      for group in part.param_groups for q in group["params"])
-        return MOMENTUM if in_muon else MOMENTS
+        return MOMENTUM if id(p) in self.matrices else MOMENTS
 
     @torch.no_grad()
     def step(self, closure=None):
