@@ -213,20 +213,23 @@ def test_a_setting_changed_on_resume_is_applied_with_a_notice_or_refused(tmp_pat
         run_training(tmp_path, max_steps=12, lr=3e-3, optimizer="muon")
 
 
-def test_muon_steps_the_layers_matrices_as_torchs_muon_and_the_rest_as_adamw():
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_muon_steps_the_layers_matrices_as_torchs_muon_and_the_rest_as_adamw(precision):
     """trainer.optimizer=muon as speculators sets torch's optimizers up: Muon (momentum 0.95, Nesterov,
     weight decay 0.1, its step scaled to AdamW's RMS) over the layer matrices and fc, AdamW over the norms and
     the token-indexed lm_head. The reference is torch.optim.Muon and torch.optim.AdamW built here on the same
-    split. Ours orthogonalises in fp32 on an fp32 run where torch's always rounds to bf16, so the matrices
-    agree to a few percent of their change; the AdamW side is torch's own, bit for bit. Torch's other
-    scaling of the Muon step (adjust_lr_fn="original") moves the matrices 2-3x less and must not pass."""
+    split. Ours orthogonalises in the run's precision (fp32, or bf16 as torch's always does, with its own
+    rounding order), so the matrices agree to a few percent of their change; the AdamW side is torch's own,
+    bit for bit. Torch's other scaling of the Muon step (adjust_lr_fn="original") moves the matrices 2-3x
+    less and must not pass."""
     from specforge_lite.training.optim import build_optimizer
 
     target = tiny_target()
     draft = tiny_draft(target, draft_vocab_size=64)
     start = {n: p.detach().clone() for n, p in draft.named_parameters() if p.requires_grad}
-    cfg = TrainerConfig(optimizer="muon", lr=2e-3, weight_decay=0.01, precision="fp32")
+    cfg = TrainerConfig(optimizer="muon", lr=2e-3, weight_decay=0.01, precision=precision)
     ours = build_optimizer(draft.named_parameters(), cfg)
+    assert ours.parts[0].param_groups[0]["ns_dtype"] == {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     matrices = sorted(n for n, p in start.items() if p.ndim == 2 and "lm_head" not in n)
     assert "fc.weight" in matrices and "midlayer.mlp.down_proj.weight" in matrices
     assert "lm_head.weight" in start and "lm_head.weight" not in matrices  # (AdamW's: indexed by token)
