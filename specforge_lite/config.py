@@ -122,6 +122,9 @@ class DraftConfig:
     # docs/levers.md), the block drafts keep them off.
     norm_before_fc: Optional[bool] = None
     norm_output: Optional[bool] = None  # EAGLE 3.1: the next unroll step is fed the draft's normed output
+    # The first layer's residual taken after hidden_norm instead of before (speculators' default; vLLM and
+    # speculators read it, SGLang always takes it before: the sglang export refuses such a draft)
+    norm_before_residual: bool = False
     # P-EAGLE (draft/parallel.py): all k draft tokens in one forward, the later ones from mask slots (vLLM:
     # method=eagle3, parallel_drafting=true). mask_token_id: the token the mask slots (P-EAGLE, DFlash)
     # embed; null chooses one no conversation uses (data/vocab.py choose_mask_token: the tokenizer's mask

@@ -254,6 +254,32 @@ def test_eagle31_exports_carry_the_flags_and_layers_each_server_reads(tmp_path):
     assert any("both set" in e for e in broken(lambda c: c.update(fc_norm=True)))
 
 
+def test_a_residual_normed_draft_is_written_for_vllm_and_refused_for_sglang(tmp_path):
+    """draft.norm_before_residual: vLLM and speculators read the flag (written true, read back to the same
+    logits); no SGLang build does, so the sglang export refuses the draft and --check says SGLang cannot
+    serve the vLLM folder."""
+    from specforge_lite.export.check import check_export
+
+    target = tiny_target(aux_ids=[2, 4, 6])
+    draft = tiny_draft(target, draft_vocab_size=100, norm_before_residual=True)
+    with torch.no_grad():
+        draft.midlayer.hidden_norm.weight.uniform_(0.5, 1.5)
+    vl = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "vl")
+    assert json.loads((vl / "config.json").read_text())["norm_before_residual"] is True
+    back = draft_from_weights(*load_export(vl), target)
+    assert back.spec.norm_before_residual is True
+    ids = torch.randint(0, target.vocab_size, (1, 10))
+    aux = target.capture(ids).aux
+    with torch.no_grad():
+        ours, theirs = (d.compute_logits(d.step(ids, d.project_aux(aux), torch.arange(10)[None], TTTCache()))
+                        for d in (draft, back))
+    torch.testing.assert_close(theirs, ours)
+    report = check_export(vl)
+    assert report.ok and "norm_before_residual" in report.servers["SGLang"], report.text()
+    with pytest.raises(ExportRefused, match="draft.norm_before_residual=false to serve on SGLang"):
+        export_draft(draft.trainable_state_dict(), draft.spec, "sglang", tmp_path / "sg")
+
+
 def test_sglang_contract_fields_names_shapes_and_dtypes(tmp_path):
     """What SGLang's llama_eagle3.py reads (eagle3-contracts.md section 2), checked field by field; the
     same weights are what the vLLM path serves (the vLLM export differs only in ids and d2t rules)."""

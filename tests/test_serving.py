@@ -48,17 +48,19 @@ def test_the_serving_environment_is_exactly_the_pinned_one(serving_python):
     assert {n: installed.get(n) for n in pins if installed.get(n) != pins[n]} == {}
 
 
-@pytest.mark.parametrize("variant", ["fc_norm", "eagle3.1"])
+@pytest.mark.parametrize("variant", ["fc_norm", "eagle3.1", "eagle3.1+norm_before_residual"])
 def test_speculators_loads_our_export_and_its_logits_equal_ours(serving_python, tmp_path, variant):
     """speculators' own Eagle3 model, built from our export, gives our logits at every TTT step: with per-aux
-    norms (fc_norm), and as EAGLE 3.1 (norm_before_fc, norm_output fed back, a second layer)."""
+    norms (fc_norm), as EAGLE 3.1 (norm_before_fc, norm_output fed back, a second layer), and with the first
+    layer's residual taken after hidden_norm as well (norm_before_residual: speculators' own default)."""
     from specforge_lite.config import load_config
     from specforge_lite.export import export_draft
     from specforge_lite.pipeline import build_target
     from conftest import EAGLE31, tiny_draft
 
     target = build_target(load_config(["model=llama3_tiny", "tracker=none"]))
-    options = {"fc_norm": {"use_aux_norm": True}, "eagle3.1": EAGLE31}[variant]
+    options = {"fc_norm": {"use_aux_norm": True}, "eagle3.1": EAGLE31,
+               "eagle3.1+norm_before_residual": {**EAGLE31, "norm_before_residual": True}}[variant]
     draft = tiny_draft(target, draft_vocab_size=512, **options)
     with torch.no_grad():  # norms away from 1, so that a norm left out or applied twice shows
         for name, w in draft.named_parameters():

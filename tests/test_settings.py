@@ -20,6 +20,9 @@ from specforge_lite.settings import check_settings, setting_problems
     (["export.format=sgalng"], "export.format='sgalng': choose one of"),
     (["export.format=sglang", "draft.num_layers=2"], "draft.num_layers=2: SGLang's EAGLE3 draft is one layer"),
     (["export.format=sglang", "draft.parallel_drafting=true"], "the sglang format has no mask slots"),
+    (["export.format=sglang", "draft.norm_before_residual=true"], "SGLang's EAGLE3 draft always takes the residual"),
+    (["draft.method=dflash", "draft.ttt_length=3", "draft.norm_before_residual=true"],
+     "does not take draft.norm_before_residual"),
     (["export.format=dflash"], "export.format=dflash cannot write a eagle3 draft"),
     (["draft.method=dflash", "draft.ttt_length=3", "eval.drafting=tree"], "dflash draft is evaluated greedy and as a "
                                                                          "chain"),

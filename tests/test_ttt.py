@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -35,8 +36,9 @@ def naive_unroll(draft, aux, input_ids, steps):
     for k in range(steps):
         tokens = [int(input_ids[0, t + 1 + k]) if t + 1 + k < T else 0 for t in range(T)]
         emb = draft.embedding_weight[tokens]
-        x = torch.cat([rms(emb, layer.input_layernorm.weight, s.rms_norm_eps),
-                       rms(hidden, layer.hidden_norm.weight, s.rms_norm_eps)], -1)
+        normed = rms(hidden, layer.hidden_norm.weight, s.rms_norm_eps)
+        residual = normed if s.norm_before_residual else hidden  # (vLLM's llama_eagle3, speculators' Eagle3)
+        x = torch.cat([rms(emb, layer.input_layernorm.weight, s.rms_norm_eps), normed], -1)
         q = (x @ attn.q_proj.weight.T).view(T, s.num_attention_heads, s.head_dim)
         kk = (x @ attn.k_proj.weight.T).view(T, s.num_key_value_heads, s.head_dim)
         vv = (x @ attn.v_proj.weight.T).view(T, s.num_key_value_heads, s.head_dim)
@@ -53,7 +55,7 @@ def naive_unroll(draft, aux, input_ids, steps):
             V = torch.stack(vs).repeat_interleave(group, dim=1)
             w = torch.softmax((K * qt).sum(-1) / s.head_dim ** 0.5, dim=0)  # [n, h]
             o = (w[..., None] * V).sum(0).reshape(-1)
-            h = o @ attn.o_proj.weight.T + hidden[t]
+            h = o @ attn.o_proj.weight.T + residual[t]
             m = layer.mlp
             z = rms(h, layer.post_attention_layernorm.weight, s.rms_norm_eps)
             h = (F.silu(z @ m.gate_proj.weight.T) * (z @ m.up_proj.weight.T)) @ m.down_proj.weight.T + h
@@ -74,9 +76,12 @@ def vectorised_unroll(draft, aux, input_ids, steps):
     return outs
 
 
-def test_ttt_unroll_matches_naive_reference():
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_ttt_unroll_matches_naive_reference(norm_before_residual):
     target = tiny_target()
-    draft = tiny_draft(target, use_aux_norm=False)
+    draft = tiny_draft(target, use_aux_norm=False, norm_before_residual=norm_before_residual)
+    with torch.no_grad():  # a hidden_norm weight away from 1, so that where the residual is taken shows
+        draft.midlayer.hidden_norm.weight.uniform_(0.5, 1.5)
     ids = torch.randint(0, target.vocab_size, (1, 12))
     aux = target.capture(ids).aux
     with torch.no_grad():

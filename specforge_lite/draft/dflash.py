@@ -247,7 +247,8 @@ def refused(config, method: str = "dflash") -> list[str]:
     """What a block draft (DFlash, and DSpark on its backbone) cannot take."""
     d, problems = config.draft, []
     settings = {"draft.use_aux_norm": d.use_aux_norm, "draft.norm_before_fc": d.norm_before_fc,
-                "draft.norm_output": d.norm_output, "draft.parallel_drafting": d.parallel_drafting,
+                "draft.norm_output": d.norm_output, "draft.norm_before_residual": d.norm_before_residual,
+                "draft.parallel_drafting": d.parallel_drafting,
                 "draft.checkpointing": d.checkpointing, "data.packing": config.data.packing,
                 "draft.init_layers_from_target": d.init_layers_from_target,
                 "trainer.deepspeed.sequence_parallel": config.trainer.deepspeed.sequence_parallel != 1}

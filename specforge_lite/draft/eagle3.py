@@ -39,7 +39,8 @@ def drafting(draft) -> DraftContext:
 
 def label(spec: dict) -> str:
     norms = [name for name, key in (("norm_before_fc", "norm_before_fc"), ("fc_norm", "use_aux_norm"),
-                                    ("norm_output", "norm_output")) if spec.get(key)]
+                                    ("norm_output", "norm_output"),
+                                    ("norm_before_residual", "norm_before_residual")) if spec.get(key)]
     name = "EAGLE 3.1" if {"norm_before_fc", "norm_output"} <= set(norms) else "EAGLE3"
     if spec.get("parallel_drafting"):  # the mask slots: every draft token from one forward
         name = f"P-EAGLE ({name} layers)"

@@ -62,7 +62,7 @@ class Eagle3Spec:
     aux_convention: str
     use_aux_norm: bool = False
     num_layers: int = 1
-    norm_before_residual: bool = False  # SGLang's Llama draft always takes the residual before hidden_norm
+    norm_before_residual: bool = False  # the first layer's residual after hidden_norm (SGLang: always before)
     norm_before_fc: bool = False
     norm_output: bool = False
     # P-EAGLE (draft/parallel.py): k - 1 mask slots fed mask_token_id and the learned mask_hidden
@@ -90,8 +90,6 @@ class Eagle3Spec:
             raise ValueError("draft.norm_before_fc=true and draft.use_aux_norm=true: one norm over the concatenated "
                              "aux states, or one per aux state (fc_norm), not both (speculators refuses the pair); "
                              "set one of them to false")
-        if self.norm_before_residual:
-            raise ValueError("norm_before_residual=True is not implemented (and SGLang ignores it)")
         mask_ok = self.mask_token_id is not None and 0 <= self.mask_token_id < self.vocab_size
         if (self.parallel_drafting or self.block_size is not None) and not mask_ok:
             raise ValueError(f"mask slots (draft.parallel_drafting=true, a block draft: dflash, dspark) need a mask "
@@ -132,6 +130,7 @@ class Eagle3Spec:
             num_layers=draft_cfg.num_layers,
             norm_before_fc=setting(draft_cfg, "norm_before_fc"),  # (null: the method's default)
             norm_output=setting(draft_cfg, "norm_output"),
+            norm_before_residual=draft_cfg.norm_before_residual,
             parallel_drafting=draft_cfg.parallel_drafting,
             mask_token_id=draft_cfg.mask_token_id if draft_cfg.parallel_drafting or draft_cfg.method != "eagle3"
             else None,
@@ -204,10 +203,13 @@ class DraftDecoderLayer(DraftLayer):
     def __init__(self, spec: Eagle3Spec):
         super().__init__(spec, width=2 * spec.hidden_size)
         self.hidden_norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.norm_before_residual = spec.norm_before_residual
 
     def forward(self, embeds, hidden, cos, sin, cache: DraftCache, q_offset: int) -> torch.Tensor:
-        residual = hidden  # taken before hidden_norm (norm_before_residual=false, as SGLang does)
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        normed = self.hidden_norm(hidden)
+        # the residual stream starts from the fused state as it came (SGLang, vLLM's default) or as normed
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         return self.feed_forward(self.self_attn(x, cos, sin, cache, q_offset) + residual)
 
 

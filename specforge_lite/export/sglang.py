@@ -9,7 +9,8 @@ unknown weight names silently.
 EAGLE 3.1: SGLang's Llama EAGLE3 draft is one layer. Builds of 2026 read ``norm_before_fc``
 (``input_norm``), ``fc_norm`` and ``norm_output`` and refuse ``num_hidden_layers != 1``; older builds read
 none of the three and name extra layers otherwise (``midlayers.{i}``, normed by ``hidden_norm``), so a
-multi-layer draft is refused here and the flags are a warning in ``--check``.
+multi-layer draft is refused here and the flags are a warning in ``--check``. No build reads
+``norm_before_residual``: a draft trained with it is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ class SGLangFormat(ExportFormat):
             problems.append(f"draft.num_layers={draft.num_layers}: SGLang's EAGLE3 draft is one layer (its builds "
                             "refuse more, or load them under other names); export this draft for vLLM "
                             "(export.format=vllm or speculators)")
+        if not problems and draft.norm_before_residual:
+            problems.append("draft.norm_before_residual=true: SGLang's EAGLE3 draft always takes the residual before "
+                            "hidden_norm and does not read the flag, so it would serve another model than the one "
+                            "trained; export this draft for vLLM (export.format=vllm or speculators), or train with "
+                            "draft.norm_before_residual=false to serve on SGLang")
         return problems
 
     def write_config(self, spec: Eagle3Spec, dtype, verifier: dict, num_speculative_tokens: int, warn) -> dict:
@@ -81,11 +87,18 @@ class SGLangFormat(ExportFormat):
         if any(eagle_flag(config, f) for f in ("norm_before_fc", "norm_output")):
             report.warnings.append("norm_before_fc/norm_output (EAGLE 3.1) are read by SGLang builds of 2026 only; "
                                    "older builds serve the draft without them")
+        residual_normed = bool(config.get("norm_before_residual"))
+        if residual_normed:  # a warning: vLLM and speculators read the flag
+            report.warnings.append("norm_before_residual=true: SGLang cannot serve this draft (it always takes the "
+                                   "first layer's residual before hidden_norm and does not read the flag); vLLM and "
+                                   "speculators serve it")
         if config.get("draft_vocab_size") is None:
             report.warnings.append("draft_vocab_size is missing: SGLang then takes the target's lm_head")
         ids = nested or top
         if layers != 1:
             report.servers[self.server] = f"cannot serve it: {layers} layers, SGLang loads one"
+        elif residual_normed:
+            report.servers[self.server] = "cannot serve it: trained with norm_before_residual, which SGLang ignores"
         elif ids:
             report.servers[self.server] = (
                 f"reads ids {list(ids)} as layer outputs, i.e. the inputs of layers {[i + 1 for i in ids]}"
