@@ -1,7 +1,7 @@
 """Our recipe against SpecForge's and speculators' own, on identical inputs, judged by vLLM.
 
     python -m specforge_lite.bench recipe_parity [--steps 400] [--minutes 10] [--out DIR]
-        [--budgets steps time] [--peers specforge speculators] [--variants muon]
+        [--budgets steps time] [--peers specforge speculators] [--variants muon] [--seed N]
 
 1. The embedded default's data (SmolLM2-135M-Instruct, the cpu_20min recipe: its regenerated answers and
    draft vocabulary) is captured once into a float32 hidden-state store (``offline dump``).
@@ -40,7 +40,21 @@ PEERS = ("specforge", "speculators")
 # our recipe with one change, as train.py overrides
 VARIANTS = {"muon": ["trainer.optimizer=muon"],
             "muon_lr1e3": ["trainer.optimizer=muon", "trainer.lr=1e-3"],  # (speculators' learning rate, both groups)
-            "lr1e3": ["trainer.lr=1e-3"]}  # (the same learning rate with our AdamW)
+            "lr1e3": ["trainer.lr=1e-3"],  # (the same learning rate with our AdamW)
+            # the rest of speculators' recipe in ours, piece by piece: its TTT (3 steps, no decay over them), then
+            # with its lm_head frozen at the target's rows, then with its optimizer too
+            "ttt3_nodecay": ["draft.ttt_length=3", "draft.step_loss_decay=1.0"],
+            "speculators_like": ["draft.ttt_length=3", "draft.step_loss_decay=1.0", "draft.freeze_lm_head=true"],
+            "speculators_like_muon": ["draft.ttt_length=3", "draft.step_loss_decay=1.0", "draft.freeze_lm_head=true",
+                                      "trainer.optimizer=muon", "trainer.lr=1e-3"],
+            # speculators' draft layer: the first layer's residual taken after hidden_norm
+            "norm_before_residual": ["draft.norm_before_residual=true"],
+            "fp32": ["trainer.precision=fp32"],  # (the peers' drivers train in fp32)
+            # all of the above but our schedule's shape: speculators' clipping, AdamW moments and decay, warmup
+            "speculators_all": ["draft.ttt_length=3", "draft.step_loss_decay=1.0", "draft.freeze_lm_head=true",
+                                "trainer.optimizer=muon", "trainer.lr=1e-3", "draft.norm_before_residual=true",
+                                "trainer.grad_clip=1.0", "trainer.betas=[0.9,0.999]", "trainer.weight_decay=0.01",
+                                "trainer.warmup_ratio=0.01"]}
 
 
 def make_store(out: Path, log=print) -> Path:
@@ -55,14 +69,15 @@ def make_store(out: Path, log=print) -> Path:
     return store
 
 
-def write_schedule(store: Path, steps: int, path: Path) -> Path:
-    """The store sample indices of each of our offline run's first ``steps`` micro-batches."""
+def write_schedule(store: Path, steps: int, path: Path, seed: int = 0) -> Path:
+    """The store sample indices of each of our offline run's first ``steps`` micro-batches (at ``seed``)."""
     if path.is_file() and len(json.loads(path.read_text())["batches"]) >= steps:
         return path
     from ..config import load_config
     from ..offline import store_run
 
-    run = store_run(load_config(["tracker=none", "data.source=offline", f"data.store={store}"]), log=lambda m: None)
+    run = store_run(load_config(["tracker=none", "data.source=offline", f"data.store={store}",
+                                 f"trainer.seed={seed}"]), log=lambda m: None)
     stream = run.batches()
     batches = [next(stream).inputs["store_index"].tolist() for _ in range(steps)]
     path.write_text(json.dumps({"batches": batches}))
@@ -77,7 +92,7 @@ def peer_python() -> str:
 
 
 def train_peer(peer: str, python: str, store: Path, schedule: Path, run_dir: Path, budget: list[str],
-               log=print) -> None:
+               seed: int = 0, log=print) -> None:
     """One peer's driver (its own model, loss, optimizer and save code) on the schedule; resumable."""
     if (run_dir / "final" / "config.json").is_file():
         return
@@ -89,7 +104,7 @@ def train_peer(peer: str, python: str, store: Path, schedule: Path, run_dir: Pat
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     cmd = [python, str(ROOT / "scripts" / "peers" / f"{peer}_train.py"), "--store", str(store), "--schedule",
            str(schedule), "--target", str(target), "--out", str(run_dir / "final"), "--metrics",
-           str(run_dir / "metrics.jsonl"), "--threads", "2", *budget]
+           str(run_dir / "metrics.jsonl"), "--threads", "2", "--seed", str(seed), *budget]
     log(f"[bench] training {run_dir.name} with {peer}'s own code ({' '.join(budget)})")
     t0 = time.perf_counter()
     with open(run_dir / "train.log", "a") as out:
@@ -111,13 +126,17 @@ def main(argv=None) -> None:
     p.add_argument("--budgets", nargs="+", choices=("steps", "time"), default=["steps", "time"])
     p.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS))
     p.add_argument("--variants", nargs="*", choices=sorted(VARIANTS), default=[])
+    p.add_argument("--seed", type=int, default=0, help="every trainer's seed and the batch order (another seed: "
+                   "runs named *_seed{N}, served on the seed-0 reference's prompts when it is there)")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     store = make_store(a.out)
+    suffix = f"_seed{a.seed}" if a.seed else ""
     # enough batches for the equal-time runs too (a peer step is never faster than 0.05 s here)
-    schedule = write_schedule(store, max(a.steps, int(a.minutes * 60 / 0.05)), a.out / "schedule.json")
+    schedule = write_schedule(store, max(a.steps, int(a.minutes * 60 / 0.05)), a.out / f"schedule{suffix}.json",
+                              a.seed)
     python = peer_python() if a.peers else None
-    from_store = ["data.source=offline", f"data.store={store}"]
+    from_store = ["data.source=offline", f"data.store={store}", f"trainer.seed={a.seed}"]
     budgets = {"steps": ([f"trainer.max_steps={a.steps}"], ["--steps", str(a.steps)]),
                "time": ([f"trainer.max_minutes={a.minutes}", "trainer.max_steps=100000", "trainer.save_every=0"],
                         ["--minutes", str(a.minutes)])}
@@ -125,19 +144,23 @@ def main(argv=None) -> None:
     for budget in a.budgets:
         ours, theirs = budgets[budget]
         for name, change in [("ours", []), *((f"ours_{v}", VARIANTS[v]) for v in a.variants)]:
-            runs[f"{name}_{budget}"] = a.out / f"{name}_{budget}"
-            train_candidate(runs[f"{name}_{budget}"], [*from_store, *ours, *change])
+            runs[f"{name}_{budget}{suffix}"] = a.out / f"{name}_{budget}{suffix}"
+            train_candidate(runs[f"{name}_{budget}{suffix}"], [*from_store, *ours, *change])
         for peer in a.peers:
-            runs[f"{peer}_{budget}"] = a.out / f"{peer}_{budget}"
-            train_peer(peer, python, store, schedule, runs[f"{peer}_{budget}"], theirs)
+            runs[f"{peer}_{budget}{suffix}"] = a.out / f"{peer}_{budget}{suffix}"
+            train_peer(peer, python, store, schedule, runs[f"{peer}_{budget}{suffix}"], theirs, a.seed)
     if "time" in a.budgets:
         # The peers' drivers train in fp32 (their CPU adaptation); ours trains at trainer.precision=auto: bf16
         # autocast on a CPU with native bf16. The same budget in fp32 separates recipe from precision there.
-        runs["ours_time_fp32"] = a.out / "ours_time_fp32"
-        train_candidate(runs["ours_time_fp32"], [*from_store, *budgets["time"][0], "trainer.precision=fp32"])
-    reference = runs[f"ours_{a.budgets[0]}"]
-    evaluate_reference(reference, a.k, a.prompts, a.max_new_tokens)
-    share_prompts(reference, list(runs.values()))
+        runs[f"ours_time_fp32{suffix}"] = a.out / f"ours_time_fp32{suffix}"
+        train_candidate(runs[f"ours_time_fp32{suffix}"], [*from_store, *budgets["time"][0], "trainer.precision=fp32"])
+    reference = runs[f"ours_{a.budgets[0]}{suffix}"]
+    # every seed is served on one set of prompts (the seed-0 reference's), so seeds differ by their drafts only
+    prompts_from = a.out / f"ours_{a.budgets[0]}"
+    if not (prompts_from / "eval_inputs.json").is_file():
+        prompts_from = reference
+    evaluate_reference(prompts_from, a.k, a.prompts, a.max_new_tokens)
+    share_prompts(prompts_from, list(runs.values()))
     serve_candidates(list(runs.values()), a.k)
     rows = [served_row(name, run) for name, run in runs.items()]
     from ..device import describe_cpu
@@ -145,7 +168,8 @@ def main(argv=None) -> None:
     machine = (f"{describe_cpu()}; our runs at trainer.precision=auto, the peers' drivers in fp32 (their CPU "
                "adaptation), and ours_time_fp32 is our equal-time run in fp32")
     command = (f"--steps {a.steps} --minutes {a.minutes:g} --prompts {a.prompts} --budgets {' '.join(a.budgets)} "
-               f"--peers {' '.join(a.peers)}" + (f" --variants {' '.join(a.variants)}" if a.variants else ""))
+               f"--peers {' '.join(a.peers)}" + (f" --variants {' '.join(a.variants)}" if a.variants else "")
+               + (f" --seed {a.seed}" if a.seed else ""))
     preamble = (f"One capture of the embedded default's data (float32 store, {store}); the same batches in the same "
                 f"order for every trainer; equal steps: {a.steps} optimizer steps each; equal time: {a.minutes:g} "
                 f"minutes of training each. Served by vLLM at k={a.k} on {a.prompts} prompts per set. Ratios are to "
