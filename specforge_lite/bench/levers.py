@@ -23,8 +23,8 @@ import json
 import shutil
 from pathlib import Path
 
-from .served_recipes import (Candidate, evaluate_reference, serve_candidates, served_row, share_prompts,
-                             train_candidate, write_report)
+from .served_recipes import (SPECULATORS_HEAD, SPECULATORS_TTT, Candidate, evaluate_reference, serve_candidates,
+                             served_row, share_prompts, train_candidate, write_report)
 
 # Each lever as train.py overrides on top of the default; the data levers regenerate their own answers
 # (cached afterwards), so their first run spends that time before training.
@@ -41,9 +41,9 @@ LEVERS = [
               "the three levers that won on chat together: EAGLE 3.1 norms, TTT 3, draft vocabulary 4096"),
     Candidate("muon", ["trainer.optimizer=muon"],
               "speculators' optimizer: Muon over the layers' matrices, AdamW over the rest, the same peak lr"),
-    Candidate("frozen_head", ["draft.freeze_lm_head=true"], "the lm_head kept as the target's rows (speculators')"),
-    Candidate("speculators_like", ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.ttt_length=3",
-                                   "draft.step_loss_decay=1.0", "draft.freeze_lm_head=true"],
+    Candidate("frozen_head", SPECULATORS_HEAD, "the lm_head kept as the target's rows (speculators')"),
+    Candidate("speculators_like", ["draft.norm_before_fc=true", "draft.norm_output=true", *SPECULATORS_TTT,
+                                   *SPECULATORS_HEAD],
               "speculators' recipe in ours: EAGLE 3.1 norms, TTT 3 without step decay, frozen lm_head (AdamW kept)"),
     Candidate("eagle31_2layers", ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.num_layers=2"],
               "EAGLE 3.1 norms and two layers"),

@@ -33,26 +33,23 @@ import time
 from pathlib import Path
 
 from ..serving import ROOT
-from .served_recipes import (evaluate_reference, serve_candidates, served_row, share_prompts, train_candidate,
+from .served_recipes import (SPECULATORS_HEAD, SPECULATORS_MUON, SPECULATORS_RESIDUAL, SPECULATORS_TTT,
+                             evaluate_reference, serve_candidates, served_row, share_prompts, train_candidate,
                              write_report)
 
 PEERS = ("specforge", "speculators")
 # our recipe with one change, as train.py overrides
 VARIANTS = {"muon": ["trainer.optimizer=muon"],
-            "muon_lr1e3": ["trainer.optimizer=muon", "trainer.lr=1e-3"],  # (speculators' learning rate, both groups)
+            "muon_lr1e3": SPECULATORS_MUON,  # (speculators' learning rate, both groups)
             "lr1e3": ["trainer.lr=1e-3"],  # (the same learning rate with our AdamW)
-            # the rest of speculators' recipe in ours, piece by piece: its TTT (3 steps, no decay over them), then
-            # with its lm_head frozen at the target's rows, then with its optimizer too
-            "ttt3_nodecay": ["draft.ttt_length=3", "draft.step_loss_decay=1.0"],
-            "speculators_like": ["draft.ttt_length=3", "draft.step_loss_decay=1.0", "draft.freeze_lm_head=true"],
-            "speculators_like_muon": ["draft.ttt_length=3", "draft.step_loss_decay=1.0", "draft.freeze_lm_head=true",
-                                      "trainer.optimizer=muon", "trainer.lr=1e-3"],
-            # speculators' draft layer: the first layer's residual taken after hidden_norm
-            "norm_before_residual": ["draft.norm_before_residual=true"],
+            # the rest of speculators' recipe in ours, piece by piece (served_recipes.py)
+            "ttt3_nodecay": SPECULATORS_TTT,
+            "speculators_like": [*SPECULATORS_TTT, *SPECULATORS_HEAD],
+            "speculators_like_muon": [*SPECULATORS_TTT, *SPECULATORS_HEAD, *SPECULATORS_MUON],
+            "norm_before_residual": SPECULATORS_RESIDUAL,
             "fp32": ["trainer.precision=fp32"],  # (the peers' drivers train in fp32)
             # all of the above but our schedule's shape: speculators' clipping, AdamW moments and decay, warmup
-            "speculators_all": ["draft.ttt_length=3", "draft.step_loss_decay=1.0", "draft.freeze_lm_head=true",
-                                "trainer.optimizer=muon", "trainer.lr=1e-3", "draft.norm_before_residual=true",
+            "speculators_all": [*SPECULATORS_TTT, *SPECULATORS_HEAD, *SPECULATORS_MUON, *SPECULATORS_RESIDUAL,
                                 "trainer.grad_clip=1.0", "trainer.betas=[0.9,0.999]", "trainer.weight_decay=0.01",
                                 "trainer.warmup_ratio=0.01"]}
 
