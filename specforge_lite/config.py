@@ -294,7 +294,7 @@ class StoreConfig:
 class TrainerConfig:
     """The training loop: steps, batches, optimizer and schedule, precision, checkpoints (trainer=<preset>)."""
 
-    max_steps: int = 1000  # optimizer steps (the cosine schedule's length)
+    max_steps: int = 1000  # optimizer steps (the schedule's length)
     micro_batch_size: int = 1  # conversations per forward and backward (per rank)
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     lr: float = 1e-4  # AdamW's peak learning rate
@@ -307,7 +307,8 @@ class TrainerConfig:
     muon_lr: Optional[float] = None  # muon: the matrices' peak learning rate (null: trainer.lr)
     muon_weight_decay: float = 0.1  # muon: the matrices' decoupled weight decay (speculators: 0.1)
     warmup_ratio: float = 0.015  # share of the run spent warming the learning rate up linearly
-    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    schedule: str = "cosine"  # the decay after the warmup: cosine | linear (speculators')
+    min_lr_ratio: float = 0.0  # the decay ends at lr * min_lr_ratio
     grad_clip: float = 0.5  # the gradients' global norm is clipped to this (0: off)
     # auto: bf16 (autocast, fp32 master weights) where the device runs bf16 natively, else fp32 (device.py)
     precision: str = "auto"  # auto | fp32 | bf16
@@ -319,7 +320,7 @@ class TrainerConfig:
     # Stop cleanly at this step (the schedule still follows max_steps): split a job across allocations.
     stop_at_step: Optional[int] = None
     # A time budget: train for this many minutes of the loop's wall time (capture included), the schedule's
-    # warmup and cosine running over the share of the budget spent (or of max_steps done, whichever is
+    # warmup and decay running over the share of the budget spent (or of max_steps done, whichever is
     # further; max_steps stays a cap). For comparing recipes at equal cost; resumed runs spend what is left.
     max_minutes: Optional[float] = None
     num_threads: Optional[int] = None  # torch CPU threads; null keeps torch's default

@@ -13,7 +13,7 @@ from .draft import draft_method
 from .evaluate.acceptance import DRAFTING
 from .evaluate.finish import SERVED_CHECKS
 from .export import export_format
-from .training.optim import OPTIMIZERS
+from .training.optim import DECAYS, OPTIMIZERS
 
 
 def setting_problems(config: Config) -> list[str]:
@@ -35,6 +35,8 @@ def setting_problems(config: Config) -> list[str]:
         problems.append("trainer.optimizer=muon with trainer.deepspeed.enabled=true: ZeRO steps flat partitions of "
                         "the weights, which Muon cannot orthogonalise as matrices; use trainer.optimizer=adamw "
                         "under DeepSpeed, or train in one process")
+    if t.schedule not in DECAYS:
+        problems.append(f"trainer.schedule={t.schedule!r}: use one of {', '.join(DECAYS)}")
     if config.eval.drafting not in DRAFTING:
         problems.append(f"eval.drafting={config.eval.drafting!r}: use one of {', '.join(DRAFTING)}")
     else:

@@ -213,6 +213,42 @@ def test_a_setting_changed_on_resume_is_applied_with_a_notice_or_refused(tmp_pat
         run_training(tmp_path, max_steps=12, lr=3e-3, optimizer="muon")
 
 
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_the_learning_rate_schedule_follows_transformers_own_after_the_warmup(schedule):
+    """trainer.schedule against transformers' get_{cosine,linear}_schedule_with_warmup on the same peak, warmup
+    and length: every step after the warmup has the same learning rate (the warmup differs by design: ours
+    reaches the peak at the warmup's last step, transformers' one step later). min_lr_ratio lifts the whole
+    decay to end at lr * min_lr_ratio."""
+    import transformers
+
+    from specforge_lite.training.optim import build_scheduler
+
+    steps, warmup_ratio, lr = 40, 0.1, 2e-3
+    reference = getattr(transformers, f"get_{schedule}_schedule_with_warmup")
+    theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    their_lrs = []
+    sched = reference(theirs, num_warmup_steps=round(warmup_ratio * steps), num_training_steps=steps)
+    for _ in range(steps):
+        their_lrs.append(theirs.param_groups[0]["lr"])
+        theirs.step()
+        sched.step()
+    for min_ratio in (0.0, 0.25):
+        ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+        cfg = TrainerConfig(max_steps=steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_ratio, schedule=schedule)
+        scheduler, our_lrs = build_scheduler(ours, cfg), []
+        for _ in range(steps):
+            our_lrs.append(ours.param_groups[0]["lr"])
+            ours.step()
+            scheduler.step()
+        warm = round(warmup_ratio * steps)
+        expected = [min_ratio * lr + (1 - min_ratio) * x for x in their_lrs[warm:]]
+        assert our_lrs[warm:] == pytest.approx(expected, rel=1e-6, abs=1e-12)
+        assert our_lrs[warm - 1] == pytest.approx(lr)  # the peak at the warmup's last step
+    # the two shapes really differ: a quarter into the decay the cosine is still near its peak
+    quarter = round(warmup_ratio * steps) + (steps - round(warmup_ratio * steps)) // 4
+    assert their_lrs[quarter] / lr == pytest.approx({"cosine": 0.854, "linear": 0.75}[schedule], abs=0.01)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_muon_steps_the_layers_matrices_as_torchs_muon_and_the_rest_as_adamw(precision):
     """trainer.optimizer=muon as speculators sets torch's optimizers up: Muon (momentum 0.95, Nesterov,

@@ -258,7 +258,7 @@ def use_bf16(precision: str, device: torch.device | None = None) -> bool:
 def deepspeed_config(cfg: TrainerConfig, world_size: int) -> dict:
     """DeepSpeed's JSON config, every value taken from the trainer config.
 
-    The optimizer and schedule are ours (AdamW, warmup + cosine: training/optim.py) and handed to
+    The optimizer and schedule are ours (AdamW, warmup + decay: training/optim.py) and handed to
     ``deepspeed.initialize`` as objects, so they are the same with and without DeepSpeed. Under bf16 the
     draft's weights are bf16 in the forward and DeepSpeed keeps the fp32 master copy in the optimizer
     (without DeepSpeed, bf16 is autocast over fp32 weights)."""

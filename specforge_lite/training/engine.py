@@ -1,6 +1,6 @@
 """What steps the draft's weights: plain PyTorch in one process, or a DeepSpeed ZeRO engine.
 
-Both take the same optimizer (AdamW; Muon with AdamW in one process only) and warmup + cosine schedule
+Both take the same optimizer (AdamW; Muon with AdamW in one process only) and warmup + decay schedule
 (optim.py), and offer the loop the same five things: run the draft's training forward, backward a
 micro-batch, step after the accumulation, save and load their state inside a checkpoint folder, and the
 full trainable weights (gathered from ZeRO-3 shards where needed) for checkpoints and exports. Both save

@@ -1,5 +1,5 @@
-"""The optimizer (AdamW, or Muon with AdamW: trainer.optimizer) with linear warmup and cosine decay, over
-steps or over a time budget."""
+"""The optimizer (AdamW, or Muon with AdamW: trainer.optimizer) with linear warmup and a decay (cosine or
+linear: trainer.schedule), over steps or over a time budget."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ from .distributed import use_bf16
 from .optimizer_state import MOMENTS, MOMENTUM
 
 OPTIMIZERS = ("adamw", "muon")
+# the learning rate's decay after the warmup, as a factor of the decay's progress in [0, 1] (1 -> 0):
+# cosine (SpecForge's, EAGLE's) or linear (speculators' default, transformers' get_linear_schedule_with_warmup)
+DECAYS = {"cosine": lambda progress: 0.5 * (1 + math.cos(math.pi * progress)),
+          "linear": lambda progress: 1 - progress}
 # 2-D weights indexed by token, which Muon leaves to AdamW (speculators' rule, Muon's author's convention):
 # the embedding, the lm_head, DSpark's Markov factors, DFlash 2's codebooks
 VOCABULARY_MATRICES = ("embed_tokens", "lm_head", "markov_w1", "markov_w2", "codebook")
@@ -123,20 +127,21 @@ class Budget:
         return self.progress(steps) >= 1.0
 
 
-def warmup_cosine(cfg: TrainerConfig, budget: Budget | None = None):
+def warmup_decay(cfg: TrainerConfig, budget: Budget | None = None):
     """The learning-rate factor of the step after ``step`` steps: linear warmup over ``warmup_ratio`` of the
-    run, then cosine decay to ``min_lr_ratio``. Over steps; with a time budget, over the budget's progress
-    (what a run cut short by time has left of its schedule is the decay, not the warmup)."""
+    run, then the ``trainer.schedule`` decay to ``min_lr_ratio``. Over steps; with a time budget, over the
+    budget's progress (what a run cut short by time has left of its schedule is the decay, not the warmup)."""
+    shape = DECAYS[cfg.schedule]
 
-    def cosine(progress: float) -> float:
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    def decay(progress: float) -> float:
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape(min(1.0, progress))
 
     if budget is not None and budget.seconds is not None:
         def by_time(step: int) -> float:
             done = budget.progress(step + 1)  # where the coming step ends
             if done < cfg.warmup_ratio:
                 return done / cfg.warmup_ratio
-            return cosine((done - cfg.warmup_ratio) / max(1e-9, 1 - cfg.warmup_ratio))
+            return decay((done - cfg.warmup_ratio) / max(1e-9, 1 - cfg.warmup_ratio))
 
         return by_time
 
@@ -145,11 +150,11 @@ def warmup_cosine(cfg: TrainerConfig, budget: Budget | None = None):
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        return cosine((step - warmup) / max(1, cfg.max_steps - warmup))
+        return decay((step - warmup) / max(1, cfg.max_steps - warmup))
 
     return factor
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainerConfig,
                     budget: Budget | None = None) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg, budget))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_decay(cfg, budget))
