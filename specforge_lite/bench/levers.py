@@ -23,8 +23,9 @@ import json
 import shutil
 from pathlib import Path
 
-from .served_recipes import (SPECULATORS_HEAD, SPECULATORS_TTT, Candidate, evaluate_reference, serve_candidates,
-                             served_row, share_prompts, train_candidate, write_report)
+from .served_recipes import (SPECULATORS_HEAD, SPECULATORS_MUON, SPECULATORS_SCHEDULE, SPECULATORS_TTT, Candidate,
+                             evaluate_reference, serve_candidates, served_row, share_prompts, train_candidate,
+                             write_report)
 
 # Each lever as train.py overrides on top of the default; the data levers regenerate their own answers
 # (cached afterwards), so their first run spends that time before training.
@@ -41,12 +42,15 @@ LEVERS = [
               "the three levers that won on chat together: EAGLE 3.1 norms, TTT 3, draft vocabulary 4096"),
     Candidate("muon", ["trainer.optimizer=muon"],
               "speculators' optimizer: Muon over the layers' matrices, AdamW over the rest, the same peak lr"),
+    Candidate("muon_lr1e3", SPECULATORS_MUON, "speculators' optimizer at its learning rate 1e-3 (both groups)"),
     Candidate("frozen_head", SPECULATORS_HEAD, "the lm_head kept as the target's rows (speculators')"),
     Candidate("speculators_like", ["draft.norm_before_fc=true", "draft.norm_output=true", *SPECULATORS_TTT,
                                    *SPECULATORS_HEAD],
               "speculators' recipe in ours: EAGLE 3.1 norms, TTT 3 without step decay, frozen lm_head (AdamW kept)"),
     Candidate("eagle31_2layers", ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.num_layers=2"],
               "EAGLE 3.1 norms and two layers"),
+    Candidate("linear_schedule", SPECULATORS_SCHEDULE,
+              "the learning rate decays linearly (speculators'), not by cosine"),
     Candidate("loss_acceptance", ["draft.loss=acceptance"], "-log expected acceptance (LK)"),
     Candidate("loss_tv", ["draft.loss=tv"], "total variation"),
     Candidate("ttt3", ["draft.ttt_length=3"], "TTT unroll of 3 (the served k)"),

@@ -33,25 +33,28 @@ import time
 from pathlib import Path
 
 from ..serving import ROOT
-from .served_recipes import (SPECULATORS_HEAD, SPECULATORS_MUON, SPECULATORS_RESIDUAL, SPECULATORS_TTT,
-                             evaluate_reference, serve_candidates, served_row, share_prompts, train_candidate,
-                             write_report)
+from .served_recipes import (SPECULATORS_HEAD, SPECULATORS_MUON, SPECULATORS_RESIDUAL, SPECULATORS_SCHEDULE,
+                             SPECULATORS_TTT, evaluate_reference, serve_candidates, served_row, share_prompts,
+                             train_candidate, write_report)
 
 PEERS = ("specforge", "speculators")
 # our recipe with one change, as train.py overrides
 VARIANTS = {"muon": ["trainer.optimizer=muon"],
             "muon_lr1e3": SPECULATORS_MUON,  # (speculators' learning rate, both groups)
             "lr1e3": ["trainer.lr=1e-3"],  # (the same learning rate with our AdamW)
+            "lr2e3": ["trainer.lr=2e-3"],  # (is what Muon buys a larger step? at 400 steps: no)
             # the rest of speculators' recipe in ours, piece by piece (served_recipes.py)
             "ttt3_nodecay": SPECULATORS_TTT,
             "speculators_like": [*SPECULATORS_TTT, *SPECULATORS_HEAD],
             "speculators_like_muon": [*SPECULATORS_TTT, *SPECULATORS_HEAD, *SPECULATORS_MUON],
             "norm_before_residual": SPECULATORS_RESIDUAL,
             "fp32": ["trainer.precision=fp32"],  # (the peers' drivers train in fp32)
+            "linear_schedule": SPECULATORS_SCHEDULE,
             # all of the above but our schedule's shape: speculators' clipping, AdamW moments and decay, warmup
             "speculators_all": [*SPECULATORS_TTT, *SPECULATORS_HEAD, *SPECULATORS_MUON, *SPECULATORS_RESIDUAL,
                                 "trainer.grad_clip=1.0", "trainer.betas=[0.9,0.999]", "trainer.weight_decay=0.01",
                                 "trainer.warmup_ratio=0.01"]}
+VARIANTS["speculators_all_linear"] = [*VARIANTS["speculators_all"], *SPECULATORS_SCHEDULE]  # (and its schedule)
 
 
 def make_store(out: Path, log=print) -> Path:

@@ -29,11 +29,12 @@ EVAL_SETS = ("heldout", "assistant", "mtbench", "gsm8k", "summarization", "human
 
 # speculators 0.9.0's recipe, piece by piece, as train.py overrides (the levers and the recipe parity try them
 # in ours): its TTT (3 steps, no decay over them), its lm_head frozen at the target's rows, its optimizer and
-# learning rate, its draft layer (the first layer's residual after hidden_norm)
+# learning rate, its draft layer (the first layer's residual after hidden_norm), its schedule's linear decay
 SPECULATORS_TTT = ["draft.ttt_length=3", "draft.step_loss_decay=1.0"]
 SPECULATORS_HEAD = ["draft.freeze_lm_head=true"]
 SPECULATORS_MUON = ["trainer.optimizer=muon", "trainer.lr=1e-3"]
 SPECULATORS_RESIDUAL = ["draft.norm_before_residual=true"]
+SPECULATORS_SCHEDULE = ["trainer.schedule=linear"]
 
 
 @dataclass
