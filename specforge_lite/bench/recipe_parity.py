@@ -141,19 +141,21 @@ def main(argv=None) -> None:
                "time": ([f"trainer.max_minutes={a.minutes}", "trainer.max_steps=100000", "trainer.save_every=0"],
                         ["--minutes", str(a.minutes)])}
     runs: dict[str, Path] = {}
+
+    def run_dir(name: str) -> Path:  # (this seed's folder of a candidate, in the order the table lists them)
+        runs[name + suffix] = a.out / (name + suffix)
+        return runs[name + suffix]
+
     for budget in a.budgets:
         ours, theirs = budgets[budget]
         for name, change in [("ours", []), *((f"ours_{v}", VARIANTS[v]) for v in a.variants)]:
-            runs[f"{name}_{budget}{suffix}"] = a.out / f"{name}_{budget}{suffix}"
-            train_candidate(runs[f"{name}_{budget}{suffix}"], [*from_store, *ours, *change])
+            train_candidate(run_dir(f"{name}_{budget}"), [*from_store, *ours, *change])
         for peer in a.peers:
-            runs[f"{peer}_{budget}{suffix}"] = a.out / f"{peer}_{budget}{suffix}"
-            train_peer(peer, python, store, schedule, runs[f"{peer}_{budget}{suffix}"], theirs, a.seed)
+            train_peer(peer, python, store, schedule, run_dir(f"{peer}_{budget}"), theirs, a.seed)
     if "time" in a.budgets:
         # The peers' drivers train in fp32 (their CPU adaptation); ours trains at trainer.precision=auto: bf16
         # autocast on a CPU with native bf16. The same budget in fp32 separates recipe from precision there.
-        runs[f"ours_time_fp32{suffix}"] = a.out / f"ours_time_fp32{suffix}"
-        train_candidate(runs[f"ours_time_fp32{suffix}"], [*from_store, *budgets["time"][0], "trainer.precision=fp32"])
+        train_candidate(run_dir("ours_time_fp32"), [*from_store, *budgets["time"][0], "trainer.precision=fp32"])
     reference = runs[f"ours_{a.budgets[0]}{suffix}"]
     # every seed is served on one set of prompts (the seed-0 reference's), so seeds differ by their drafts only
     prompts_from = a.out / f"ours_{a.budgets[0]}"
