@@ -306,6 +306,8 @@ class TrainerConfig:
     optimizer: str = "adamw"
     muon_lr: Optional[float] = None  # muon: the matrices' peak learning rate (null: trainer.lr)
     muon_weight_decay: float = 0.1  # muon: the matrices' decoupled weight decay (speculators: 0.1)
+    # muon: Newton-Schulz iterations per step (torch's and speculators' 5); fewer make a CPU step cheaper
+    muon_ns_steps: int = 5
     warmup_ratio: float = 0.015  # share of the run spent warming the learning rate up linearly
     schedule: str = "cosine"  # the decay after the warmup: cosine | linear (speculators')
     min_lr_ratio: float = 0.0  # the decay ends at lr * min_lr_ratio
@@ -446,7 +448,7 @@ RANGES = {
     "data.generation.server_memory_fraction": "(0, 1]", "data.generation.batch_size": "[1, inf)",
     "trainer.max_steps": "[1, inf)", "trainer.micro_batch_size": "[1, inf)", "trainer.grad_accum_steps": "[1, inf)",
     "trainer.lr": "[0, inf)", "trainer.weight_decay": "[0, inf)", "trainer.muon_lr": "[0, inf)",
-    "trainer.muon_weight_decay": "[0, inf)", "trainer.warmup_ratio": "[0, 1]",
+    "trainer.muon_weight_decay": "[0, inf)", "trainer.muon_ns_steps": "[1, inf)", "trainer.warmup_ratio": "[0, 1]",
     "trainer.min_lr_ratio": "[0, 1]", "trainer.grad_clip": "[0, inf)", "trainer.log_every": "[1, inf)",
     "trainer.save_every": "[0, inf)", "trainer.keep_checkpoints": "[1, inf)", "trainer.stop_at_step": "[1, inf)",
     "trainer.max_minutes": "(0, inf)", "trainer.num_threads": "[1, inf)", "trainer.deepspeed.zero_stage": "[0, 3]",

@@ -249,35 +249,38 @@ def test_the_learning_rate_schedule_follows_transformers_own_after_the_warmup(sc
     assert their_lrs[quarter] / lr == pytest.approx({"cosine": 0.854, "linear": 0.75}[schedule], abs=0.01)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_muon_steps_the_layers_matrices_as_torchs_muon_and_the_rest_as_adamw(precision):
+@pytest.mark.parametrize("precision,ns_steps", [("fp32", 5), ("bf16", 5), ("fp32", 2)])
+def test_muon_steps_the_layers_matrices_as_torchs_muon_and_the_rest_as_adamw(precision, ns_steps):
     """trainer.optimizer=muon as speculators sets torch's optimizers up: Muon (momentum 0.95, Nesterov,
-    weight decay 0.1, its step scaled to AdamW's RMS) over the layer matrices and fc, AdamW over the norms and
-    the token-indexed lm_head. The reference is torch.optim.Muon and torch.optim.AdamW built here on the same
-    split. Ours orthogonalises in the run's precision (fp32, or bf16 as torch's always does, with its own
-    rounding order), so the matrices agree to a few percent of their change; the AdamW side is torch's own,
-    bit for bit. Torch's other scaling of the Muon step (adjust_lr_fn="original") moves the matrices 2-3x
-    less and must not pass."""
+    weight decay 0.1, its step scaled to AdamW's RMS, trainer.muon_ns_steps Newton-Schulz iterations) over the
+    layer matrices and fc, AdamW over the norms and the token-indexed lm_head. The reference is
+    torch.optim.Muon and torch.optim.AdamW built here on the same split. Ours orthogonalises in the run's
+    precision (fp32, or bf16 as torch's always does, with its own rounding order), so the matrices agree to a
+    few percent of their change; the AdamW side is torch's own, bit for bit. Torch's other scaling of the Muon
+    step (adjust_lr_fn="original") moves the matrices 2-3x less and must not pass, nor may torch's Muon with
+    another number of iterations than the one asked for."""
     from specforge_lite.training.optim import build_optimizer
 
     target = tiny_target()
     draft = tiny_draft(target, draft_vocab_size=64)
     start = {n: p.detach().clone() for n, p in draft.named_parameters() if p.requires_grad}
-    cfg = TrainerConfig(optimizer="muon", lr=2e-3, weight_decay=0.01, precision=precision)
+    cfg = TrainerConfig(optimizer="muon", lr=2e-3, weight_decay=0.01, precision=precision, muon_ns_steps=ns_steps)
     ours = build_optimizer(draft.named_parameters(), cfg)
     assert ours.parts[0].param_groups[0]["ns_dtype"] == {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     matrices = sorted(n for n, p in start.items() if p.ndim == 2 and "lm_head" not in n)
     assert "fc.weight" in matrices and "midlayer.mlp.down_proj.weight" in matrices
     assert "lm_head.weight" in start and "lm_head.weight" not in matrices  # (AdamW's: indexed by token)
 
-    def reference(adjust):
+    def reference(adjust, steps):
         params = {n: torch.nn.Parameter(t.clone()) for n, t in start.items()}
         return params, [torch.optim.Muon([params[n] for n in matrices], lr=2e-3, weight_decay=0.1, momentum=0.95,
-                                         nesterov=True, adjust_lr_fn=adjust),
+                                         nesterov=True, ns_steps=steps, adjust_lr_fn=adjust),
                         torch.optim.AdamW([p for n, p in params.items() if n not in matrices], lr=2e-3,
                                           betas=(0.9, 0.95), weight_decay=0.01)]
 
-    references = {adjust: reference(adjust) for adjust in ("match_rms_adamw", "original")}
+    expected = ("match_rms_adamw", ns_steps)
+    kinds = {expected, ("original", ns_steps), ("match_rms_adamw", 5 if ns_steps != 5 else 2)}
+    references = {kind: reference(*kind) for kind in kinds}
     g = torch.Generator().manual_seed(0)
     for _ in range(4):
         grads = {n: torch.randn(t.shape, generator=g) for n, t in start.items()}
@@ -291,12 +294,12 @@ def test_muon_steps_the_layers_matrices_as_torchs_muon_and_the_rest_as_adamw(pre
             for o in optimizers:
                 o.step()
     now = dict(draft.named_parameters())
-    for adjust, (params, _) in references.items():
+    for kind, (params, _) in references.items():
         for n in matrices:
             change = (params[n] - start[n]).abs().max()
             close = bool((now[n] - params[n]).abs().max() < 0.1 * change)
-            assert close == (adjust == "match_rms_adamw"), (adjust, n)
-    params = references["match_rms_adamw"][0]
+            assert close == (kind == expected), (kind, n)
+    params = references[expected][0]
     for n in set(start) - set(matrices):
         assert torch.equal(now[n], params[n]), n
 

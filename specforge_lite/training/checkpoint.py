@@ -43,7 +43,8 @@ VOCAB_MAPS = ("d2t", "t2d")  # the draft's vocabulary mapping, saved with its we
 # Trainer settings a checkpoint records and a resume compares: those a resumed run applies from its first step
 # (each change said in one line), and those it cannot apply, refused with the reason.
 APPLIED_ON_RESUME = ("max_steps", "max_minutes", "warmup_ratio", "schedule", "min_lr_ratio", "micro_batch_size",
-                     "grad_accum_steps", "grad_clip", "weight_decay", "betas", "precision")
+                     "grad_accum_steps", "grad_clip", "weight_decay", "betas", "precision", "muon_weight_decay",
+                     "muon_ns_steps")
 _SAVED_LR = "the optimizer and schedule come back with the saved peak learning rate"
 REFUSED_ON_RESUME = {"lr": _SAVED_LR, "muon_lr": _SAVED_LR,
                      "seed": "the data order and every random generator come back as saved",

@@ -31,7 +31,7 @@ def build_optimizer(named_params, cfg: TrainerConfig) -> torch.optim.Optimizer:
     # AVX2 CPU computes ~57x slower than fp32 (use_bf16 is true only where bf16 is native, or asked for)
     ns_dtype = torch.bfloat16 if use_bf16(cfg.precision, named[0][1].device) else torch.float32
     muon = {"lr": cfg.lr if cfg.muon_lr is None else cfg.muon_lr, "weight_decay": cfg.muon_weight_decay,
-            "ns_dtype": ns_dtype}
+            "ns_dtype": ns_dtype, "ns_steps": cfg.muon_ns_steps}
     return MuonWithAdamW(named, adamw, muon)
 
 
@@ -56,12 +56,14 @@ def orthogonalised(update: torch.Tensor, dtype: torch.dtype, steps: int = 5, eps
 
 class Muon(torch.optim.Optimizer):
     """Muon over 2-D weights with speculators' settings of torch's Muon (momentum 0.95 with Nesterov, 5
-    Newton-Schulz steps, decoupled weight decay, the step scaled by 0.2 sqrt(max(rows, cols)) so that its RMS
-    matches AdamW's and AdamW's learning rates carry over), its orthogonalisation in ``ns_dtype``
-    (tests/test_training.py compares it with torch.optim.Muon)."""
+    Newton-Schulz steps unless ``ns_steps`` says otherwise, decoupled weight decay, the step scaled by
+    0.2 sqrt(max(rows, cols)) so that its RMS matches AdamW's and AdamW's learning rates carry over), its
+    orthogonalisation in ``ns_dtype`` (tests/test_training.py compares it with torch.optim.Muon)."""
 
-    def __init__(self, params, lr: float, weight_decay: float, ns_dtype: torch.dtype, momentum: float = 0.95):
-        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "ns_dtype": ns_dtype})
+    def __init__(self, params, lr: float, weight_decay: float, ns_dtype: torch.dtype, ns_steps: int = 5,
+                 momentum: float = 0.95):
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "ns_dtype": ns_dtype,
+                                  "ns_steps": ns_steps})
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -73,7 +75,7 @@ class Muon(torch.optim.Optimizer):
                 momentum = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
                 momentum.mul_(mu).add_(p.grad, alpha=1 - mu)  # an average of the gradients
                 nesterov = p.grad * (1 - mu) + momentum * mu  # looking one step ahead
-                update = orthogonalised(nesterov, group["ns_dtype"]).to(p.dtype)
+                update = orthogonalised(nesterov, group["ns_dtype"], group["ns_steps"]).to(p.dtype)
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
 
