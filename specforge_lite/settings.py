@@ -34,7 +34,8 @@ def setting_problems(config: Config) -> list[str]:
     elif t.optimizer == "muon" and t.deepspeed.enabled:
         problems.append("trainer.optimizer=muon with trainer.deepspeed.enabled=true: ZeRO steps flat partitions of "
                         "the weights, which Muon cannot orthogonalise as matrices; use trainer.optimizer=adamw "
-                        "under DeepSpeed, or train in one process")
+                        "under DeepSpeed (the embedded recipe, cpu_20min, picks muon: recipe=none drops it), or "
+                        "train in one process")
     if t.schedule not in DECAYS:
         problems.append(f"trainer.schedule={t.schedule!r}: use one of {', '.join(DECAYS)}")
     if config.eval.drafting not in DRAFTING:

@@ -54,7 +54,8 @@ def case_losses(option: str, precision: str, ctx=None, deepspeed: bool = False, 
     """The losses of ``STEPS`` steps. ``row``: train on that one conversation pair's row only (a DeepSpeed
     rank's share, or its one-process reference); None: both rows as one micro-batch."""
     overrides = ["model=llama3_tiny", "tracker=none", "draft.ttt_length=3", f"trainer.precision={precision}",
-                 "trainer.lr=3e-3", "trainer.warmup_ratio=0", f"trainer.max_steps={STEPS}", "trainer.grad_clip=1.0",
+                 "trainer.optimizer=adamw", "trainer.lr=3e-3", "trainer.warmup_ratio=0", f"trainer.max_steps={STEPS}",
+                 "trainer.grad_clip=1.0",
                  *(["trainer=zero2"] if deepspeed else []), *OPTIONS[option]]
     config = load_config(overrides)
     target = tiny_target(aux_ids=[1, 3, 5])

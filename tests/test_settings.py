@@ -33,6 +33,7 @@ from specforge_lite.settings import check_settings, setting_problems
     (["draft.freeze_lm_head=true", "draft.init_lm_head_from_target=false"], "a frozen lm_head would keep its random"),
     (["trainer.optimizer=sgd"], "trainer.optimizer='sgd': use one of adamw, muon"),
     (["trainer.optimizer=muon", "trainer.deepspeed.enabled=true"], "which Muon cannot orthogonalise as matrices"),
+    (["trainer=zero2"], "use trainer.optimizer=adamw under DeepSpeed (the embedded recipe"),  # (its Muon)
     (["trainer.schedule=step"], "trainer.schedule='step': use one of cosine, linear"),
 ])
 def test_a_setting_no_run_could_finish_with_is_refused_before_training(overrides, said):

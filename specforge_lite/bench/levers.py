@@ -23,14 +23,17 @@ import json
 import shutil
 from pathlib import Path
 
-from .served_recipes import (SPECULATORS_HEAD, SPECULATORS_MUON, SPECULATORS_SCHEDULE, SPECULATORS_TTT, Candidate,
-                             evaluate_reference, serve_candidates, served_row, share_prompts, train_candidate,
-                             write_report)
+from .served_recipes import (ADAMW_DEFAULT, MUON_MATRICES_2E3, SPECULATORS_HEAD, SPECULATORS_MUON, SPECULATORS_SCHEDULE,
+                             SPECULATORS_TTT, Candidate, evaluate_reference, serve_candidates, served_row,
+                             share_prompts, train_candidate, write_report)
 
 # Each lever as train.py overrides on top of the default; the data levers regenerate their own answers
 # (cached afterwards), so their first run spends that time before training.
 LEVERS = [
-    Candidate("default", [], "the embedded default (EAGLE 3.1, 1 layer, TTT 4, soft CE, draft vocabulary 8192)"),
+    Candidate("default", [], "the embedded default (EAGLE 3.1, 1 layer, TTT 4, soft CE, draft vocabulary 8192, "
+                             "Muon with AdamW: matrices at 2e-3, the rest at 1e-3)"),
+    Candidate("adamw", ADAMW_DEFAULT, "AdamW at 6e-4 over every weight (the default before 2026-11-26, fourth "
+                                      "session; the levers below it were measured against it)"),
     Candidate("eagle3_plain", ["draft.norm_before_fc=false", "draft.norm_output=false"],
               "EAGLE3 without the EAGLE 3.1 norms (the default before 2026-11-26)"),
     Candidate("warm_start", ["draft.init_layers_from_target=true"],
@@ -40,9 +43,16 @@ LEVERS = [
     Candidate("eagle31_ttt3_vocab4k", ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.ttt_length=3",
                                        "draft.draft_vocab_size=4096"],
               "the three levers that won on chat together: EAGLE 3.1 norms, TTT 3, draft vocabulary 4096"),
-    Candidate("muon", ["trainer.optimizer=muon"],
+    Candidate("muon", ["trainer.optimizer=muon", "trainer.lr=6e-4", "trainer.muon_lr=null"],
               "speculators' optimizer: Muon over the layers' matrices, AdamW over the rest, the same peak lr"),
     Candidate("muon_lr1e3", SPECULATORS_MUON, "speculators' optimizer at its learning rate 1e-3 (both groups)"),
+    *[Candidate(f"muon_lr1e3_ns{n}", [*SPECULATORS_MUON, f"trainer.muon_ns_steps={n}"],
+                f"muon_lr1e3 with {n} Newton-Schulz iterations a step, not 5 (a cheaper step on a CPU)")
+      for n in (2, 3)],
+    Candidate("muon_mlr2e3", MUON_MATRICES_2E3,
+              "muon_lr1e3 with the matrices' learning rate at 2e-3"),
+    Candidate("muon_mlr2e3_ns3", [*MUON_MATRICES_2E3, "trainer.muon_ns_steps=3"],
+              "muon_mlr2e3 with 3 Newton-Schulz iterations a step"),
     Candidate("frozen_head", SPECULATORS_HEAD, "the lm_head kept as the target's rows (speculators')"),
     Candidate("speculators_like", ["draft.norm_before_fc=true", "draft.norm_output=true", *SPECULATORS_TTT,
                                    *SPECULATORS_HEAD],

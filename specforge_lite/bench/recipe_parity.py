@@ -33,16 +33,21 @@ import time
 from pathlib import Path
 
 from ..serving import ROOT
-from .served_recipes import (SPECULATORS_HEAD, SPECULATORS_MUON, SPECULATORS_RESIDUAL, SPECULATORS_SCHEDULE,
-                             SPECULATORS_TTT, evaluate_reference, serve_candidates, served_row, share_prompts,
-                             train_candidate, write_report)
+from .served_recipes import (ADAMW_DEFAULT, MUON_MATRICES_2E3, SPECULATORS_HEAD, SPECULATORS_MUON, SPECULATORS_RESIDUAL,
+                             SPECULATORS_SCHEDULE, SPECULATORS_TTT, evaluate_reference, serve_candidates, served_row,
+                             share_prompts, train_candidate, write_report)
 
 PEERS = ("specforge", "speculators")
 # our recipe with one change, as train.py overrides
-VARIANTS = {"muon": ["trainer.optimizer=muon"],
+VARIANTS = {"adamw": ADAMW_DEFAULT,  # (the default before Muon: `ours` in the tables dated before it)
+            "muon": ["trainer.optimizer=muon", "trainer.lr=6e-4", "trainer.muon_lr=null"],
             "muon_lr1e3": SPECULATORS_MUON,  # (speculators' learning rate, both groups)
-            "lr1e3": ["trainer.lr=1e-3"],  # (the same learning rate with our AdamW)
-            "lr2e3": ["trainer.lr=2e-3"],  # (is what Muon buys a larger step? at 400 steps: no)
+            "muon_lr1e3_ns2": [*SPECULATORS_MUON, "trainer.muon_ns_steps=2"],  # (its cheaper step on a CPU)
+            "muon_lr1e3_ns3": [*SPECULATORS_MUON, "trainer.muon_ns_steps=3"],
+            "muon_mlr2e3": MUON_MATRICES_2E3,  # (the matrices' step twice speculators': the default since)
+            "muon_mlr3e3": ["trainer.optimizer=muon", "trainer.lr=1e-3", "trainer.muon_lr=3e-3"],
+            "lr1e3": ["trainer.optimizer=adamw", "trainer.lr=1e-3"],  # (the same learning rate with our AdamW)
+            "lr2e3": ["trainer.optimizer=adamw", "trainer.lr=2e-3"],  # (is what Muon buys a larger step? no)
             # the rest of speculators' recipe in ours, piece by piece (served_recipes.py)
             "ttt3_nodecay": SPECULATORS_TTT,
             "speculators_like": [*SPECULATORS_TTT, *SPECULATORS_HEAD],

@@ -32,7 +32,11 @@ EVAL_SETS = ("heldout", "assistant", "mtbench", "gsm8k", "summarization", "human
 # learning rate, its draft layer (the first layer's residual after hidden_norm), its schedule's linear decay
 SPECULATORS_TTT = ["draft.ttt_length=3", "draft.step_loss_decay=1.0"]
 SPECULATORS_HEAD = ["draft.freeze_lm_head=true"]
-SPECULATORS_MUON = ["trainer.optimizer=muon", "trainer.lr=1e-3"]
+SPECULATORS_MUON = ["trainer.optimizer=muon", "trainer.lr=1e-3", "trainer.muon_lr=null"]  # (1e-3, both groups)
+# the embedded default's optimizer since 2026-11-26 (fourth session): speculators' with the matrices' step at 2e-3,
+# and the AdamW it replaced, which the tables dated before it measured as the default
+MUON_MATRICES_2E3 = ["trainer.optimizer=muon", "trainer.lr=1e-3", "trainer.muon_lr=2e-3"]
+ADAMW_DEFAULT = ["trainer.optimizer=adamw", "trainer.lr=6e-4"]
 SPECULATORS_RESIDUAL = ["draft.norm_before_residual=true"]
 SPECULATORS_SCHEDULE = ["trainer.schedule=linear"]
 
