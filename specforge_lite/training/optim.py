@@ -40,7 +40,7 @@ def for_muon(name: str, p: torch.Tensor) -> bool:
     return p.ndim == 2 and min(p.shape) > 1 and not any(hint in name for hint in VOCABULARY_MATRICES)
 
 
-def orthogonalised(update: torch.Tensor, dtype: torch.dtype, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+def orthogonalised(update: torch.Tensor, dtype: torch.dtype, steps: int, eps: float = 1e-7) -> torch.Tensor:
     """Muon's approximate orthogonalisation: the update scaled to spectral norm <= 1 (by its Frobenius norm),
     then ``steps`` quintic Newton-Schulz iterations X <- a X + (b S + c S^2) X, S = X X^T, on the wide
     orientation (S is the smaller Gram matrix). Its singular values end near 1, not at 1: Muon's design."""
@@ -55,12 +55,12 @@ def orthogonalised(update: torch.Tensor, dtype: torch.dtype, steps: int = 5, eps
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon over 2-D weights with speculators' settings of torch's Muon (momentum 0.95 with Nesterov, 5
-    Newton-Schulz steps unless ``ns_steps`` says otherwise, decoupled weight decay, the step scaled by
+    """Muon over 2-D weights with speculators' settings of torch's Muon (momentum 0.95 with Nesterov,
+    ``ns_steps`` Newton-Schulz steps: trainer.muon_ns_steps, 5 as theirs; decoupled weight decay, the step scaled by
     0.2 sqrt(max(rows, cols)) so that its RMS matches AdamW's and AdamW's learning rates carry over), its
     orthogonalisation in ``ns_dtype`` (tests/test_training.py compares it with torch.optim.Muon)."""
 
-    def __init__(self, params, lr: float, weight_decay: float, ns_dtype: torch.dtype, ns_steps: int = 5,
+    def __init__(self, params, lr: float, weight_decay: float, ns_dtype: torch.dtype, ns_steps: int,
                  momentum: float = 0.95):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "ns_dtype": ns_dtype,
                                   "ns_steps": ns_steps})
