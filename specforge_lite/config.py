@@ -321,9 +321,10 @@ class TrainerConfig:
     resume: str = "auto"  # auto: continue from the newest checkpoint in output_dir | never | PATH
     # Stop cleanly at this step (the schedule still follows max_steps): split a job across allocations.
     stop_at_step: Optional[int] = None
-    # A time budget: train for this many minutes of the loop's wall time (capture included), the schedule's
-    # warmup and decay running over the share of the budget spent (or of max_steps done, whichever is
-    # further; max_steps stays a cap). For comparing recipes at equal cost; resumed runs spend what is left.
+    # A time budget: train for this many minutes of the loop's wall time (capture included; from the end of the
+    # first step, whose one-off costs are no pace), the schedule's warmup and decay running over the share of
+    # the budget spent (or of max_steps done, whichever is further; max_steps stays a cap). For comparing
+    # recipes at equal cost, or capping a run on a slow machine; resumed runs spend what is left.
     max_minutes: Optional[float] = None
     num_threads: Optional[int] = None  # torch CPU threads; null keeps torch's default
     progress_bar: bool = True  # a tqdm bar on the terminal

@@ -534,6 +534,42 @@ def test_a_time_budget_ends_the_run_and_its_schedule_and_a_resume_spends_only_wh
         run_training(tmp_path / "zero", max_steps=5, max_minutes=0)
 
 
+def test_a_time_budget_the_steps_fit_leaves_the_run_independent_of_a_slow_first_step(tmp_path, monkeypatch):
+    """The embedded recipe caps training by time (trainer.max_minutes) where its steps would not fit. On a CPU
+    where they fit, the run must not depend on timing: a first step that pays one-off costs (kernels' first
+    calls, a data loader's start) longer than the budget's pace must neither end the run nor move its
+    learning rates. The loop's clock is simulated: 0.01 s per reading, plus what a slow start adds."""
+    from types import SimpleNamespace
+
+    from specforge_lite.training import loop
+
+    now = [0.0]
+
+    def perf_counter():
+        now[0] += 0.01
+        return now[0]
+
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=perf_counter))
+
+    class SlowStart(BatchStream):  # its first micro-batch costs 5 s of the clock
+        def __next__(self):
+            if not getattr(self, "started", False):
+                self.started = True
+                now[0] += 5.0
+            return super().__next__()
+
+    # 3 s for 12 steps: a pace of 0.25 s a step, which every step but a slow first one keeps
+    fast, fast_draft = run_training(tmp_path / "fast", max_steps=12, max_minutes=0.05, save_every=0)
+    slow, slow_draft = run_training(tmp_path / "slow", max_steps=12, max_minutes=0.05, save_every=0,
+                                    stream_cls=SlowStart)
+    assert fast.step == slow.step == 12
+    lrs = {name: [json.loads(x)["lr"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+           for name in ("fast", "slow")}
+    assert lrs["fast"] == lrs["slow"]
+    for name, tensor in fast_draft.trainable_state_dict().items():
+        assert torch.equal(tensor, slow_draft.trainable_state_dict()[name]), name
+
+
 def test_acceptance_loss_is_zero_on_agreement_and_trains():
     from specforge_lite.draft.objective import token_loss
 

@@ -78,7 +78,7 @@ LEVERS = [
 
 def _study_candidates(step_counts: list[int]) -> list[Candidate]:
     return [Candidate(f"{name}_{steps}", ([] if name == "default" else ["draft.init_layers_from_target=true"]) +
-                      [f"trainer.max_steps={steps}"])
+                      [f"trainer.max_steps={steps}", "trainer.max_minutes=null"])
             for steps in step_counts for name in ("default", "warm_start")]
 
 

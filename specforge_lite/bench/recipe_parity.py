@@ -142,7 +142,8 @@ def main(argv=None) -> None:
                               a.seed)
     python = peer_python() if a.peers else None
     from_store = ["data.source=offline", f"data.store={store}", f"trainer.seed={a.seed}"]
-    budgets = {"steps": ([f"trainer.max_steps={a.steps}"], ["--steps", str(a.steps)]),
+    # (equal steps: no time cap, so the runs are the same whatever else the machine is doing)
+    budgets = {"steps": ([f"trainer.max_steps={a.steps}", "trainer.max_minutes=null"], ["--steps", str(a.steps)]),
                "time": ([f"trainer.max_minutes={a.minutes}", "trainer.max_steps=100000", "trainer.save_every=0"],
                         ["--minutes", str(a.minutes)])}
     runs: dict[str, Path] = {}

@@ -109,6 +109,9 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
                                     spec_defaults=spec_field_defaults(getattr(draft, "spec", None)))
     step, tokens_seen = checkpoints.resume(log)
     started = time.perf_counter() - budget.elapsed
+    # The time budget's clock starts after this process's first step: that step's one-off costs (kernels' first
+    # calls, the first batch) are no pace, and a run whose steps fit the budget stays independent of timing.
+    budget_clock = None
 
     stop_at = min(cfg.max_steps, cfg.stop_at_step) if cfg.stop_at_step is not None else cfg.max_steps
     tracker = tracker_factory(step) if ctx.is_main else None
@@ -136,7 +139,9 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
             ctx.all_reduce_sum(tally.sums)
             step += 1
             if budget.seconds is not None:  # every rank stops at the same step and schedules the same lr
-                budget.elapsed = float(ctx.all_reduce_sum(torch.tensor([time.perf_counter() - started],
+                now = time.perf_counter()
+                budget_clock = budget_clock if budget_clock is not None else now - budget.elapsed
+                budget.elapsed = float(ctx.all_reduce_sum(torch.tensor([now - budget_clock],
                                                                       dtype=torch.float64))) / ctx.world_size
             unscored = check_scored(step, tally.scored, unscored, log)
             tokens_seen += tally.tokens
