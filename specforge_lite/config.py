@@ -150,7 +150,9 @@ class DraftConfig:
     # (its final/). The draft keeps its own shapes, aux ids and vocabulary; these settings' draft.method must
     # be its method. Null: a new draft.
     init_from: Optional[str] = None
-    # Long rows: blockwise holds no [T, T] scores (memory linear in T); dense is the reference that does.
+    # Long rows: blockwise holds no [T, T] scores (memory linear in T); flex is the same through one compiled
+    # flex-attention kernel (CUDA only); dense (every [T, T] score held) and sdpa (one SDPA call over every
+    # step's keys with an explicit mask) are the references whose memory grows with T squared.
     ttt_attention: str = "blockwise"
     # Rows per chunk of the lm_head + loss: no [N, draft_vocab] logits of a whole step are kept (soft_ce:
     # fused, gradients made in the forward; acceptance: recomputed in backward). 0: one chunk.

@@ -199,7 +199,7 @@ def test_blockwise_ttt_attention_equals_the_naive_one_with_gradients(monkeypatch
     """The blockwise attention (query blocks, log-sum-exp merge of the same-row keys, recomputing backward)
     against a naive per-query softmax written here: outputs and the gradients of q and every key and value,
     over several query blocks, grouped-query heads, packed rows and a query offset. Tolerance 1e-5 (fp32:
-    only the order of the sums differs). The dense implementation is held to the same reference."""
+    only the order of the sums differs). The dense and SDPA implementations are held to the same reference."""
     from specforge_lite.draft import attention
 
     monkeypatch.setattr(attention, "QUERY_BLOCK", 3)  # T=10: four blocks, the last one short
@@ -211,7 +211,7 @@ def test_blockwise_ttt_attention_equals_the_naive_one_with_gradients(monkeypatch
         leaves = [torch.randn(B, h, Tq, d, generator=g)]
         leaves += [torch.randn(B, kvh, T if s == 0 else Tq, d, generator=g) for s in range(steps) for _ in "kv"]
         results = []
-        for impl in ("naive", "blockwise", "dense"):
+        for impl in ("naive", "blockwise", "dense", "sdpa"):
             xs = [x.clone().requires_grad_() for x in leaves]
             q, keys, values = xs[0], xs[1::2], xs[2::2]
             seg = segments if packed else None
@@ -224,9 +224,55 @@ def test_blockwise_ttt_attention_equals_the_naive_one_with_gradients(monkeypatch
                 out = cache.attend(q, q_offset, 0.3)
             (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
             results.append([out.detach()] + [x.grad for x in xs])
-        for impl, got in zip(("blockwise", "dense"), results[1:]):
+        for impl, got in zip(("blockwise", "dense", "sdpa"), results[1:]):
             for i, (a, b) in enumerate(zip(got, results[0])):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"{impl} tensor {i}: {m}")
+
+
+def test_flex_ttt_attention_equals_the_naive_one_and_its_block_mask_covers_the_pattern(monkeypatch):
+    """draft.ttt_attention=flex (the step-0 attention through flex attention, CUDA's way) against the naive
+    per-query softmax: outputs over grouped-query heads, packed rows and a query offset (CPU runs flex
+    attention's eager reference, which reads only the element mask, and has no backward: the compiled kernel's
+    gradients are checked against the blockwise way on a GPU by ``bench gpu_scale``). The block structure
+    the kernel skips by is checked on its own against the element pattern written here: every block holding a
+    visible key is listed, and every block listed as full holds only visible keys."""
+    import warnings
+
+    from specforge_lite.draft import attention
+
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+    monkeypatch.setattr(attention, "FLEX_BLOCK", 3)  # T=10: four blocks, the last one short
+    g = torch.Generator().manual_seed(0)
+    B, h, kvh, T, d, steps = 2, 4, 2, 10, 8, 3
+    segments = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 3, 3, 3], [1] * 10])
+    for packed, q_offset in ((False, 0), (True, 0), (True, 6), (False, 4)):
+        Tq, seg = T - q_offset, segments if packed else None
+        q = torch.randn(B, h, Tq, d, generator=g)
+        keys = [torch.randn(B, kvh, T if s == 0 else Tq, d, generator=g) for s in range(steps)]
+        values = [torch.randn_like(k) for k in keys]
+        cache = TTTCache(seg, attention="flex")
+        for k, v in zip(keys, values):
+            cache.append(k, v)
+        want = _naive_ttt_attention(q, keys, values, q_offset, 0.3, seg)
+        torch.testing.assert_close(cache.attend(q, q_offset, 0.3), want, atol=1e-5, rtol=1e-5)
+        rows = torch.arange(Tq)[:, None] + q_offset
+        seen = (torch.arange(T)[None, :] <= rows).expand(B, Tq, T)
+        if packed:
+            seen = seen & (segments[:, rows[:, 0], None] == segments[:, None, :])
+        blocks = attention.causal_block_mask(Tq, T, q_offset, seg, torch.device("cpu"))
+        listed = blocks.to_dense()[:, 0].bool().expand(B, -1, -1)  # [B, nq, nk]: partial or full (B 1: every row)
+        full = torch.zeros_like(listed)
+        n_full, idx_full = (t[:, 0].expand(B, *t.shape[2:])
+                            for t in (blocks.full_kv_num_blocks, blocks.full_kv_indices))
+        for b in range(B):
+            for i in range(listed.shape[1]):
+                full[b, i, idx_full[b, i, : n_full[b, i]].long()] = True
+        for b in range(B):
+            for i in range(listed.shape[1]):
+                for j in range(listed.shape[2]):
+                    cell = seen[b, 3 * i : 3 * i + 3, 3 * j : 3 * j + 3]
+                    assert listed[b, i, j] or not cell.any(), (packed, q_offset, b, i, j)
+                    assert not full[b, i, j] or (cell.all() and cell.shape[1] == 3), (packed, q_offset, b, i, j)
 
 
 def test_checkpointed_steps_and_chunked_loss_give_the_same_loss_and_gradients():
@@ -301,6 +347,38 @@ def test_fused_head_loss_equals_logits_then_log_softmax_with_gradients():
                 if got is not None:
                     gap = float((got.float() - want.float()).abs().max()) / float(want.float().abs().max())
                     assert gap <= tol, (dtype, chunk_rows, gap)
+
+
+def test_under_autocast_every_product_of_the_fused_head_loss_runs_in_bf16():
+    """trainer.precision=bf16 keeps fp32 master weights under bf16 autocast. The lm_head's weight gradient is
+    the largest product of a step ([draft vocab, rows] x [rows, hidden]); accumulated in place over the chunks
+    it ran in fp32 (addmm_ is not autocast), 40% of a GPU step at Llama-3-8B's shape. Every matrix product of
+    the fused head + loss must run in bf16 there, as nn.Linear's own weight gradient does."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from specforge_lite.draft.head_loss import head_soft_cross_entropy
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_,
+                                       torch.ops.aten.bmm):
+                self.dtypes.append(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(10, 16, generator=g, requires_grad=True)
+    w = torch.randn(40, 16, generator=g, requires_grad=True)  # fp32 master weight
+    teacher, rows = torch.randn(12, 40, generator=g), torch.randint(0, 12, (10,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16), Products() as seen:
+        total, _, _ = head_soft_cross_entropy(h, w, teacher, rows, teacher[rows].argmax(-1),
+                                              torch.rand(10, generator=g), 4)
+    total.backward()
+    assert len(seen.dtypes) == 9 and set(seen.dtypes) == {torch.bfloat16}, seen.dtypes  # 3 chunks x 3 products
+    assert w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all()
 
 
 def test_the_fused_head_loss_does_no_gradient_work_under_no_grad(monkeypatch):

@@ -1,7 +1,7 @@
 """python -m specforge_lite.bench <benchmark> [options]
 
 Benchmarks: train_step, regenerate, capture, memory, store, packing, seq_scaling, draft_cache, kill_resume, levers,
-recipe_parity, recipe_card, adapt."""
+recipe_parity, recipe_card, adapt, gpu_scale."""
 
 from __future__ import annotations
 
@@ -13,12 +13,16 @@ BENCHMARKS = {"train_step": "specforge_lite.bench.train_step", "regenerate": "sp
               "seq_scaling": "specforge_lite.bench.seq_scaling", "draft_cache": "specforge_lite.bench.draft_cache",
               "kill_resume": "specforge_lite.bench.kill_resume", "levers": "specforge_lite.bench.levers",
               "recipe_parity": "specforge_lite.bench.recipe_parity", "recipe_card": "specforge_lite.bench.recipe_card",
-              "adapt": "specforge_lite.bench.adapt"}
+              "adapt": "specforge_lite.bench.adapt", "gpu_scale": "specforge_lite.bench.gpu_scale"}
 
 
 def main() -> None:
+    usage = f"usage: python -m specforge_lite.bench {{{','.join(BENCHMARKS)}}} [options]  (--help on each)"
+    if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help"):
+        print(f"{usage}\n\n{__doc__}")
+        return
     if len(sys.argv) < 2 or sys.argv[1] not in BENCHMARKS:
-        sys.exit(f"usage: python -m specforge_lite.bench {{{','.join(BENCHMARKS)}}} [options]  (--help on each)")
+        sys.exit(usage)
     import importlib
 
     import torch

@@ -88,3 +88,100 @@ def causal_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     [B, h, Tk, d] of the same heads: (output [B, h, Tq, d], log-sum-exp of the scores [B, h, Tq] in fp32).
     ``segments`` [B, Tk]: in packed rows a query sees only its own conversation's keys."""
     return _CausalAttentionLSE.apply(q, k, v, scale, q_offset, segments, QUERY_BLOCK)
+
+
+# ---- the same attention through flex attention (CUDA) -------------------------------------------------
+# torch's flex attention runs causal attention as one fused kernel over the visible blocks only, returns the
+# log-sum-exp, and (torch >= 2.7) back-propagates through it: the blockwise loop above in one kernel on a GPU.
+# It compiles per shape (fixed lengths stay compiled; after a second length torch marks the lengths dynamic)
+# and has no backward on CPU, so ``draft.ttt_attention=flex`` is for CUDA devices.
+FLEX_BLOCK = 128
+_flex_compiled = None
+
+
+def _flex_attention(device_type: str):
+    """Compiled flex attention on CUDA (the fused kernel); on CPU the eager reference, for checks without
+    gradients."""
+    global _flex_compiled
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device_type != "cuda":
+        return flex_attention
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(flex_attention)
+    return _flex_compiled
+
+
+def _block_ranges(segments: torch.Tensor, start: int, length: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and block of ``FLEX_BLOCK`` rows of ``segments[:, start:start+length]``: (lowest, highest)
+    conversation id, the padding past ``length`` repeating the last row's."""
+    seg = segments[:, start:start + length]
+    pad = blocks * FLEX_BLOCK - length
+    seg = torch.cat([seg, seg[:, -1:].expand(-1, pad)], dim=1) if pad else seg
+    seg = seg.view(seg.shape[0], blocks, FLEX_BLOCK)
+    return seg.amin(-1), seg.amax(-1)
+
+
+def _sparse(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [B, 1, nq, nk] block pattern as flex attention's (number of blocks per query block, their indices)."""
+    counts = visible.sum(-1, dtype=torch.int32)
+    order = torch.argsort(visible.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts, order
+
+
+def _causal(b, h, q, k):
+    # (one function for every call: a compiled kernel is reused, where a new closure per call could recompile)
+    return q >= k
+
+
+def causal_block_mask(Tq: int, Tk: int, q_offset: int, segments: torch.Tensor | None, device: torch.device):
+    """Flex attention's BlockMask of ``causal_attention_lse``'s pattern, built from block arithmetic (never a
+    [Tq, Tk] tensor): a query block attends to the key blocks it can see, those below the diagonal (and, for
+    packed rows, inside one conversation) as full blocks that need no mask, the others through the mask."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    nq, nk = -(-Tq // FLEX_BLOCK), -(-Tk // FLEX_BLOCK)
+    q_first = torch.arange(nq, device=device) * FLEX_BLOCK + q_offset  # first and last row of each query block
+    q_last = (q_first + FLEX_BLOCK - 1).clamp(max=q_offset + Tq - 1)
+    k_first = torch.arange(nk, device=device) * FLEX_BLOCK
+    k_last = (k_first + FLEX_BLOCK - 1).clamp(max=Tk - 1)
+    visible = (k_first[None, :] <= q_last[:, None])[None, None]  # [1, 1, nq, nk]
+    full = ((k_last[None, :] <= q_first[:, None]) & (k_last[None, :] - k_first[None, :] == FLEX_BLOCK - 1))[None, None]
+    if segments is None:
+        mask_mod = _causal if q_offset == 0 else (lambda b, h, q, k: q + q_offset >= k)
+    else:
+        q_lo, q_hi = _block_ranges(segments, q_offset, Tq, nq)
+        k_lo, k_hi = _block_ranges(segments, 0, Tk, nk)
+        visible = visible & (k_hi[:, None, :] >= q_lo[:, :, None])[:, None]
+        full = full & (k_lo[:, None, :] == q_hi[:, :, None])[:, None]
+        # out-of-range rows of a last, short block read a padded id that no real row has
+        width = max(nq * FLEX_BLOCK + q_offset, nk * FLEX_BLOCK)
+        seg = torch.cat([segments, segments.new_full((segments.shape[0], width - segments.shape[1]), -1)], dim=1)
+
+        def mask_mod(b, h, q, k):
+            return (q + q_offset >= k) & (seg[b, q + q_offset] == seg[b, k])
+    partial = visible & ~full
+    return BlockMask.from_kv_blocks(*_sparse(partial), *_sparse(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(Tq, Tk))
+
+
+def causal_attention_lse_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int = 0,
+                              segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``causal_attention_lse`` through flex attention; keys and values may have fewer (grouped) heads."""
+    device = q.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # (one dtype: under autocast rope may return fp32 queries)
+    mask = causal_block_mask(q.shape[-2], k.shape[-2], q_offset, segments, q.device)
+    out, lse = _flex_attention(device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                                 **_lse_request())
+    if not isinstance(lse, torch.Tensor):  # torch >= 2.9: an AuxOutput
+        lse = lse.lse
+    return out, lse.float()
+
+
+def _lse_request() -> dict:
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # torch < 2.9
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}

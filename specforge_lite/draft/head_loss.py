@@ -33,6 +33,9 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
         row_correct = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
         dh = torch.empty_like(h) if need_dh else None
         dw = None
+        # Under autocast the weight gradient's products run in its dtype (bf16), as nn.Linear's do: an fp32
+        # accumulation in place (addmm_) would run the largest product of the step in fp32.
+        low_precision = torch.is_autocast_enabled(h.device.type)
         size = chunk_rows or max(h.shape[0], 1)
         for s in range(0, h.shape[0], size):
             rows = slice(s, s + size)
@@ -54,8 +57,8 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
                     dh[rows] = torch.matmul(dz, weight).to(h.dtype)
                 if need_dw and dw is None:
                     dw = torch.matmul(dz.t(), h[rows]).float()
-                elif need_dw and dw.dtype == dz.dtype:  # accumulated inside the matmul: no [Vd, H] temporary
-                    dw.addmm_(dz.t(), h[rows])
+                elif need_dw and dw.dtype == dz.dtype and not low_precision:
+                    dw.addmm_(dz.t(), h[rows])  # accumulated inside the matmul: no [Vd, H] temporary
                 elif need_dw:
                     dw.add_(torch.matmul(dz.t(), h[rows]))
         ctx.save_for_backward(dh, dw)

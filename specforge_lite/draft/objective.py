@@ -172,6 +172,10 @@ class Eagle3Objective:
                  else self.sequence.cache(segments, self.attention))
         input_ids, loss_mask, in_vocab = (padded_rows(t, Tp) for t in (x.input_ids, x.loss_mask, x.in_vocab))
         hidden = draft.project_aux([padded_rows(a, Tp)[:, lo:hi] for a in x.aux])
+        # Under autocast the lm_head reads its rows in the autocast dtype: they are gathered in it, halving the
+        # loss's largest input (every step's rows at once: 14 GiB in fp32 for a 128k-token row at hidden 4096).
+        device = x.input_ids.device.type
+        rows_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         scored: list[tuple[torch.Tensor, ...]] = []  # per step: its valid rows, their teacher rows, weight
         counts = []  # per step: (valid over whole rows, this rank's valid)
         for k in range(self.ttt_length):
@@ -188,7 +192,8 @@ class Eagle3Objective:
             rows = mine.nonzero(as_tuple=True)
             t_rows = rows[0] * T + rows[1] + lo + 1 + k  # teacher rows (of the [B * T] flattened teacher)
             weight = (self.decay ** k) / n.clamp(min=1).float()
-            scored.append((hidden[rows], t_rows, weight.expand(len(t_rows))))
+            step_rows = hidden[rows] if rows_dtype is None else hidden[rows].to(rows_dtype)
+            scored.append((step_rows, t_rows, weight.expand(len(t_rows))))
         h, t_rows, weights = (torch.cat(parts) for parts in zip(*scored))
         teacher = x.teacher_logits.flatten(0, 1)
         total, row_loss, row_correct = self._scored(draft, h, teacher, t_rows, teacher_top.flatten()[t_rows], weights)

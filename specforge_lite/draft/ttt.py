@@ -13,13 +13,16 @@ node sees the context and the keys of its own ancestors (``TreeCache``).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from .attention import causal_attention_lse
+from .attention import causal_attention_lse, causal_attention_lse_flex
 
 # blockwise: step-0 attention in query blocks with its log-sum-exp, the same-row keys merged in through it;
-# memory linear in T. dense: the [T, T] scores of every step held at once (the reference, and for benchmarks).
-TTT_ATTENTION = ("blockwise", "dense")
+# memory linear in T. flex: the same, the step-0 attention one flex-attention kernel (CUDA). dense: the [T, T]
+# scores of every step held at once (the reference, and for benchmarks). sdpa: one fused SDPA call per step
+# over every step's keys with an explicit [T, (k+1) T] mask (the usual implementation; for benchmarks).
+TTT_ATTENTION = ("blockwise", "flex", "dense", "sdpa")
 
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -67,7 +70,6 @@ class TTTCache(PerLayer):
         self.values: list[torch.Tensor] = []
         self.segments = segments
         self.attention = attention
-        self.dense = attention == "dense"
         self._init_layers(context)
 
     def _new_layer(self, context: KV | None) -> "TTTCache":
@@ -91,7 +93,8 @@ class TTTCache(PerLayer):
         return len(self.keys)
 
     def attend(self, q: torch.Tensor, q_offset: int, scale: float) -> torch.Tensor:
-        return (ttt_attention_dense if self.dense else ttt_attention)(q, self, q_offset, scale)
+        way = {"dense": ttt_attention_dense, "sdpa": ttt_attention_sdpa}.get(self.attention, ttt_attention)
+        return way(q, self, q_offset, scale)
 
 
 def _after(kept: tuple[torch.Tensor, torch.Tensor] | None, k: torch.Tensor, v: torch.Tensor):
@@ -110,8 +113,11 @@ def ttt_attention(q: torch.Tensor, cache: TTTCache, q_offset: int, scale: float)
     and of each same-row value, as one softmax over all of them would. Equal to ``ttt_attention_dense``.
     """
     groups = q.shape[1] // cache.keys[0].shape[1]
-    k0, v0 = repeat_kv(cache.keys[0], groups), repeat_kv(cache.values[0], groups)
-    out0, lse0 = causal_attention_lse(q, k0, v0, scale, q_offset, cache.segments)
+    if cache.attention == "flex":  # (grouped heads as they are: the kernel maps each query head to its kv head)
+        out0, lse0 = causal_attention_lse_flex(q, cache.keys[0], cache.values[0], scale, q_offset, cache.segments)
+    else:
+        k0, v0 = repeat_kv(cache.keys[0], groups), repeat_kv(cache.values[0], groups)
+        out0, lse0 = causal_attention_lse(q, k0, v0, scale, q_offset, cache.segments)
     if len(cache.keys) == 1:
         return out0
     extra_v = [repeat_kv(v, groups) for v in cache.values[1:]]
@@ -123,20 +129,23 @@ def ttt_attention(q: torch.Tensor, cache: TTTCache, q_offset: int, scale: float)
     return out
 
 
+def _visible_context(Tq: int, T0: int, q_offset: int, segments: torch.Tensor | None, device) -> torch.Tensor:
+    """Which step-0 keys each query row sees: [Tq, T0], or [B, 1, Tq, T0] for packed rows."""
+    rows = torch.arange(Tq, device=device) + q_offset
+    seen = torch.arange(T0, device=device)[None, :] <= rows[:, None]
+    if segments is not None:  # packed rows: another conversation's keys are never visible
+        seg_q = segments[:, q_offset : q_offset + Tq]
+        seen = (seen & (seg_q[:, :, None] == segments[:, None, :T0]))[:, None]
+    return seen
+
+
 def ttt_attention_dense(q: torch.Tensor, cache: TTTCache, q_offset: int, scale: float) -> torch.Tensor:
     """``ttt_attention`` with every [Tq, T] score matrix held at once (autograd keeps one per step)."""
     groups = q.shape[1] // cache.keys[0].shape[1]
     k0, v0 = repeat_kv(cache.keys[0], groups), repeat_kv(cache.values[0], groups)
     T0, Tq = k0.shape[-2], q.shape[-2]
     scores = torch.matmul(q, k0.transpose(-1, -2)) * scale
-    rows = torch.arange(Tq, device=q.device) + q_offset
-    cols = torch.arange(T0, device=q.device)
-    masked = cols[None, :] > rows[:, None]  # [Tq, T0]
-    if cache.segments is not None:  # packed rows: another conversation's keys are never visible
-        seg_q = cache.segments[:, q_offset : q_offset + Tq]
-        masked = masked | (seg_q[:, :, None] != cache.segments[:, None, :])  # [B, Tq, T0]
-        masked = masked[:, None]
-    scores = scores.masked_fill(masked, float("-inf"))
+    scores = scores.masked_fill(~_visible_context(Tq, T0, q_offset, cache.segments, q.device), float("-inf"))
     extra_k = [repeat_kv(k, groups) for k in cache.keys[1:]]
     extra_v = [repeat_kv(v, groups) for v in cache.values[1:]]
     if extra_k:
@@ -147,6 +156,18 @@ def ttt_attention_dense(q: torch.Tensor, cache: TTTCache, q_offset: int, scale: 
     for j, v in enumerate(extra_v):
         out = out + probs[..., T0 + j, None] * v
     return out
+
+
+def ttt_attention_sdpa(q: torch.Tensor, cache: TTTCache, q_offset: int, scale: float) -> torch.Tensor:
+    """``ttt_attention`` as one ``scaled_dot_product_attention`` over the keys of every step, concatenated, with
+    the explicit mask of what each query sees: the step-0 pattern, then the query's own row of each later step."""
+    k, v = torch.cat(cache.keys, dim=-2), torch.cat(cache.values, dim=-2)
+    Tq, T0, steps = q.shape[-2], cache.keys[0].shape[-2], len(cache.keys) - 1
+    context = _visible_context(Tq, T0, q_offset, cache.segments, q.device)
+    own = torch.eye(Tq, dtype=torch.bool, device=q.device).repeat(1, steps).expand(*context.shape[:-1], -1)
+    mask = torch.cat([context, own], dim=-1)
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 class TreeCache(PerLayer):

@@ -29,17 +29,18 @@ class LogitHead:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, family, config):
         self.weight, self.bias, self.family, self.config = weight, bias, family, config
 
-    def _in_head_dtype(self, h: torch.Tensor) -> torch.Tensor:
+    def in_head_dtype(self, h: torch.Tensor) -> torch.Tensor:
+        """The logits as the model computes them, in the head's dtype (a float32 copy of them is exact)."""
         # F.linear, as nn.Linear: the same kernel as the model's lm_head, so the same rounding
         return self.family.postprocess_logits(F.linear(h.to(self.weight.dtype), self.weight, self.bias), self.config)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """Float32 logits [..., rows] for post-final-norm states h [..., H]."""
-        return self._in_head_dtype(h).float()
+        return self.in_head_dtype(h).float()
 
     def argmax(self, h: torch.Tensor) -> torch.Tensor:
         """The argmax of ``self(h)`` without its float32 copy (the cast is exact, ties keep the first row)."""
-        return self._in_head_dtype(h).argmax(-1)
+        return self.in_head_dtype(h).argmax(-1)
 
 
 class Teacher:
@@ -73,9 +74,11 @@ class Teacher:
 
     @torch.no_grad()
     def __call__(self, captured: Captured, needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher logits over the draft vocabulary [B, T, Vd] (fp32) and the in-vocabulary flags [B, T],
-        computed only where ``needed`` [B, T] (all positions when None): elsewhere the logits are zeros
-        and the flags False, which the objective never reads."""
+        """Teacher logits over the draft vocabulary [B, T, Vd] and the in-vocabulary flags [B, T], computed
+        only where ``needed`` [B, T] (all positions when None): elsewhere the logits are zeros and the flags
+        False, which the objective never reads. The logits keep the head's dtype (every reader takes float32 of
+        its rows): a bf16 target's are bf16 exactly, and an fp32 copy would double the largest tensor of a long
+        row (a 128k-token row: 16 GiB in fp32 at a 32k draft vocabulary)."""
         h = captured.final_hidden
         B, T = h.shape[:2]
         if needed is None:
@@ -86,8 +89,8 @@ class Teacher:
             logits = torch.full((B, T, self.draft_vocab_size), float("-inf"), device=values.device)
             logits.scatter_(-1, ids, values)
         else:
-            logits = torch.zeros(B, T, self.draft_vocab_size, device=h.device)
-            logits[where] = self.logits(h[where])
+            logits = torch.zeros(B, T, self.draft_vocab_size, device=h.device, dtype=self.draft_head.weight.dtype)
+            logits[where] = self.draft_head.in_head_dtype(h[where])
         if captured.in_vocab is not None:
             return logits, captured.in_vocab & needed
         in_vocab = torch.zeros(B, T, dtype=torch.bool, device=h.device)

@@ -1,0 +1,459 @@
+"""Online training at a real target's shape on one GPU: ours against SpecForge's and speculators' own code.
+
+    python -m specforge_lite.bench gpu_scale [--target llama3_8b] [--seq-lens 2048,8192,32768,65536,131072]
+        [--ways blockwise,flex,sdpa] [--peers specforge,speculators] [--out gpu_scale.json]
+    python -m specforge_lite.bench gpu_scale --dry-run       (tiny shapes on CPU: the same code, in seconds)
+
+The target has the preset's exact shape with random bf16 weights (no download), built on the GPU. Per row
+length T (micro-batch 1): the target's forward with capture and the teacher (``capture s``), then one draft
+training step, forward + loss + backward (EAGLE 3.1, draft vocabulary 32k, TTT 7; fp32 master weights under
+bf16 autocast, as trainer.precision=bf16 trains): tokens/s and the step's peak memory above its inputs. Every
+row is scored (the teacher's argmax counted inside the draft vocabulary), as the peers score every row.
+
+Ways of the TTT attention (draft.ttt_attention): blockwise (query blocks in a Python loop), flex (one
+compiled flex-attention kernel per step), sdpa (one SDPA call per step over every step's keys with an
+explicit mask: memory quadratic in T), dense. Before timing, each way's loss and gradients at the first
+length are compared with blockwise's (bf16 tolerance): an incorrect way is never the chosen one.
+
+Peers: scripts/peers/NAME_step.py run by ``--peer-python`` (with ``--peer-path`` on PYTHONPATH) on the same
+captured states (a safetensors file per length), on the GPU with the attention and loss their trainers use
+there; a peer that runs out of memory is a row that says so. ``--methods dflash,dspark`` times our block
+drafts' steps at ``--method-seq-lens``. ``--budget-s``: rows not started by then are reported as not run.
+Results go to ``--out`` (JSON, rewritten after every row) and a Markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .seq_scaling import PEER_DRIVERS
+from .shapes import SHAPES
+
+def _llama_fields(shape: dict) -> dict:
+    """A bench/shapes.py shape as a transformers config's fields (rope theta as rope parameters)."""
+    fields = {k: v for k, v in shape.items() if k != "rope_theta"}
+    return {**fields, "rope_parameters": {"rope_type": "default", "rope_theta": shape["rope_theta"]}}
+
+
+# Target presets by shape: (transformers model type, family, config fields). Random weights of this shape.
+TARGETS = {
+    "llama3_8b": ("llama", "llama", _llama_fields(SHAPES["llama3_8b"])),
+    "llama3_70b": ("llama", "llama", _llama_fields(SHAPES["llama3_70b"])),
+    "qwen3_32b": ("qwen3", "qwen3", dict(hidden_size=5120, intermediate_size=25600, num_attention_heads=64,
+                                         num_key_value_heads=8, head_dim=128, num_hidden_layers=64,
+                                         vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                         tie_word_embeddings=False,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "tiny": ("llama", "llama", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                    num_key_value_heads=2, num_hidden_layers=8, vocab_size=512,
+                                    max_position_embeddings=4096, rms_norm_eps=1e-5,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+DRY_RUN = dict(target="tiny", seq_lens="64,160", ways="blockwise,dense,sdpa", draft_vocab=256, methods="dflash,dspark",
+               method_seq_lens="64", repeats=1)
+
+
+def build_target(name: str, device: torch.device, dtype: torch.dtype):
+    """An HFTarget (lean forward) of the preset's shape, random weights made directly on ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..targets.families import get_family
+    from ..targets.hf import HFTarget
+
+    model_type, family, fields = TARGETS[name]
+    config = AutoConfig.for_model(model_type, **fields)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)  # matrices; norm weights
+    rotary = model.model.rotary_emb  # its inv_freq buffer is not a parameter: made again on the device
+    model.model.rotary_emb = type(rotary)(config=config).to(device)
+    model.config.use_cache = False
+    return HFTarget(model, get_family(family), None, location=f"random weights, {name} shape", backend="lean")
+
+
+def build_draft(target, method: str, draft_vocab: int, ttt: int, device: torch.device):
+    """A draft of ``method`` for ``target`` (fp32 master weights), its vocabulary a fixed random draw."""
+    from ..config import DraftConfig
+    from ..draft import Eagle3Spec
+    from ..draft.methods import build_objective, draft_method
+    from ..targets.capture import CONVENTION
+    from ..targets.teacher import Teacher
+
+    # (mask token 0: read only by the methods with mask slots)
+    cfg = DraftConfig(method=method, draft_vocab_size=draft_vocab, ttt_length=ttt, mask_token_id=0)
+    spec = Eagle3Spec.from_target(target.config, cfg, target.aux_layer_ids, CONVENTION, vocab_size=target.vocab_size,
+                                  draft_vocab_size=draft_vocab, target_hidden_size=target.hidden_size)
+    torch.manual_seed(0)
+    draft = draft_method(method).model(spec).to(device)
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randperm(target.vocab_size, generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    draft.set_vocab((ids - torch.arange(draft_vocab)).to(device), t2d.to(device))
+    draft.set_embedding(target.embedding_weight())
+    draft.init_lm_head_from_target(target.full_head()[0], ids)
+    return draft, cfg, Teacher(target, ids, t2d), build_objective
+
+
+def capture(target, teacher, T: int, seed: int):
+    """One row of T random tokens through the target: (UnrollInputs with every row scored, final state)."""
+    from ..draft.objective import Eagle3Objective, UnrollInputs
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, target.vocab_size, (1, T), generator=g).to(target.device)
+    loss_mask = torch.ones(1, T, dtype=torch.long, device=target.device)
+    captured = target.capture(ids)
+    logits, in_vocab = teacher(captured, Eagle3Objective.teacher_positions(loss_mask))
+    return UnrollInputs(captured.aux, ids, logits, torch.ones_like(in_vocab), loss_mask), captured.final_hidden
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_above(fn, device: torch.device) -> tuple[float, int, int]:
+    """(seconds, peak bytes allocated above the level before, peak bytes allocated in all) of one call of
+    ``fn`` (CPU: no peaks, 0)."""
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    if device.type != "cuda":
+        return seconds, 0, 0
+    peak = torch.cuda.max_memory_allocated(device)
+    return seconds, peak - base, peak
+
+
+def measure(fn, device: torch.device, repeats: int, warm_up: bool = True) -> dict:
+    """A warm-up call (compiles, allocator), then ``repeats`` timed calls: median seconds, largest peaks
+    (above the inputs and weights already held, and in all)."""
+    if warm_up:
+        fn()
+    runs = [_peak_above(fn, device) for _ in range(repeats)]
+    return {"seconds": statistics.median(r[0] for r in runs), "peak_gib": max(r[1] for r in runs) / 2**30,
+            "peak_total_gib": max(r[2] for r in runs) / 2**30}
+
+
+def draft_step(draft, objective, inputs, autocast: bool):
+    """Forward + loss + backward of one unroll; gradients dropped after (no optimizer: as the peers are timed)."""
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = objective.unroll(draft, inputs)
+        out.loss.backward()
+        draft.zero_grad(set_to_none=True)
+    return step
+
+
+def _loss_and_grads(draft, objective, inputs, autocast: bool):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        loss = objective.unroll(draft, inputs).loss
+    loss.backward()
+    grads = torch.cat([p.grad.float().flatten() for p in draft.parameters() if p.grad is not None])
+    draft.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+def check_ways(draft, objective, inputs, ways: list[str], autocast: bool) -> dict[str, dict]:
+    """Each way's loss and gradients against an fp32 reference on the same row (blockwise without autocast):
+    relative loss difference and gradients' relative error. In bf16 the gradients of a random-weight draft are
+    far from fp32's (a relative error of about 0.2 at Llama-3-8B's shape on its captured states, for every
+    way); a way is correct when its error is no more than 1.25x blockwise's own under the same autocast
+    (blockwise: checked against a naive attention in fp32 on CPU) and its loss within 1e-2."""
+    ref_loss, ref = _loss_and_grads(draft, replace_attention(objective, "blockwise"), inputs, False)
+    measured = {}
+    for way in ["blockwise", *ways]:
+        try:
+            loss, grads = _loss_and_grads(draft, replace_attention(objective, way), inputs, autocast)
+        except Exception as e:  # noqa: BLE001 (a way that cannot run here is reported, not fatal)
+            measured[way] = {"correct": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            continue
+        measured[way] = {"loss_rel_diff": abs(loss - ref_loss) / max(abs(ref_loss), 1e-30),
+                         "grad_rel_err": float((grads - ref).norm() / ref.norm().clamp_min(1e-30))}
+    bound = 1.25 * measured["blockwise"].get("grad_rel_err", 0.0) + 1e-6
+    for r in measured.values():
+        if "error" not in r:
+            r["correct"] = r["loss_rel_diff"] < 1e-2 and r["grad_rel_err"] <= bound
+    return measured
+
+
+def replace_attention(objective, way: str):
+    """The objective with TTT attention ``way``; "WAY+ckpt" also recomputes each step in backward
+    (draft.checkpointing)."""
+    attention, _, ckpt = way.partition("+")
+    return replace_objective(objective, attention=attention, checkpointing=ckpt == "ckpt")
+
+
+def replace_objective(objective, **changes):
+    new = object.__new__(type(objective))
+    new.__dict__.update(objective.__dict__, **changes)
+    return new
+
+
+def _oom_row(e: BaseException) -> dict:
+    torch.cuda.empty_cache()
+    return {"oom": True, "error": str(e).splitlines()[0][:160]}
+
+
+def run_peer(name: str, a, lens: list[int], folder: Path, shape: dict, over) -> list[dict]:
+    """One row per length: the peer's driver (scripts/peers) over ``folder``'s inputs_T.safetensors, in one
+    process; a length it did not reach is a row that says why."""
+    if not lens:
+        return []
+    if over():
+        return [{"T": T, "skipped": "past --budget-s"} for T in lens]
+    cmd = [a.peer_python, str(PEER_DRIVERS / f"{name}_step.py"), "--seq-len", ",".join(map(str, lens)),
+           "--ttt", str(a.ttt), "--draft-vocab", str(a.draft_vocab), "--repeats", str(a.repeats),
+           "--shape", json.dumps(shape), "--inputs", str(folder / "inputs_{T}.safetensors")]
+    if a.device == "cuda":
+        cmd += ["--device", "cuda", "--dtype", "bfloat16"]
+    env = dict(os.environ)
+    if a.peer_path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (a.peer_path, env.get("PYTHONPATH", "")) if p)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.peer_timeout)
+        stdout, why = proc.stdout, None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["?"])[-1]
+    except subprocess.TimeoutExpired as e:
+        stdout, why = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), \
+            f"ran past --peer-timeout {a.peer_timeout:.0f}s"
+    done = {}
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            if r.get("peak_mib") is not None:
+                r["peak_gib"] = r["peak_mib"] / 1024
+            done[r["seq_len"]] = {"T": r.pop("seq_len"), **r}
+    return [done.get(T) or {"T": T, "error": (why or "no result")[:200]} for T in lens]
+
+
+def save_inputs(inputs, final_hidden, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"aux": torch.cat(inputs.aux, dim=-1).contiguous().cpu(), "input_ids": inputs.input_ids.cpu(),
+               "final_hidden": final_hidden.contiguous().cpu(), "loss_mask": inputs.loss_mask.cpu()}, str(path))
+
+
+class Results:
+    """Rows as they come: printed, and the whole JSON rewritten after each (a run cut short keeps its rows)."""
+
+    def __init__(self, path: str | None, header: dict):
+        self.path, self.data = path, {**header, "rows": []}
+
+    def add(self, row: dict) -> None:
+        self.data["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        if self.path:
+            Path(self.path).write_text(json.dumps(self.data, indent=1))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m specforge_lite.bench gpu_scale", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, every stage (the CI check)")
+    p.add_argument("--target", default="llama3_8b", help=" | ".join(TARGETS))
+    p.add_argument("--seq-lens", default="2048,8192,32768,65536,131072")
+    p.add_argument("--ways", default="blockwise,flex,flex+ckpt,sdpa",
+                   help="TTT attention ways to time (draft.ttt_attention; +ckpt: draft.checkpointing=true)")
+    p.add_argument("--long-ways", default="flex+ckpt,blockwise+ckpt", help="the ways timed from --long-from on")
+    p.add_argument("--long-from", type=int, default=65536)
+    p.add_argument("--ttt", type=int, default=7)
+    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--loss-chunks", default="", help="extra draft.loss_chunk_rows values timed at the first length")
+    p.add_argument("--methods", default="dflash,dspark", help="block drafts timed too ('' for none)")
+    p.add_argument("--method-seq-lens", default="2048,8192")
+    p.add_argument("--peers", default="", help="specforge,speculators: their drivers (scripts/peers)")
+    p.add_argument("--peer-python", default="python3")
+    p.add_argument("--peer-path", default="", help="prepended to the peers' PYTHONPATH (their wheels)")
+    p.add_argument("--peer-seq-lens", default="2048,8192,32768,65536")
+    p.add_argument("--peer-timeout", type=float, default=300, help="seconds for each peer's process, all lengths")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--budget-s", type=float, default=0, help="rows not started after this many seconds are skipped")
+    p.add_argument("--online-only", action="store_true", help="one way, no check, no peers: a big target's run")
+    p.add_argument("--out", default=None)
+    p.add_argument("--table", default=None, metavar="RESULT.json", help="print the table of a result file and exit")
+    a = p.parse_args(argv)
+    if a.table:
+        print_table(json.loads(Path(a.table).read_text()))
+        return
+    if a.dry_run:
+        for k, v in DRY_RUN.items():
+            if p.get_default(k) == getattr(a, k):
+                setattr(a, k, v)
+    a.device = "cuda" if torch.cuda.is_available() and not a.dry_run else "cpu"
+    device = torch.device(a.device)
+    autocast = device.type == "cuda"
+    if device.type != "cuda":  # flex attention has no backward on CPU
+        a.ways, a.long_ways = (",".join(w for w in ways.split(",") if w.split("+")[0] != "flex") or "blockwise"
+                               for ways in (a.ways, a.long_ways))
+    started = time.perf_counter()
+    over = lambda: a.budget_s and time.perf_counter() - started > a.budget_s  # noqa: E731
+
+    from importlib.metadata import version
+
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else None
+    res = Results(a.out, {"target": a.target, "device": gpu or "cpu", "torch": torch.__version__,
+                          "transformers": version("transformers"), "ttt": a.ttt, "draft_vocab": a.draft_vocab,
+                          "date": time.strftime("%Y-%m-%d"), "command": "python -m specforge_lite.bench gpu_scale "
+                          + " ".join(argv if argv is not None else __import__("sys").argv[2:])})
+    t0 = time.perf_counter()
+    target = build_target(a.target, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    draft, cfg, teacher, build_objective = build_draft(target, "eagle3", a.draft_vocab, a.ttt, device)
+    res.add({"what": "setup", "seconds": time.perf_counter() - t0, "target_params_b":
+             sum(p.numel() for p in target.model.parameters()) / 1e9,
+             "draft_trainable_m": sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6,
+             "aux_layer_ids": target.aux_layer_ids})
+    objective = build_objective(cfg)
+    shape = {**TARGETS[a.target][2], "rope_theta": TARGETS[a.target][2]["rope_parameters"]["rope_theta"]}
+    shape.pop("rope_parameters")
+    run = Run(a, res, device, autocast, target, teacher, over, Path(tempfile.mkdtemp(prefix="gpu_scale_")), shape)
+    seq_lens = [int(x) for x in a.seq_lens.split(",")]
+    # short rows, the peers on them, then the long rows and the peers there: a run cut short has the comparison
+    for group in ([T for T in seq_lens if T < a.long_from], [T for T in seq_lens if T >= a.long_from]):
+        for T in group:
+            if not run.ours_at(T, draft, objective, first=T == seq_lens[0]):
+                break  # the target's own forward ran out of memory: longer rows cannot run either
+        run.peers_at(group)
+    del draft
+    for name in filter(None, a.methods.split(",")):
+        run.block_draft(name, build_draft(target, name, a.draft_vocab, a.ttt, device), build_objective)
+    print_table(res.data)
+
+
+class Run:
+    """What the phases of one benchmark share: settings, results, the target and teacher, the clock, and the
+    folder of captured rows handed to the peers."""
+
+    def __init__(self, a, res, device, autocast, target, teacher, over, folder: Path, shape: dict):
+        self.a, self.res, self.device, self.autocast = a, res, device, autocast
+        self.target, self.teacher, self.over, self.folder, self.shape = target, teacher, over, folder, shape
+        self.ways = [w for w in a.ways.split(",") if w]
+        self.peers = [x for x in a.peers.split(",") if x]
+        self.peer_lens = [int(x) for x in a.peer_seq_lens.split(",")]
+
+    def ours_at(self, T: int, draft, objective, first: bool) -> bool:
+        """Capture one row of T tokens, then time our draft step on it in each way (at the first length: each
+        way checked against blockwise first, and the loss chunk sizes); False if the capture ran out of memory."""
+        a, res, device, autocast = self.a, self.res, self.device, self.autocast
+        if self.over():
+            res.add({"what": "ours", "T": T, "skipped": "past --budget-s"})
+            return True
+        try:
+            inputs, final_hidden = capture(self.target, self.teacher, T, seed=T)
+            cap = measure(lambda: capture(self.target, self.teacher, T, seed=T), device, 1, warm_up=False)
+        except torch.cuda.OutOfMemoryError as e:
+            res.add({"what": "capture", "T": T, **_oom_row(e)})
+            return False
+        res.add({"what": "capture", "T": T, "seconds": cap["seconds"], "tokens_per_s": T / cap["seconds"],
+                 "peak_gib": cap["peak_gib"]})
+        if first and not a.online_only:
+            res.add({"what": "check", "T": T, "against": "blockwise in fp32", "ways": check_ways(
+                draft, objective, inputs, [w for w in self.ways if w != "blockwise"], autocast)})
+            for rows in [int(x) for x in a.loss_chunks.split(",") if x]:
+                way = "flex" if "flex" in self.ways else "blockwise"
+                _time_way(res, draft, replace_objective(replace_attention(objective, way), loss_chunk_rows=rows),
+                          inputs, device, autocast, a.repeats, T, way, cap, chunk=rows)
+        long = T >= a.long_from  # (one timed step: a long row's step takes seconds)
+        for way in (a.long_ways.split(",") if long else self.ways)[: 1 if a.online_only else None]:
+            _time_way(res, draft, replace_attention(objective, way), inputs, device, autocast,
+                      1 if long else a.repeats, T, way, cap)
+        if self.peers and T in self.peer_lens:  # the peers run on these very states
+            save_inputs(inputs, final_hidden, self.folder / f"inputs_{T}.safetensors")
+        return True
+
+    def peers_at(self, lens: list[int]) -> None:
+        """Each peer in its own process, one for all these lengths (its compiles paid once), on the saved rows."""
+        lens = [T for T in lens if (self.folder / f"inputs_{T}.safetensors").exists()]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        for name in self.peers:
+            for row in run_peer(name, self.a, lens, self.folder, self.shape, self.over):
+                self.res.add({"what": name, **row})
+        for T in lens:
+            (self.folder / f"inputs_{T}.safetensors").unlink()
+
+    def block_draft(self, name: str, built, build_objective) -> None:
+        block, cfg, _, _ = built
+        objective = build_objective(cfg)
+        for T in [int(x) for x in self.a.method_seq_lens.split(",")]:
+            if self.over():
+                self.res.add({"what": name, "T": T, "skipped": "past --budget-s"})
+                continue
+            try:
+                inputs, _ = capture(self.target, self.teacher, T, seed=T)
+                r = measure(draft_step(block, objective, inputs, self.autocast), self.device, self.a.repeats)
+                self.res.add({"what": name, "T": T, **r, "tokens_per_s": T / r["seconds"]})
+            except torch.cuda.OutOfMemoryError as e:
+                self.res.add({"what": name, "T": T, **_oom_row(e)})
+
+
+def _time_way(res, draft, objective, inputs, device, autocast, repeats, T, way, cap, chunk=None):
+    row = {"what": "ours", "T": T, "way": way, **({"loss_chunk_rows": chunk} if chunk else {})}
+    try:
+        r = measure(draft_step(draft, objective, inputs, autocast), device, repeats)
+    except torch.cuda.OutOfMemoryError as e:
+        draft.zero_grad(set_to_none=True)
+        res.add({**row, **_oom_row(e)})
+        return
+    except Exception as e:  # noqa: BLE001 (a way that fails here is a row that says so, not the end of the run)
+        draft.zero_grad(set_to_none=True)
+        res.add({**row, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
+        return
+    online = cap["seconds"] + r["seconds"]
+    res.add({**row, **r, "tokens_per_s": T / r["seconds"], "online_tokens_per_s": T / online})
+
+
+def print_table(data: dict) -> None:
+    """The Markdown table of a result file: per length, the draft step's tokens/s and peak of each way and
+    peer, and ours (the fastest correct way) against the faster peer."""
+    rows = data["rows"]
+    check = next((r["ways"] for r in rows if r.get("what") == "check"), {})
+    correct = lambda way: way.split("+")[0] == "blockwise" or check.get(way.split("+")[0], {}).get("correct", False)  # noqa: E731,E501
+    cols = sorted({(r["what"], r.get("way", "")) for r in rows if "T" in r and r["what"] not in ("capture", "check")
+                   and not r.get("loss_chunk_rows")}, key=lambda c: (c[0] != "ours", c))
+    print(f"\n{data['device']}, target {data['target']} (random weights), TTT {data['ttt']}, draft vocab "
+          f"{data['draft_vocab']}, micro-batch 1; draft step = forward + loss + backward, tokens/s (peak GiB)")
+    print("| T | capture tok/s | " + " | ".join(f"{w} {x}".strip() for w, x in cols) + " | ours / faster peer |")
+    print("|---" * (len(cols) + 3) + "|")
+    for T in sorted({r["T"] for r in rows if "T" in r}):
+        at = {(r["what"], r.get("way", "")): r for r in rows if r.get("T") == T and not r.get("loss_chunk_rows")}
+        cap = at.get(("capture", ""), {})
+        cells = [_cell(at.get(c)) for c in cols]
+        ours = max((r["tokens_per_s"] for (w, x), r in at.items() if w == "ours" and "tokens_per_s" in r
+                    and correct(x)), default=None)
+        peer = max((r["tokens_per_s"] for (w, _), r in at.items() if w in ("specforge", "speculators")
+                    and r.get("tokens_per_s") and not r.get("oom")), default=None)
+        ratio = f"{ours / peer:.2f}x" if ours and peer else ""
+        print(f"| {T} | {cap.get('tokens_per_s', 0):.0f} | " + " | ".join(cells) + f" | {ratio} |")
+
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return ""
+    if r.get("oom"):
+        return "out of memory"
+    if r.get("skipped") or r.get("error"):
+        return r.get("skipped") or "failed"
+    peak = r.get("peak_gib")
+    return f"{r['tokens_per_s']:.0f}" + (f" ({peak:.1f})" if peak else "")
+
+
+if __name__ == "__main__":
+    main()
