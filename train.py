@@ -14,7 +14,7 @@ import hydra
 from omegaconf import DictConfig
 
 from specforge_lite.arguments import check_arguments
-from specforge_lite.config import register_configs, to_config
+from specforge_lite.config import register_configs, to_config, with_recipe
 from specforge_lite.errors import said_in_one_line
 from specforge_lite.job import run  # (the job itself; tests call it as train.run)
 
@@ -39,4 +39,5 @@ if __name__ == "__main__":
 
     sys.argv = [sys.argv[0], *strip_launcher_args(sys.argv[1:])]
     check_arguments(sys.argv[1:], Path(__file__).parent / "conf")
+    sys.argv = [sys.argv[0], *with_recipe(sys.argv[1:])]  # (a real target: recipe=scale, unless one is named)
     main()

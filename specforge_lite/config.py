@@ -327,7 +327,14 @@ class TrainerConfig:
     # first step, whose one-off costs are no pace), the schedule's warmup and decay running over the share of
     # the budget spent (or of max_steps done, whichever is further; max_steps stays a cap). For comparing
     # recipes at equal cost, or capping a run on a slow machine; resumed runs spend what is left.
+    # Passes over the training conversations: max_steps becomes the steps they take (the conversations over
+    # micro_batch_size x grad_accum_steps x data-parallel ranks, rounded up), and the metrics count epochs.
+    # null: max_steps as given.
+    epochs: Optional[float] = None
     max_minutes: Optional[float] = None
+    # Also a checkpoint once this many minutes passed since the last one (a preempted job of hours loses at most
+    # this much, whatever a step costs); null: by steps only.
+    save_every_minutes: Optional[float] = None
     num_threads: Optional[int] = None  # torch CPU threads; null keeps torch's default
     progress_bar: bool = True  # a tqdm bar on the terminal
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
@@ -413,6 +420,9 @@ def register_configs() -> None:
     cs.store(name="config_schema", node=Config)
 
 
+    # Set by the recipe group (recipe=<name>), named in the run's first line: cpu_20min (the embedded default's
+    # 2-core demo), scale (real training of a served target; the default for any other target), none.
+    recipe_name: str = "none"
 def available_presets(group: str = "model") -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
@@ -466,6 +476,7 @@ RANGES = {
 
 def out_of_range(config: Config) -> list[str]:
     """Each number of ``RANGES`` outside its interval, as "key=value: allowed [low, high]"."""
+    "trainer.epochs": "(0, inf)", "trainer.save_every_minutes": "(0, inf)",
     import math
 
     problems = []
@@ -484,10 +495,40 @@ def out_of_range(config: Config) -> list[str]:
 
 
 def load_config(overrides: list[str] | None = None, config_name: str = "config") -> Config:
-    """Compose the Hydra config from Python (tests, eval, export) exactly as train.py would."""
+    """Compose the Hydra config from Python (tests, eval, export) exactly as train.py would (the recipe the
+    target calls for included: ``with_recipe``)."""
     from hydra import compose, initialize_config_dir
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=list(overrides or []))
+        cfg = compose(config_name=config_name, overrides=with_recipe(list(overrides or [])))
     return to_config(cfg)
+SCALE_RECIPE = "scale"
+
+
+def with_recipe(overrides: list[str]) -> list[str]:
+    """The overrides with ``recipe=scale`` added where the target is a real one and no recipe is named: a model
+    preset whose weights come from a hub id or a folder, or a folder of the user's own (model.path=... on the
+    default preset). The small offline models (the embedded default, the registry and tiny presets) keep
+    conf/config.yaml's recipe, the 2-core demo's; so do sweeps over several presets."""
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    if "recipe" in keys:
+        return list(overrides)
+    model = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "model"), None)
+    if model is None:
+        own_folder = "model.path" in keys
+        return [*overrides, f"recipe={SCALE_RECIPE}"] if own_folder else list(overrides)
+    if "," in model or model not in available_presets("model") or small_offline_model(model):
+        return list(overrides)
+    return [*overrides, f"recipe={SCALE_RECIPE}"]
+
+
+def small_offline_model(preset: str) -> bool:
+    """Whether a model preset is one of the small models that run offline here (the embedded default and the
+    other registry presets, the tiny random ones): the 2-core demo's targets, not ones a draft is served for."""
+    if preset not in available_presets("model"):
+        return False
+    model = model_preset(preset)
+    return model.source == "tiny" or model.registry is not None
+
+

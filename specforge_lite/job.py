@@ -6,6 +6,7 @@ config -> data -> target (capture) -> draft -> training -> export / eval, each s
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from .config import Config
@@ -26,6 +27,8 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
     from .training.output_dir import hold_output_dir
 
     check_settings(config)  # (every setting, once, before anything is built)
+    for line in describe_recipe(config):  # what the run will do, before the target loads
+        log(line)
     if config.data.source != "offline":
         check_data_sources(config.data)
     with process_group(lambda: init_distributed(config.trainer)) as ctx:  # (destroyed when the run ends)
@@ -40,9 +43,46 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
             job = store_run(config, ctx, log) if config.data.source == "offline" else Run.online(config, ctx, log)
             draft = job.build_draft()
             job.write_stats(run_dir)
+            per_epoch = steps_per_epoch(config, len(job.train_data), ctx.data_world_size)
+            if config.trainer.epochs is not None:  # (the same count on resume: the prepared data is cached)
+                config.trainer.max_steps = max(1, math.ceil(config.trainer.epochs * per_epoch))
+                log(f"[train] {config.trainer.epochs:g} epochs over {len(job.train_data)} conversations: "
+                    f"{config.trainer.max_steps} steps (trainer.epochs)")
             result = train(config.trainer, job.objective, job.teacher, draft, job.batches(), run_dir,
-                           lambda step: job.tracker(run_dir, step), draft.spec.to_dict(), log=log, ctx=ctx)
+                           lambda step: job.tracker(run_dir, step), draft.spec.to_dict(), log=log, ctx=ctx,
+                           steps_per_epoch=per_epoch)
             return finish(job, result, draft, run_dir, log)  # export, evaluation, served check
+
+
+def steps_per_epoch(config: Config, conversations: int, data_ranks: int) -> float:
+    """Optimizer steps per pass over ``conversations``: each step reads micro_batch_size x grad_accum_steps
+    conversations on every data-parallel rank."""
+    t = config.trainer
+    return conversations / (t.micro_batch_size * t.grad_accum_steps * data_ranks)
+
+
+def describe_recipe(config: Config) -> list[str]:
+    """The run's plan in one line (and a second where the 2-core demo's recipe meets a real target)."""
+    from .config import small_offline_model
+
+    d, g, t = config.data, config.data.generation, config.trainer
+    source = d.path if d.source == "path" else "+".join(m.source for m in d.mix) if d.source == "mix" else d.source
+    answers = (f"the target's own answers (regenerated: engine {g.engine}" + (f" at {g.server_url}" if g.server_url
+               else "") + ")") if d.regenerate else "the answers as written"
+    length = f"{t.epochs:g} epochs" if t.epochs is not None else f"{t.max_steps} steps"
+    if t.max_minutes is not None:
+        length += f", at most {t.max_minutes:g} min"
+    saves = " or ".join(([f"every {t.save_every} steps"] if t.save_every else [])
+                        + ([f"every {t.save_every_minutes:g} min"] if t.save_every_minutes else [])) or "at the end"
+    lines = [f"[recipe] {config.recipe_name}: {config.model.name} on {source}, {answers}; rows up to {d.max_length} "
+             f"tokens; draft vocabulary {config.draft.draft_vocab_size}, TTT {config.draft.ttt_length}; {length}, "
+             f"{t.micro_batch_size * t.grad_accum_steps} conversation(s) per step and rank; {t.optimizer} lr {t.lr:g}; "
+             f"checkpoints {saves}"]
+    if config.recipe_name == "cpu_20min" and not small_offline_model(config.model.name):
+        lines.append(f"[recipe] cpu_20min is the embedded default's 2-core demo (a few hundred conversations, a small "
+                     f"draft vocabulary, a 10-minute cap); to train a draft for {config.model.name}, leave recipe "
+                     f"out (recipe=scale, the default for a real target)")
+    return lines
 
 
 def main(argv=None) -> None:

@@ -4,6 +4,7 @@ about a method is asked of its registered ``DraftMethod`` (draft/methods.py), so
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -47,6 +48,34 @@ def test_a_setting_no_run_could_finish_with_is_refused_before_training(overrides
     """Each of these used to be refused only at the export or the evaluation, after the whole training."""
     with pytest.raises(ValueError, match=re.escape(said)):
         check_settings(load_config(["tracker=none", *overrides]))
+
+
+def test_a_real_target_trains_with_the_scale_recipe_and_says_so_before_loading(tmp_path):
+    """Tried as a new user would: the mission's command, the README's GPU quick start and a folder of one's own
+    compose the recipe for real training (the target's own answers, rows of 2048, a 32k vocabulary, TTT 7,
+    epochs, AdamW), and the run says what it will do before the target loads (the hub is out of reach here, so
+    the load is where it stops). The embedded default and the small offline presets keep the 2-core demo; a
+    named recipe is kept, and the demo's on a real target is announced."""
+    for overrides in (["model=gemma4", "draft.use_aux_norm=true"], ["model=llama3_8b"],
+                      ["model.path=/models/mine", "model.family=llama"]):
+        c = load_config(["tracker=none", *overrides])
+        assert (c.recipe_name, c.data.regenerate, c.draft.draft_vocab_size, c.draft.ttt_length, c.trainer.epochs,
+                c.trainer.optimizer) == ("scale", True, 32000, 7, 2, "adamw") and c.data.max_length >= 2048, overrides
+    for overrides in ([], ["model=llama3_tiny"], ["model=gemma3_270m"]):
+        assert load_config(["tracker=none", *overrides]).recipe_name == "cpu_20min", overrides
+    assert load_config(["model=llama3_8b", "recipe=none"]).recipe_name == "none"
+    said = {}
+    for recipe in ([], ["recipe=cpu_20min"]):
+        run = subprocess.run([sys.executable, str(ROOT / "train.py"), "model=llama3_8b", "tracker=none", *recipe,
+                              f"output_dir={tmp_path / str(len(recipe))}"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert run.returncode == 1 and "is not reachable" in run.stderr and "Traceback" not in run.stderr
+        said[tuple(recipe)] = [x for x in run.stdout.splitlines() if x.startswith("[")]
+    assert said[()] == [said[()][0]] and said[()][0].startswith(
+        "[recipe] scale: llama3_8b on builtin_chitchat+self_generated, the target's own answers")
+    assert "rows up to 2048 tokens; draft vocabulary 32000, TTT 7; 2 epochs" in said[()][0]
+    demo = said[("recipe=cpu_20min",)]
+    assert demo[0].startswith("[recipe] cpu_20min: llama3_8b") and "leave recipe out (recipe=scale" in demo[1]
 
 
 def test_every_problem_is_said_at_once_and_train_py_says_them_before_building_anything(tmp_path):

@@ -36,7 +36,8 @@ def synthetic_dataset(n=24, vocab=256, seed=0, answers=True):
 
 def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, resume="auto", draft_vocab=None,
                  vocab_offset=0, answers=True, log=lambda m: None, max_minutes=None, save_every=2,
-                 stream_cls=BatchStream, data_seed=0, optimizer="adamw", **stream_kw):
+                 stream_cls=BatchStream, data_seed=0, optimizer="adamw", save_every_minutes=None, steps_per_epoch=None,
+                 **stream_kw):
     target = tiny_target()
     draft = tiny_draft(target, draft_vocab_size=draft_vocab or target.vocab_size, seed=seed)
     if vocab_offset:  # another mapping of the same size
@@ -45,13 +46,13 @@ def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, res
         draft.set_vocab(vocab.d2t, vocab.t2d)
     cfg = TrainerConfig(max_steps=max_steps, micro_batch_size=2, grad_accum_steps=accum, lr=lr, save_every=save_every,
                         stop_at_step=stop_at, progress_bar=False, precision="fp32", warmup_ratio=0.1, resume=resume,
-                        max_minutes=max_minutes, optimizer=optimizer)
+                        max_minutes=max_minutes, optimizer=optimizer, save_every_minutes=save_every_minutes)
     stream = stream_cls(synthetic_dataset(seed=data_seed, answers=answers), cfg.micro_batch_size, pad_id=0, seed=seed,
                         **stream_kw)
     result = train(cfg, Eagle3Objective.from_config(DraftConfig(ttt_length=3)), tiny_teacher(target, draft), draft,
                    stream, run_dir,
                    lambda step: Tracker(TrackerConfig(kind="none"), run_dir, {}, resume_step=step),
-                   draft.spec.to_dict(), log=log)
+                   draft.spec.to_dict(), log=log, steps_per_epoch=steps_per_epoch)
     return result, draft
 
 
@@ -568,6 +569,34 @@ def test_a_time_budget_the_steps_fit_leaves_the_run_independent_of_a_slow_first_
     assert lrs["fast"] == lrs["slow"]
     for name, tensor in fast_draft.trainable_state_dict().items():
         assert torch.equal(tensor, slow_draft.trainable_state_dict()[name]), name
+
+
+def test_checkpoints_by_time_and_metrics_by_epoch(tmp_path, monkeypatch):
+    """trainer.save_every_minutes (the scale recipe's checkpoints) saves once that much of the loop's clock has
+    passed since the last checkpoint, whatever the step count; the metrics count epochs (trainer.epochs). The
+    clock is simulated: every micro-batch costs 20 s, a step (two of them) 40 s, so a checkpoint every minute
+    falls at every second step."""
+    from types import SimpleNamespace
+
+    from specforge_lite.training import loop
+
+    now = [0.0]
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    class Slow(BatchStream):
+        def __next__(self):
+            now[0] += 20.0
+            return super().__next__()
+
+    saved = []
+    real_save = loop.CheckpointManager.save
+    monkeypatch.setattr(loop.CheckpointManager, "save", lambda self, step, *a: saved.append(step) or real_save(
+        self, step, *a))
+    run_training(tmp_path / "r", max_steps=7, save_every=0, save_every_minutes=1.0, stream_cls=Slow,
+                 steps_per_epoch=4.0)
+    assert saved == [2, 4, 6, 7]  # every 80 s of the clock, then the last step
+    epochs = [json.loads(x)["epoch"] for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert epochs[0] == 0.25 and epochs[-1] == 1.75
 
 
 def test_acceptance_loss_is_zero_on_agreement_and_trains():

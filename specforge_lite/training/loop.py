@@ -88,6 +88,15 @@ def check_scored(step: int, scored: int, unscored: int, log) -> int:
     return unscored
 
 
+def time_to_save(cfg: TrainerConfig, saved_at: float, ctx: DistributedContext) -> bool:
+    """Whether trainer.save_every_minutes have passed since the last checkpoint, on any rank (every rank then
+    saves: a ZeRO checkpoint is written by all of them)."""
+    if cfg.save_every_minutes is None:
+        return False
+    due = time.perf_counter() - saved_at >= 60.0 * cfg.save_every_minutes
+    return bool(ctx.all_reduce_sum(torch.tensor([float(due)], dtype=torch.float64)) > 0)
+
+
 @dataclass
 class TrainResult:
     step: int
@@ -99,9 +108,10 @@ class TrainResult:
 
 def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draft: torch.nn.Module,
           stream: BatchStream, run_dir: Path, tracker_factory, spec: dict, log=print,
-          ctx: DistributedContext | None = None) -> TrainResult:
+          ctx: DistributedContext | None = None, steps_per_epoch: float | None = None) -> TrainResult:
     """The loop every rank runs. Each rank draws its own share of every global batch (``stream``),
-    metrics are summed over ranks before logging, and only rank 0 logs and writes shared files."""
+    metrics are summed over ranks before logging, and only rank 0 logs and writes shared files.
+    ``steps_per_epoch``: optimizer steps per pass over the training data, for the metrics' epoch count."""
     ctx = ctx or DistributedContext()
     budget = Budget(cfg)
     engine = build_engine(draft, cfg, ctx, budget)
@@ -125,6 +135,7 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
     last_ckpt = None
     unscored = 0
     t_window, tok_window = time.perf_counter(), 0
+    saved_at = time.perf_counter()  # (trainer.save_every_minutes counts from the last checkpoint)
     stop = StopRequests()
     try:
         while step < stop_at and not budget.spent(step) and not stop.asked(ctx):
@@ -153,6 +164,8 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
                 metrics = {"step": step, "loss": scores.pop("loss"), "lr": engine.lr, "grad_norm": grad_norm,
                            "tokens_seen": tokens_seen, "tokens_per_s": tok_window / max(elapsed, 1e-9),
                            "elapsed_s": time.perf_counter() - started, **scores}
+                if steps_per_epoch:
+                    metrics["epoch"] = step / steps_per_epoch
                 tracker.log(metrics)
                 t_window, tok_window = time.perf_counter(), 0
                 if bar is not None:
@@ -160,8 +173,9 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
                                     tok_s=f"{metrics['tokens_per_s']:.0f}")
             if bar is not None:
                 bar.update(1)
-            if cfg.save_every > 0 and step % cfg.save_every == 0:
+            if (cfg.save_every > 0 and step % cfg.save_every == 0) or time_to_save(cfg, saved_at, ctx):
                 last_ckpt = checkpoints.save(step, tokens_seen)
+                saved_at = time.perf_counter()
         if last_ckpt is None or not last_ckpt.name.endswith(f"{step:08d}"):
             last_ckpt = checkpoints.save(step, tokens_seen)
     finally:
