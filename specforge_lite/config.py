@@ -216,10 +216,11 @@ class DataConfig:
     """The training conversations: where they come from, how they are cut and masked, and regeneration."""
 
     # builtin_chitchat: the bundled chitchat-dataset conversations (MIT), converted to ShareGPT JSONL.
-    # path: a JSONL/JSON file (or folder of them) in ShareGPT or OpenAI `messages` format (data.path).
+    # path: data.path, a JSONL/JSON/Parquet/Arrow file or folder of them, a datasets save_to_disk folder, or a hub
+    # dataset as hf:org/name[:split]; any row shape of docs/data.md (conversations, tools, reasoning, token ids).
     # mix: the sources of data.mix, each taking its weight's share of the training conversations.
     source: str = "builtin_chitchat"
-    path: Optional[str] = None  # data.source=path: the file or folder
+    path: Optional[str] = None  # data.source=path: the file, folder or hf: id (refused under any other source)
     # data.source=mix: e.g. [{source: builtin_chitchat, weight: 1}, {source: path, path: my.jsonl, weight: 2},
     # {source: self_generated, weight: 1}]. The training conversations interleave the sources by weight up to
     # data.max_samples (with regeneration: data.generation.max_conversations); the held-out split comes from
@@ -326,15 +327,15 @@ class TrainerConfig:
     # A time budget: train for this many minutes of the loop's wall time (capture included; from the end of the
     # first step, whose one-off costs are no pace), the schedule's warmup and decay running over the share of
     # the budget spent (or of max_steps done, whichever is further; max_steps stays a cap). For comparing
-    # recipes at equal cost, or capping a run on a slow machine; resumed runs spend what is left.
     # Passes over the training conversations: max_steps becomes the steps they take (the conversations over
     # micro_batch_size x grad_accum_steps x data-parallel ranks, rounded up), and the metrics count epochs.
     # null: max_steps as given.
     epochs: Optional[float] = None
-    max_minutes: Optional[float] = None
+    # recipes at equal cost, or capping a run on a slow machine; resumed runs spend what is left.
     # Also a checkpoint once this many minutes passed since the last one (a preempted job of hours loses at most
     # this much, whatever a step costs); null: by steps only.
     save_every_minutes: Optional[float] = None
+    max_minutes: Optional[float] = None
     num_threads: Optional[int] = None  # torch CPU threads; null keeps torch's default
     progress_bar: bool = True  # a tqdm bar on the terminal
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
@@ -419,10 +420,10 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
 
-
     # Set by the recipe group (recipe=<name>), named in the run's first line: cpu_20min (the embedded default's
     # 2-core demo), scale (real training of a served target; the default for any other target), none.
     recipe_name: str = "none"
+
 def available_presets(group: str = "model") -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
@@ -475,8 +476,8 @@ RANGES = {
 
 
 def out_of_range(config: Config) -> list[str]:
-    """Each number of ``RANGES`` outside its interval, as "key=value: allowed [low, high]"."""
     "trainer.epochs": "(0, inf)", "trainer.save_every_minutes": "(0, inf)",
+    """Each number of ``RANGES`` outside its interval, as "key=value: allowed [low, high]"."""
     import math
 
     problems = []
@@ -494,15 +495,6 @@ def out_of_range(config: Config) -> list[str]:
     return problems
 
 
-def load_config(overrides: list[str] | None = None, config_name: str = "config") -> Config:
-    """Compose the Hydra config from Python (tests, eval, export) exactly as train.py would (the recipe the
-    target calls for included: ``with_recipe``)."""
-    from hydra import compose, initialize_config_dir
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=with_recipe(list(overrides or [])))
-    return to_config(cfg)
 SCALE_RECIPE = "scale"
 
 
@@ -532,3 +524,12 @@ def small_offline_model(preset: str) -> bool:
     return model.source == "tiny" or model.registry is not None
 
 
+def load_config(overrides: list[str] | None = None, config_name: str = "config") -> Config:
+    """Compose the Hydra config from Python (tests, eval, export) exactly as train.py would (the recipe the
+    target calls for included: ``with_recipe``)."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=with_recipe(list(overrides or [])))
+    return to_config(cfg)

@@ -9,16 +9,17 @@ from __future__ import annotations
 import torch
 
 from .config import Config, out_of_range
+from .data.prepare import data_setting_problems
 from .draft import draft_method
-from .evaluate.acceptance import DRAFTING
 from .draft.ttt import TTT_ATTENTION
+from .evaluate.acceptance import DRAFTING
 from .evaluate.finish import SERVED_CHECKS
 from .export import export_format
 from .training.optim import DECAYS, OPTIMIZERS
 
 
 def setting_problems(config: Config) -> list[str]:
-    problems = out_of_range(config)
+    problems = out_of_range(config) + data_setting_problems(config.data)
     try:
         method = draft_method(config.draft.method)
     except ValueError as e:
@@ -29,12 +30,12 @@ def setting_problems(config: Config) -> list[str]:
         problems.append("draft.freeze_lm_head=true with draft.init_lm_head_from_target=false: a frozen lm_head would "
                         "keep its random rows; set draft.init_lm_head_from_target=true (or continue a draft with "
                         "draft.init_from)")
-    t = config.trainer
     if d.ttt_attention not in TTT_ATTENTION:
         problems.append(f"draft.ttt_attention={d.ttt_attention!r}: use one of {', '.join(TTT_ATTENTION)}")
     elif d.ttt_attention == "flex" and not torch.cuda.is_available():
         problems.append("draft.ttt_attention=flex needs a CUDA device (flex attention has no backward on a CPU); use "
                         "draft.ttt_attention=blockwise, the same attention in query blocks")
+    t = config.trainer
     if t.optimizer not in OPTIMIZERS:
         problems.append(f"trainer.optimizer={t.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
     elif t.optimizer == "muon" and t.deepspeed.enabled:

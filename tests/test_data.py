@@ -27,11 +27,11 @@ def test_sharegpt_and_openai_rows_normalise_alike():
 
 
 @pytest.mark.parametrize("row, reason", [
-    ({"text": "x"}, "neither"),
+    ({"text": "x"}, "none of 'conversations'"),
     ({"messages": []}, "empty"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "unknown role"),
     ({"messages": [{"role": "user", "content": 3}]}, "not text"),
-    ({"messages": [{"role": "user", "content": "only a question"}]}, "no non-empty assistant"),
+    ({"messages": [{"role": "user", "content": "only a question"}]}, "set data.regenerate=true"),
     ([1, 2], "not an object"),
 ])
 def test_malformed_rows_are_named(row, reason):

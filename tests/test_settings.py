@@ -36,7 +36,6 @@ from specforge_lite.settings import check_settings, setting_problems
     (["trainer.optimizer=muon", "trainer.deepspeed.enabled=true"], "which Muon cannot orthogonalise as matrices"),
     (["trainer=zero2"], "use trainer.optimizer=adamw under DeepSpeed (the embedded recipe"),  # (its Muon)
     (["trainer.schedule=step"], "trainer.schedule='step': use one of cosine, linear"),
-])
     (["draft.ttt_attention=flash"], "draft.ttt_attention='flash': use one of blockwise, flex, dense, sdpa"),
     (["draft.ttt_attention=flex"], "draft.ttt_attention=flex needs a CUDA device"),  # (these machines have none)
     # (a data.path no source reads: once dropped silently, a missing file passing too)
@@ -44,6 +43,7 @@ from specforge_lite.settings import check_settings, setting_problems
      "data.source is mix: use data=sharegpt data.path=/nowhere/chats.jsonl (or add {source: path, path: ...}"),
     (["data=chitchat", "data.path=chats.parquet"], "data.source is builtin_chitchat: use data=sharegpt "
      "data.path=chats.parquet"),
+])
 def test_a_setting_no_run_could_finish_with_is_refused_before_training(overrides, said):
     """Each of these used to be refused only at the export or the evaluation, after the whole training."""
     with pytest.raises(ValueError, match=re.escape(said)):

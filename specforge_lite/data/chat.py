@@ -10,13 +10,20 @@ block of earlier answers, GPT-OSS's Harmony ends the last answer with ``<|return
 ones with ``<|end|>``. A conversation through such a template becomes one sample per assistant turn,
 each rendered the way the served model sees that turn (history as the template renders history,
 the turn itself as the live answer), with the loss on that turn only.
+
+An assistant turn is what the served model writes: its text, its reasoning (``<think>`` in Qwen3's
+template) and its tool calls are in the loss; tool results, like user turns, are context. Tools and
+reasoning go to the template as transformers and vLLM pass them (``tools=``, ``tool_calls`` with
+object arguments, ``reasoning_content``); a template that would drop them is refused by name.
+A pre-tokenized row is its own sample, as given.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from .formats import MalformedRow, conversation_images
+from .formats import REASONING, REASONING_KEYS, MalformedRow, conversation_images, is_pretokenized
 from .images import ImageInputs
 
 # One training sample: token ids, loss mask, and the image files its ids hold placeholders for.
@@ -25,9 +32,92 @@ Sample = tuple[list[int], list[int], list[str]]
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
            images: ImageInputs | None = None) -> str:
-    if images is not None:
-        messages = [{**m, "content": images.render(m["content"])} if m.get("images") else m for m in messages]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    """The conversation as the target's template writes it, with the tools its first turn carries (formats.py)."""
+    tools = messages[0].get("tools") if messages else None
+    key = reasoning_key(tokenizer) if any(REASONING in m for m in messages) else REASONING
+    messages = [_for_template(m, key, images) for m in messages]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **({"tools": tools} if tools else {}))
+
+
+def _for_template(message: dict[str, Any], reasoning: str, images: ImageInputs | None) -> dict[str, Any]:
+    out = {k: v for k, v in message.items() if k != "tools"}
+    if images is not None and out.get("images"):
+        out["content"] = images.render(out["content"])
+    if REASONING in out and reasoning != REASONING:
+        out[reasoning] = out.pop(REASONING)
+    return out
+
+
+# ---- what a template can render: probed once per template ------------------------------------------------------
+_PROBED: dict[tuple[str, str], Any] = {}
+
+
+def _probe(tokenizer: Any, what: str, probe) -> Any:
+    key = (str(tokenizer.chat_template), what)
+    if key not in _PROBED:
+        _PROBED[key] = probe(tokenizer)
+    return _PROBED[key]
+
+
+def _try_render(tokenizer: Any, messages: list[dict[str, Any]], **kwargs) -> str | Exception:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception as e:  # noqa: BLE001  (a template's own raise_exception, or a type error inside it)
+        return e
+
+
+def _tool_problem(tokenizer: Any) -> str | None:
+    """What of a tool-calling conversation the template leaves out (None: it renders all of it)."""
+    call = {"id": "call_0", "type": "function", "function": {"name": "probe_called_fn", "arguments": {"x": 1}}}
+    tools = [{"type": "function", "function": {"name": "probe_offered_fn", "description": "d",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    text = _try_render(tokenizer, [{"role": "user", "content": "q"},
+                                   {"role": "assistant", "content": "", "tool_calls": [call]},
+                                   {"role": "tool", "tool_call_id": "call_0", "content": "probe_result_text"}],
+                       tools=tools)
+    if isinstance(text, Exception):
+        return f"fails on them ({type(text).__name__}: {str(text).splitlines()[0] if str(text) else ''})"
+    missing = [what for what, mark in (("tools", "probe_offered_fn"), ("tool calls", "probe_called_fn"),
+                                       ("tool results", "probe_result_text")) if mark not in text]
+    return f"renders no {', '.join(missing)}" if missing else None
+
+
+def reasoning_key(tokenizer: Any) -> str:
+    """The name under which the template reads an answer's reasoning."""
+    def probe(tok):
+        for key in REASONING_KEYS:
+            text = _try_render(tok, [{"role": "user", "content": "q"},
+                                     {"role": "assistant", "content": "a", key: "probe_reasoning_text"}])
+            if isinstance(text, str) and "probe_reasoning_text" in text:
+                return key
+        return None
+
+    key = _probe(tokenizer, "reasoning", probe)
+    if key is None:
+        raise MalformedRow(f"{_template_name(tokenizer)} renders no reasoning (it reads none of "
+                           f"{', '.join(REASONING_KEYS)}): set model.chat_template=/path/to/template.jinja to the "
+                           "target's template that does, or put the reasoning in the answer as the target writes it")
+    return key
+
+
+def check_renderable(tokenizer: Any, messages: list[dict[str, Any]]) -> None:
+    """The template renders what the conversation holds (tools, tool calls and results, reasoning), else a
+    MalformedRow naming the template and the fix: a template that drops them would train the draft on text the
+    served target never sees."""
+    if is_pretokenized(messages):
+        return
+    if messages[0].get("tools") or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        problem = _probe(tokenizer, "tools", _tool_problem)
+        if problem:
+            raise MalformedRow(f"{_template_name(tokenizer)} {problem}: set model.chat_template=/path/to/"
+                               "template.jinja to the target's template that renders tools (the one its server uses)")
+    if any(REASONING in m for m in messages):
+        reasoning_key(tokenizer)
+
+
+def _template_name(tokenizer: Any) -> str:
+    return f"the chat template of {tokenizer.name_or_path or 'the tokenizer'}"
 
 
 class NotPrefixStable(MalformedRow):
@@ -65,11 +155,17 @@ def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], images: Imag
 _MAX_CHARS_PER_TOKEN = 16
 
 
+def _chars(message: dict[str, Any]) -> int:
+    """About how many characters the template writes for a turn (its tools and calls as JSON)."""
+    extra = [message[k] for k in ("tools", "tool_calls") if message.get(k)]
+    return len(message["content"]) + len(message.get(REASONING, "")) + (len(json.dumps(extra)) if extra else 0)
+
+
 def _within_budget(messages: list[dict[str, str]], max_length: int) -> list[dict[str, str]]:
     budget, kept = max_length * _MAX_CHARS_PER_TOKEN, []
     for m in messages:
         kept.append(m)
-        budget -= len(m["content"])
+        budget -= _chars(m)
         if budget < 0:
             break
     return kept
@@ -96,6 +192,8 @@ def tokenize_samples(tokenizer: Any, messages: list[dict[str, str]], max_length:
     only (rendered as the live turn, the earlier ones as the template renders history)."""
     if loss_turns not in LOSS_TURNS:
         raise ValueError(f"data.loss_turns={loss_turns!r}: use one of {LOSS_TURNS}")
+    if is_pretokenized(messages):
+        return [_given(messages[0], max_length)]
     if loss_turns == "last":
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
         if last is None:
@@ -121,6 +219,19 @@ def tokenize_samples(tokenizer: Any, messages: list[dict[str, str]], max_length:
     if not samples:
         raise MalformedRow(f"no assistant tokens within max_length={max_length}")
     return samples
+
+
+def _given(message: dict[str, Any], max_length: int) -> Sample:
+    """A pre-tokenized row's sample: its ids and mask as they are, cut at max_length."""
+    ids, mask = message["input_ids"][:max_length], message["loss_mask"][:max_length]
+    if sum(mask) == 0:
+        raise MalformedRow(f"no assistant tokens within max_length={max_length}")
+    return ids, mask, []
+
+
+def given_prompt(message: dict[str, Any]) -> list[int]:
+    """A pre-tokenized row's prompt: its ids before the first one in the loss."""
+    return message["input_ids"][: message["loss_mask"].index(1)]
 
 
 def _check_images(messages: list[dict[str, Any]], images: ImageInputs | None) -> None:
@@ -162,7 +273,9 @@ def generation_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
 def prompt_ids(tokenizer: Any, messages: list[dict[str, str]], images: ImageInputs | None = None
                ) -> tuple[list[int], list[str]]:
     """The conversation up to its first assistant turn, ready for the assistant to answer, and the
-    image files its ids hold placeholders for."""
+    image files its ids hold placeholders for (a pre-tokenized row: its ids before the first one in the loss)."""
+    if is_pretokenized(messages):
+        return given_prompt(messages[0]), []
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     _check_images(messages[:first], images)
     ids = generation_prompt_ids(tokenizer, messages[:first], images)

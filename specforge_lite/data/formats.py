@@ -1,7 +1,13 @@
-"""Conversation rows in the two public formats, normalised to ``[{"role", "content"}, ...]``.
+"""Rows in the public shapes, normalised to messages ``[{"role", "content", ...}, ...]``.
 
-* ShareGPT: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": "..."}]}``
-* OpenAI: ``{"messages": [{"role": "user"|"assistant"|"system", "content": "..."}]}``
+* ShareGPT: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": "..."}]}``, with LLaMA-Factory's
+  ``function_call`` / ``observation`` turns and a row-level ``tools``;
+* OpenAI: ``{"messages": [{"role": "user"|"assistant"|"system"|"tool", "content": "..."}]}``, assistant turns
+  with ``tool_calls`` and ``reasoning_content`` (or ``reasoning``, ``thinking``), a row-level ``tools``
+  (tools.py says how calls and results are normalised);
+* a prompt: ``{"prompt": "..."}`` (or a list of messages), with an optional ``completion``;
+* pre-tokenized: ``{"input_ids": [...], "loss_mask": [...]}`` (optional ``attention_mask``), one message of role
+  ``tokens`` that carries them as they are.
 
 Images (vision targets): OpenAI content parts ``[{"type": "image", "image": "a.png"}, {"type": "text", ...}]``
 (``image_url`` with a local path or ``file://`` URL too), or LLaVA-style ShareGPT rows with ``"image"`` /
@@ -12,18 +18,27 @@ content (see images.py).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from .errors import MalformedRow
 from .images import IMAGE_MARKER
+from .readers import iter_rows  # noqa: F401  (adapt/ and bench/ read rows through here)
+from .tools import calls_from, row_tools, tool_calls, tool_result
 
 ROLES = {
     "human": "user", "user": "user",
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "model": "assistant", "bot": "assistant",
+    "function_call": "assistant",
+    "tool": "tool", "function": "tool", "observation": "tool", "ipython": "tool",
     "system": "system",
 }
+# An assistant turn's reasoning, under the names datasets give it: Qwen3's and DeepSeek's templates read the first
+# (the name it is kept under here), vLLM's responses and GPT-OSS's template the others (chat.py renders it under
+# the name the target's template reads).
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+REASONING = REASONING_KEYS[0]
+TOKENS = "tokens"  # the role of a pre-tokenized row's one message
 
 
 def _image_path(ref: Any, base_dir: Path | None, confine: bool) -> str:
@@ -61,33 +76,17 @@ def _content_parts(parts: list, base_dir: Path | None, confine: bool) -> tuple[s
     return "".join(text), images
 
 
-def normalize_conversation(row: Any, base_dir: Path | None = None, confine_images: bool = True
-                           ) -> list[dict[str, Any]]:
+def normalize_conversation(row: Any, base_dir: Path | None = None, confine_images: bool = True, *,
+                           prompts: bool = False, vocab_size: int | None = None) -> list[dict[str, Any]]:
+    """A row as messages. ``prompts``: a row without an answer (or ending on a user turn) gets an empty
+    assistant turn for the target to write (data.regenerate); else it is refused. ``vocab_size``: a
+    pre-tokenized row's ids must lie below it."""
     if not isinstance(row, dict):
         raise MalformedRow(f"row is a {type(row).__name__}, not an object")
-    if "messages" in row:
-        turns, role_key, text_key = row["messages"], "role", "content"
-    elif "conversations" in row:
-        turns, role_key, text_key = row["conversations"], "from", "value"
-    else:
-        raise MalformedRow("row has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI)")
-    if not isinstance(turns, list) or not turns:
-        raise MalformedRow("conversation is empty or not a list")
-    messages = []
-    for turn in turns:
-        if not isinstance(turn, dict):
-            raise MalformedRow("a turn is not an object")
-        role = turn.get(role_key, turn.get("role", turn.get("from")))
-        text = turn.get(text_key, turn.get("content", turn.get("value")))
-        if role not in ROLES:
-            raise MalformedRow(f"unknown role {role!r}")
-        images: list[str] = []
-        if isinstance(text, list):
-            text, images = _content_parts(text, base_dir, confine_images)
-        if not isinstance(text, str):
-            raise MalformedRow(f"turn content is {type(text).__name__}, not text")
-        _check_encodable(text)
-        messages.append({"role": ROLES[role], "content": text, **({"images": images} if images else {})})
+    if "input_ids" in row:
+        return [pretokenized(row, vocab_size)]
+    messages = [_message(turn, role_key, text_key, base_dir, confine_images)
+                for turn, role_key, text_key in _turns(row)]
     _attach_row_images(row, messages, base_dir, confine_images)
     if any(m["role"] == "system" for m in messages[1:]):
         raise MalformedRow("a system message appears after the first turn")
@@ -95,9 +94,125 @@ def normalize_conversation(row: Any, base_dir: Path | None = None, confine_image
     start = 1 if messages[0]["role"] == "system" else 0
     while start < len(messages) and messages[start]["role"] == "assistant":
         del messages[start]
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
-        raise MalformedRow("no non-empty assistant turn to learn from")
+    if not messages:
+        raise MalformedRow("no turn before the first answer")
+    tools = row_tools(row)
+    if tools:  # (carried by the first turn, so that every prefix of the conversation renders them)
+        messages[0] = {**messages[0], "tools": tools}
+    return _with_answers(messages, prompts)
+
+
+def _turns(row: dict) -> list[tuple[dict, str, str]]:
+    """(turn, its role key, its text key) for each turn of the row."""
+    if "messages" in row:
+        turns, role_key, text_key = row["messages"], "role", "content"
+    elif "conversations" in row:
+        turns, role_key, text_key = row["conversations"], "from", "value"
+    elif "prompt" in row:  # a prompt (text or messages), and its completion if the row has one
+        turns = [t for key in ("prompt", "completion") if key in row
+                 for t in (row[key] if isinstance(row[key], list)
+                           else [{"role": "user" if key == "prompt" else "assistant", "content": row[key]}])]
+        role_key, text_key = "role", "content"
+    else:
+        raise MalformedRow("row has none of 'conversations' (ShareGPT), 'messages' (OpenAI), 'prompt', or "
+                           "'input_ids' with 'loss_mask' (pre-tokenized)")
+    if not isinstance(turns, list) or not turns:
+        raise MalformedRow("conversation is empty or not a list")
+    if not all(isinstance(t, dict) for t in turns):
+        raise MalformedRow("a turn is not an object")
+    return [(t, role_key, text_key) for t in turns]
+
+
+def _field(turn: dict, *keys: str) -> Any:
+    return next((turn[k] for k in keys if turn.get(k) is not None), None)
+
+
+def _message(turn: dict, role_key: str, text_key: str, base_dir: Path | None, confine: bool) -> dict[str, Any]:
+    role = _field(turn, role_key, "role", "from")
+    if role not in ROLES:
+        raise MalformedRow(f"unknown role {role!r}")
+    text = _field(turn, text_key, "content", "value")
+    if ROLES[role] == "tool":
+        message = tool_result(turn, text)
+        _check_encodable(message["content"])
+        return message
+    calls = calls_from(text) if role == "function_call" else tool_calls(turn) if ROLES[role] == "assistant" else []
+    if calls and (role == "function_call" or text is None):
+        text = ""  # (the turn is its calls)
+    images: list[str] = []
+    if isinstance(text, list):
+        text, images = _content_parts(text, base_dir, confine)
+    if not isinstance(text, str):
+        raise MalformedRow(f"turn content is {type(text).__name__}, not text")
+    _check_encodable(text)
+    message = {"role": ROLES[role], "content": text, **({"images": images} if images else {})}
+    if calls:
+        message["tool_calls"] = calls
+    reasoning = _field(turn, *REASONING_KEYS) if message["role"] == "assistant" else None
+    if reasoning is not None:
+        if not isinstance(reasoning, str):
+            raise MalformedRow(f"the reasoning of a turn is {type(reasoning).__name__}, not text")
+        message[REASONING] = reasoning
+    return message
+
+
+def learnable(message: dict[str, Any]) -> bool:
+    """An assistant turn with something to learn: text, tool calls or reasoning."""
+    return message["role"] == "assistant" and bool(message["content"].strip() or message.get("tool_calls")
+                                                     or message.get(REASONING, "").strip())
+
+
+PROMPT_ONLY = ("no assistant answer to learn from (a prompt-only row): set data.regenerate=true to have the target "
+               "write the answers")
+
+
+def _with_answers(messages: list[dict[str, Any]], prompts: bool) -> list[dict[str, Any]]:
+    if prompts:
+        if messages[-1]["role"] != "assistant":  # (the target answers the last turn too)
+            messages.append({"role": "assistant", "content": ""})
+        return messages
+    if not any(map(learnable, messages)):
+        raise MalformedRow(PROMPT_ONLY)
     return messages
+
+
+def pretokenized(row: dict, vocab_size: int | None) -> dict[str, Any]:
+    """A pre-tokenized row as the one message that carries it: its ids and loss mask are used as they are."""
+    ids, mask = _unpadded(row)
+    if not set(mask) <= {0, 1}:
+        raise MalformedRow("loss_mask holds values other than 0 and 1")
+    if not any(mask):
+        raise MalformedRow("loss_mask is 0 everywhere: no token to learn")
+    if mask[0]:  # (what a draft speeds up follows a prompt, and the held-out rows' prompts are evaluated)
+        raise MalformedRow("loss_mask is 1 on the first token: a row starts with its prompt (loss 0)")
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None) if vocab_size is not None else None
+    if bad is not None:
+        raise MalformedRow(f"token id {bad} lies outside the target's vocabulary of {vocab_size}: tokenize the row "
+                           "with the target's tokenizer")
+    return {"role": TOKENS, "content": "", "input_ids": ids, "loss_mask": mask}
+
+
+def _unpadded(row: dict) -> tuple[list[int], list[int]]:
+    """A pre-tokenized row's ids and loss mask, checked to be integer lists of one length, without the positions
+    its attention_mask pads."""
+    ids, mask, attention = row["input_ids"], row.get("loss_mask"), row.get("attention_mask")
+    if mask is None:
+        raise MalformedRow("a pre-tokenized row (input_ids) has no loss_mask: add one, 1 on the tokens to learn")
+    for name, values in (("input_ids", ids), ("loss_mask", mask), ("attention_mask", attention)):
+        if values is not None and not (isinstance(values, list) and all(type(v) is int for v in values)):
+            raise MalformedRow(f"{name} is not a list of integers")
+        if values is not None and len(values) != len(ids):
+            raise MalformedRow(f"{name} has {len(values)} entries and input_ids {len(ids)}: they must be as long")
+    if attention is None:
+        return ids, mask
+    kept = [i for i, a in enumerate(attention) if a]
+    if not kept or kept[-1] - kept[0] + 1 != len(kept):
+        raise MalformedRow("attention_mask is not one run of 1s (padding on one side): give the unpadded row")
+    return ids[kept[0]: kept[-1] + 1], mask[kept[0]: kept[-1] + 1]
+
+
+def is_pretokenized(messages: list[dict[str, Any]]) -> bool:
+    return messages[0]["role"] == TOKENS
 
 
 def _check_encodable(text: str) -> None:
@@ -113,7 +228,7 @@ def _attach_row_images(row: dict, messages: list[dict[str, Any]], base_dir: Path
     """LLaVA-style rows: images listed at the row, placed at the <image> markers in turn order (or all
     before the first user turn when the text has no markers, as LLaVA does)."""
     refs = row.get("images", row.get("image"))
-    if refs is None:
+    if not refs:  # (none, or a table column's empty list)
         return
     paths = [_image_path(r, base_dir, confine) for r in (refs if isinstance(refs, list) else [refs])]
     markers = sum(m["content"].count(IMAGE_MARKER) for m in messages)
@@ -134,67 +249,3 @@ def _attach_row_images(row: dict, messages: list[dict[str, Any]], base_dir: Path
 
 def conversation_images(messages: list[dict[str, Any]]) -> list[str]:
     return [p for m in messages for p in m.get("images") or []]
-
-
-def iter_rows(path: str | Path) -> Iterator[tuple[Path, str, Any]]:
-    """Yield ``(file, location, parsed_row_or_exception)`` for a JSONL/JSON file or a folder of them."""
-    path = Path(path).expanduser()
-    files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json")) if path.is_dir() else [path]
-    if not files:
-        raise FileNotFoundError(f"no .jsonl or .json files under {path}")
-    for f in files:
-        try:
-            yield from _file_rows(f)
-        except OSError as e:  # a symlink loop or a dangling link, a file that cannot be read: one counted skip
-            yield f, f"{f}", MalformedRow(f"the file cannot be read ({e.strerror or e})")
-
-
-def _file_rows(f: Path) -> Iterator[tuple[Path, str, Any]]:
-    if f.suffix == ".json":
-        try:
-            rows = _parse(_utf8(f.read_bytes()))
-        except UnicodeDecodeError as e:
-            before = e.object[: e.start]
-            line = before.count(b"\n") + 1
-            yield f, f"{f}:{line}", _not_utf8(e, e.start - before.rfind(b"\n"))
-            return
-        except MalformedRow as e:
-            yield f, f"{f}", e
-            return
-        if not isinstance(rows, list):
-            rows = [rows]
-        for i, row in enumerate(rows):
-            yield f, f"{f}[{i}]", row
-        return
-    with open(f, "rb") as fh:
-        for n, raw in enumerate(fh, 1):
-            try:
-                line = _utf8(raw) if n == 1 else raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield f, f"{f}:{n}", _not_utf8(e, e.start + 1)
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield f, f"{f}:{n}", _parse(line)
-            except MalformedRow as e:
-                yield f, f"{f}:{n}", e
-
-
-def _parse(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise MalformedRow(f"invalid JSON: {e.msg}") from None
-    except RecursionError:
-        raise MalformedRow("JSON nested deeper than any conversation (the parser's recursion limit)") from None
-
-
-def _utf8(data: bytes) -> str:
-    """UTF-8 text, a leading byte-order mark (Windows tools write one) dropped."""
-    return data.decode("utf-8-sig")
-
-
-def _not_utf8(e: UnicodeDecodeError, column: int) -> MalformedRow:
-    return MalformedRow(f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at column {column}): save the file as "
-                        f"UTF-8")

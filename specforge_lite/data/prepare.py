@@ -12,20 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from ..config import DataConfig, MixSource, cache_dir
-from ..errors import UserError
 from .builtin import chitchat_path, shapes_path
-from .chat import LOSS_TURNS, prompt_ids, tokenize_samples
-from .formats import MalformedRow, conversation_images, iter_rows, normalize_conversation
+from .chat import LOSS_TURNS, check_renderable, given_prompt, prompt_ids, tokenize_samples
+from .errors import DataError, MalformedRow
+from .formats import conversation_images, is_pretokenized, normalize_conversation
 from .images import ImageInputs
+from .readers import SUFFIXES, hub_dataset, is_hub_id, iter_rows, source_files, source_name
 from .regenerate import regenerate, regeneration_key
 from .self_generated import write_requests
 
-_PREP_VERSION = "4"  # bump when tokenisation or masking changes, so stale caches are not reused
+_PREP_VERSION = "5"  # bump when tokenisation or masking changes, so stale caches are not reused
 _HELDOUT_SEED = 1234  # fixed: the held-out split does not move with trainer.seed
-
-
-class DataError(UserError):
-    pass
 
 
 @dataclass
@@ -67,19 +64,36 @@ def mix_sources(cfg: DataConfig) -> list[MixSource]:
     return list(cfg.mix)
 
 
-def data_file(cfg: DataConfig | MixSource) -> Path:
+PATH_SOURCES = ("path", "jsonl", "file")
+
+
+def data_setting_problems(cfg: DataConfig) -> list[str]:
+    """Data settings no run would read (said before anything runs, with the fix)."""
+    if cfg.path is not None and cfg.source not in PATH_SOURCES:
+        return [f"data.path={cfg.path} is read only with data.source=path, and data.source is {cfg.source}: use "
+                f"data=sharegpt data.path={cfg.path}"
+                + (" (or add {source: path, path: ...} to data.mix)" if cfg.source == "mix" else "")]
+    return []
+
+
+def data_file(cfg: DataConfig | MixSource) -> Path | str:
+    """Where a source's rows are: a file or folder, or a hub dataset's id (``hf:org/name[:split]``)."""
     if cfg.source == "builtin_chitchat":
         return chitchat_path()
     if cfg.source == "builtin_shapes":
         return shapes_path()
-    if cfg.source in ("path", "jsonl", "file"):
+    if cfg.source in PATH_SOURCES:
         if not cfg.path:
             raise DataError(f"data.source={cfg.source} needs data.path=/path/to/data.jsonl")
+        if is_hub_id(cfg.path):
+            hub_dataset(cfg.path)  # (loaded, or refused with the reason, before the target is built)
+            return cfg.path
         path = Path(cfg.path).expanduser()
         if not path.exists():
             raise FileNotFoundError(
-                f"data.path={str(path)!r} does not exist; give a JSONL/JSON file or folder of them "
-                "(ShareGPT 'conversations' or OpenAI 'messages' rows), or data.source=builtin_chitchat")
+                f"data.path={str(path)!r} does not exist; give a file ({', '.join(SUFFIXES)}) or a folder of them, "
+                "a folder saved with datasets' save_to_disk, or a hub dataset as hf:org/name[:split]; or "
+                "data.source=builtin_chitchat")
         return _read_once(path)
     raise DataError(f"data.source={cfg.source!r}: use builtin_chitchat, builtin_shapes (image conversations, for "
                     "vision targets), path (with data.path=...) or mix (with data.mix=...; its sources may also be "
@@ -117,11 +131,10 @@ def check_data_sources(cfg: DataConfig) -> None:
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
 
 
-def _fingerprint(paths: list[Path], tokenizer: Any, cfg: DataConfig, images: ImageInputs | None = None) -> str:
+def _fingerprint(paths: list[Path | str], tokenizer: Any, cfg: DataConfig, images: ImageInputs | None = None) -> str:
     h = hashlib.sha256()
     for path in paths:
-        files = sorted(path.rglob("*.json*")) if path.is_dir() else [path]
-        for f in files:
+        for f in source_files(path):
             h.update(str(f.name).encode())
             try:
                 with open(f, "rb") as fh:
@@ -129,7 +142,7 @@ def _fingerprint(paths: list[Path], tokenizer: Any, cfg: DataConfig, images: Ima
                         h.update(chunk)
             except OSError as e:  # (reading its rows counts it as a skipped file, with the reason)
                 h.update(str(e).encode())
-        if images is not None:  # token counts follow image sizes and the processor; pixels are read per batch
+        if images is not None and not is_hub_id(path):  # token counts follow image sizes and the processor
             folder = path if path.is_dir() else path.parent
             for f in sorted(p for p in folder.rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES):
                 try:
@@ -156,7 +169,10 @@ def _fingerprint(paths: list[Path], tokenizer: Any, cfg: DataConfig, images: Ima
 
 
 def opening(messages: list[dict[str, str]]) -> str:
-    """A conversation's first user turn, normalised: what an evaluation prompt is made of."""
+    """A conversation's first user turn, normalised: what an evaluation prompt is made of (a pre-tokenized row:
+    its ids before the first one in the loss)."""
+    if is_pretokenized(messages):
+        return "ids:" + " ".join(map(str, given_prompt(messages[0])))
     first = next((m for m in messages if m["role"] == "user"), {"content": ""})
     # the same question about another image is another prompt
     return " ".join(first["content"].lower().split()) + "|".join(first.get("images") or [])
@@ -194,7 +210,7 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     pools, heldout_convs, reasons, total, n_convs, first_at = {}, [], Counter(), 0, 0, {}
     as_written: set[int] = set()  # (ids of the conversations whose answers regeneration leaves alone)
     for i, path in files.items():
-        conversations, bad, rows, where = _read_conversations(path, cfg)
+        conversations, bad, rows, where = _read_conversations(path, cfg, tokenizer, _takes_prompts(cfg, sources[i]))
         reasons.update(bad)
         first_at = {**where, **first_at}
         total += rows
@@ -246,7 +262,8 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
             raise ValueError("data.regenerate=true needs the target to generate answers (pass generate=...)")
         # Answers to image turns keep the dataset's text (the generator takes text prompts only), and a source
         # with regenerate: false keeps its own.
-        keep = lambda c: bool(conversation_images(c)) or id(c) in as_written  # noqa: E731
+        # Pre-tokenized rows have no text to answer: they are kept as given.
+        keep = lambda c: bool(conversation_images(c)) or id(c) in as_written or is_pretokenized(c)  # noqa: E731
         train_convs, kept = _regenerated_first(train_convs, keep)
         heldout_convs, held_kept = _regenerated_first(heldout_convs, keep)
         train_text, regen_stats = regenerate(train_convs[: len(train_convs) - kept], generate, cfg.generation,
@@ -261,7 +278,8 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
 
     def tokenize(batch):
         out = {"input_ids": [], "loss_mask": [], "images": [], "error": []}
-        for messages in batch["messages"]:
+        for text in batch["conversation"]:
+            messages = json.loads(text)
             try:
                 for ids, mask, paths in tokenize_samples(tokenizer, messages, cfg.max_length, images,
                                                          cfg.loss_turns):
@@ -276,8 +294,10 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
         if not convs:  # (typed: an untyped empty dataset cannot be read back from disk)
             return datasets.Dataset.from_dict({"input_ids": [], "loss_mask": [], "images": []},
                                               features=_sample_features()), Counter()
-        ds = datasets.Dataset.from_dict({"messages": convs})
-        ds = ds.map(tokenize, batched=True, remove_columns=["messages"],
+        # as JSON text: Arrow would give every turn the fields of all (tool_calls: null on a user turn), and
+        # templates test whether a field is there
+        ds = datasets.Dataset.from_dict({"conversation": [json.dumps(c) for c in convs]})
+        ds = ds.map(tokenize, batched=True, remove_columns=["conversation"],
                     num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
                     desc="tokenising")
         errors = Counter(e for e in ds["error"] if e)
@@ -294,8 +314,8 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     if len(train) == 0:
         raise DataError(
             f"no usable training conversations in {path} after filtering ({dict(reasons)}; {overlap} shared an "
-            f"opening with a held-out prompt); check the format "
-            f"(ShareGPT 'conversations' or OpenAI 'messages') and data.max_length={cfg.max_length}"
+            f"opening with a held-out prompt); check the row shapes (docs/data.md) and "
+            f"data.max_length={cfg.max_length}"
         )
     n_tokens = sum(len(x) for x in train["input_ids"])
     stats.update({"train": len(train), "heldout": len(heldout), "train_tokens": n_tokens,
@@ -316,7 +336,7 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     except OSError:
         pass  # a concurrent run published the same content first
     skipped = sum(reasons.values())
-    sources = ", ".join(f"{k}: {v}" for k, v in stats["mix"].items()) if "mix" in stats else path.name
+    sources = ", ".join(f"{k}: {v}" for k, v in stats["mix"].items()) if "mix" in stats else source_name(path)
     log(f"[data] {sources}: {len(train)} train / {len(heldout)} held-out conversations, {n_tokens} train tokens; "
         f"{overlap} training conversations dropped for sharing an opening with a held-out prompt"
         + (f"; skipped {skipped}: {dict(reasons)}" if skipped else ""))
@@ -332,17 +352,25 @@ def _sample_features():
     return datasets.Features({"input_ids": ints, "loss_mask": ints, "images": paths})
 
 
-def _read_conversations(path: Path, cfg: DataConfig) -> tuple[list, Counter, int, dict[str, str]]:
+def _takes_prompts(cfg: DataConfig, source: MixSource) -> bool:
+    """Whether rows without answers are usable: the target writes every answer of this source."""
+    return cfg.regenerate and source.regenerate is not False
+
+
+def _read_conversations(path: Path | str, cfg: DataConfig, tokenizer: Any, prompts: bool
+                        ) -> tuple[list, Counter, int, dict[str, str]]:
     """A file source's conversations, the reasons of the rows skipped, the number of rows, and where each
-    reason was first met (file:line)."""
+    reason was first met (file:line). ``prompts``: rows without answers are kept for the target to answer."""
     conversations, reasons, total, first_at = [], Counter(), 0, {}
     for file, where, row in iter_rows(path):
         total += 1
         try:
             if isinstance(row, Exception):
                 raise row
-            conversations.append(normalize_conversation(row, base_dir=file.parent,
-                                                        confine_images=not cfg.images_outside_folder))
+            messages = normalize_conversation(row, base_dir=file.parent, confine_images=not cfg.images_outside_folder,
+                                              prompts=prompts, vocab_size=len(tokenizer))
+            check_renderable(tokenizer, messages)
+            conversations.append(messages)
         except MalformedRow as e:
             reasons[str(e)] += 1
             first_at.setdefault(str(e), where)
@@ -411,7 +439,7 @@ def _regenerated_first(convs: list, keep) -> tuple[list, int]:
     return [c for c in convs if not keep(c)] + kept, len(kept)
 
 
-def _check_malformed(total: int, reasons: Counter, cfg: DataConfig, path: Path, first_at: dict[str, str],
+def _check_malformed(total: int, reasons: Counter, cfg: DataConfig, path: Path | str, first_at: dict[str, str],
                      what: str = "are malformed") -> None:
     bad = sum(reasons.values())
     if total == 0:
