@@ -181,6 +181,14 @@ class GenerationConfig:
     server_url: Optional[str] = None  # openai: e.g. http://127.0.0.1:8000/v1 (null: start vLLM, stop it after)
     server_model: Optional[str] = None  # openai: the model name the server serves (null: the target's path)
     concurrency: int = 64  # openai: completion requests in flight
+    # openai: each request is retried this many times by the openai client (connection errors, timeouts, HTTP
+    # 408/409/429/5xx; exponential backoff from 0.5 s to 8 s, or the server's Retry-After).
+    max_retries: int = 8
+    request_timeout: float = 600.0  # openai: seconds each try of a request may take (queued at the server included)
+    # openai: a conversation whose request still fails after the retries is left out of training, counted and
+    # named; more than this share of the conversations failing stops the run (the answers made are kept, and
+    # the same command asks only for the missing ones).
+    max_failed_fraction: float = 0.01
     server_memory_fraction: float = 0.25  # openai, vLLM started here: its gpu_memory_utilization (CPU: of RAM)
     batch_size: int = 32  # answers generated at once (lean: KV-cache slots; hf: conversations per generate())
     dtype: str = "auto"  # auto: the target's dtype (itself bf16 only where native); float32 | bfloat16
@@ -319,7 +327,14 @@ class TrainerConfig:
     precision: str = "auto"  # auto | fp32 | bf16
     seed: int = 0  # of the draft's initialisation, the data order and every random generator
     log_every: int = 1  # steps between metrics lines
+    # Passes over the training conversations: max_steps becomes the steps they take (the conversations over
+    # micro_batch_size x grad_accum_steps x data-parallel ranks, rounded up), and the metrics count epochs.
+    # null: max_steps as given.
+    epochs: Optional[float] = None
     save_every: int = 100  # steps between checkpoints (0: only the last step's)
+    # Also a checkpoint once this many minutes passed since the last one (a preempted job of hours loses at most
+    # this much, whatever a step costs); null: by steps only.
+    save_every_minutes: Optional[float] = None
     keep_checkpoints: int = 2  # the newest this many are kept
     resume: str = "auto"  # auto: continue from the newest checkpoint in output_dir | never | PATH
     # Stop cleanly at this step (the schedule still follows max_steps): split a job across allocations.
@@ -327,14 +342,7 @@ class TrainerConfig:
     # A time budget: train for this many minutes of the loop's wall time (capture included; from the end of the
     # first step, whose one-off costs are no pace), the schedule's warmup and decay running over the share of
     # the budget spent (or of max_steps done, whichever is further; max_steps stays a cap). For comparing
-    # Passes over the training conversations: max_steps becomes the steps they take (the conversations over
-    # micro_batch_size x grad_accum_steps x data-parallel ranks, rounded up), and the metrics count epochs.
-    # null: max_steps as given.
-    epochs: Optional[float] = None
     # recipes at equal cost, or capping a run on a slow machine; resumed runs spend what is left.
-    # Also a checkpoint once this many minutes passed since the last one (a preempted job of hours loses at most
-    # this much, whatever a step costs); null: by steps only.
-    save_every_minutes: Optional[float] = None
     max_minutes: Optional[float] = None
     num_threads: Optional[int] = None  # torch CPU threads; null keeps torch's default
     progress_bar: bool = True  # a tqdm bar on the terminal
@@ -412,6 +420,9 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     output_dir: str = "runs/default"  # the run's folder (train.py: runs/<timestamp> unless given)
+    # Set by the recipe group (recipe=<name>), named in the run's first line: cpu_20min (the embedded default's
+    # 2-core demo), scale (real training of a served target; the default for any other target), none.
+    recipe_name: str = "none"
 
 
 def register_configs() -> None:
@@ -420,9 +431,6 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
 
-    # Set by the recipe group (recipe=<name>), named in the run's first line: cpu_20min (the embedded default's
-    # 2-core demo), scale (real training of a served target; the default for any other target), none.
-    recipe_name: str = "none"
 
 def available_presets(group: str = "model") -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
@@ -459,6 +467,8 @@ RANGES = {
     "data.generation.max_turns": "[1, inf)", "data.generation.max_conversations": "[1, inf)",
     "data.generation.temperature": "[0, inf)", "data.generation.top_p": "(0, 1]",
     "data.generation.max_new_tokens": "[1, inf)", "data.generation.concurrency": "[1, inf)",
+    "data.generation.max_retries": "[0, inf)", "data.generation.request_timeout": "(0, inf)",
+    "data.generation.max_failed_fraction": "[0, 1]",
     "data.generation.server_memory_fraction": "(0, 1]", "data.generation.batch_size": "[1, inf)",
     "trainer.max_steps": "[1, inf)", "trainer.micro_batch_size": "[1, inf)", "trainer.grad_accum_steps": "[1, inf)",
     "trainer.lr": "[0, inf)", "trainer.weight_decay": "[0, inf)", "trainer.muon_lr": "[0, inf)",
@@ -466,6 +476,7 @@ RANGES = {
     "trainer.min_lr_ratio": "[0, 1]", "trainer.grad_clip": "[0, inf)", "trainer.log_every": "[1, inf)",
     "trainer.save_every": "[0, inf)", "trainer.keep_checkpoints": "[1, inf)", "trainer.stop_at_step": "[1, inf)",
     "trainer.max_minutes": "(0, inf)", "trainer.num_threads": "[1, inf)", "trainer.deepspeed.zero_stage": "[0, 3]",
+    "trainer.epochs": "(0, inf)", "trainer.save_every_minutes": "(0, inf)",
     "trainer.deepspeed.reduce_bucket_size": "[1, inf)", "trainer.deepspeed.allgather_bucket_size": "[1, inf)",
     "trainer.deepspeed.sequence_parallel": "[1, inf)",
     "eval.num_prompts": "[1, inf)", "eval.max_new_tokens": "[1, inf)", "eval.num_draft_tokens": "[1, inf)",
@@ -476,7 +487,6 @@ RANGES = {
 
 
 def out_of_range(config: Config) -> list[str]:
-    "trainer.epochs": "(0, inf)", "trainer.save_every_minutes": "(0, inf)",
     """Each number of ``RANGES`` outside its interval, as "key=value: allowed [low, high]"."""
     import math
 

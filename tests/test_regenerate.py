@@ -73,7 +73,9 @@ def test_resume_after_kill_regenerates_only_what_is_missing():
     again = Recorder()
     resumed, _ = regenerate(CONVS, again, cfg, "run", log=lambda m: None)
     assert resumed == straight
-    assert len(again.prompts) == len(CONVS) * 2 - 2 * 2  # the first batch (2 conversations x 2 turns) was kept
+    # every answer given before the kill was kept, not only the finished shard's: 3 calls x 2 answers
+    assert len(again.prompts) == len(CONVS) * 2 - 3 * 2
+    assert not any(p in dying.prompts for p in again.prompts)
 
 
 def test_sampled_resume_draws_what_an_uninterrupted_run_draws():

@@ -561,6 +561,29 @@ def test_regeneration_through_vllms_own_server_agrees_with_the_hf_engine(serving
     assert [c[1]["content"] for c in cached] == answers["openai"]
 
 
+def test_regeneration_survives_a_failing_proxy_in_front_of_vllm_and_a_kill(serving_python, smollm2, tmp_path,
+                                                                          monkeypatch):
+    """vLLM's own server behind a proxy failing one request in five (HTTP 500, dropped connections, a hang past
+    the timeout): the regeneration completes with every answer; and a process regenerating through it, killed
+    after 9 answers, is resumed by a rerun that asks vLLM for none of them again (tests/test_regenerate_served.py
+    runs the same scenarios against our lean engine's endpoint)."""
+    from specforge_lite.serving import VLLMServer
+    from test_regenerate_served import FlakyProxy, check_every_answer_arrives, check_kill_and_resume, close, serve
+
+    monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
+    config, target, tok = smollm2
+    model = str(target.location)
+    with VLLMServer(model, max_model_len=512, dtype="float32", python=serving_python, log=lambda m: None) as server:
+        for check in (lambda proxy: check_every_answer_arrives(config, target, tok, proxy, model),
+                      lambda proxy: check_kill_and_resume(proxy, model, model, tmp_path / "cache" / "regenerated")):
+            proxy = FlakyProxy(server.base_url)
+            serve(proxy)
+            try:
+                check(proxy)
+            finally:
+                close(proxy)
+
+
 def test_a_vllm_servers_request_log_reads_as_the_conversations_it_served(serving_python, smollm2, tmp_path):
     """adapt's traffic reader on a real vLLM server's log (--enable-log-requests --enable-log-outputs at DEBUG):
     every chat completion it answered, streamed or not, is one conversation, the request's messages and then

@@ -7,22 +7,27 @@ Here every assistant turn (up to ``max_turns`` per conversation) is replaced by 
   already regenerated (the EAGLE recipe). Turns are generated in order, batched across conversations.
 * ``context=last``: each answer sees only the user turn before it (single-turn samples, fully parallel).
 
-Results are cached under a key of (data, model, settings) in shards written atomically, so a killed
-run resumes at the first unfinished shard and a finished one is reused as is.
+Results are cached under a key of (data, model, settings) in shards written atomically, and every answer of an
+unfinished shard is journaled as it arrives: a killed run resumes without asking for any answer it was given,
+and a finished one is reused as is. A request that fails for good (a serving engine, after its client's
+retries) leaves its conversation out, counted and named; above ``max_failed_fraction`` the run stops.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import torch
 
 from ..config import GenerationConfig, cache_dir
+from ..errors import UserError
 from ..files import write_jsonl
 
 Messages = list[dict[str, str]]
@@ -73,7 +78,8 @@ class PromptQueue:
 @runtime_checkable
 class AnswerStream(Protocol):
     """A generator of the target's answers: ``stream(queue)`` yields ``(key, answer)`` as answers finish,
-    taking prompts from the queue as it has room (prompts pushed meanwhile included), until it is empty."""
+    taking prompts from the queue as it has room (prompts pushed meanwhile included), until it is empty. An
+    answer is the text, or a FailedAnswer where the request failed for good."""
 
     def stream(self, queue: PromptQueue) -> Iterator[tuple[Any, str]]: ...
 
@@ -128,6 +134,7 @@ class ConversationJob:
         self.done: Messages = []
         self.cursor = self.turns = 0  # index in the source conversation; answers taken
         self.empty = False  # an answer came back empty: the conversation ends at its last good turn
+        self.failed: str | None = None  # why a request failed for good: the conversation is left out
 
     def next_prompt(self) -> Messages | None:
         """The conversation so far, ready for the next answer; None when there is nothing left to answer."""
@@ -149,16 +156,198 @@ class ConversationJob:
         self.turns += 1
 
     def result(self) -> Messages | None:
-        """The rebuilt conversation, ending on an answer (None if it holds no answer)."""
+        """The rebuilt conversation, ending on an answer (None if it holds no answer or failed)."""
+        if self.failed:
+            return None
         conv = list(self.done)
         while conv and conv[-1]["role"] != "assistant":
             conv.pop()
         return conv if any(m["role"] == "assistant" for m in conv) else None
 
 
+class RegenerationFailed(UserError):
+    """More requests failed for good than data.generation.max_failed_fraction allows."""
+
+
+@dataclass(frozen=True)
+class FailedAnswer:
+    """What an answer stream yields for a prompt whose request failed for good (a serving engine, after its
+    client's retries): the conversation is left out of this run's data, and a rerun asks for it again."""
+
+    reason: str
+
+
+class AnswerJournal:
+    """The answers of unfinished shards as they arrive, one JSON line each, appended and flushed at once: a
+    killed run keeps every answer it was given. A line cut short (the machine went down while writing) is
+    dropped when read back, and that one answer is asked for again."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = None
+
+    def read(self) -> dict[tuple[int, int], str]:
+        """The answers so far by (unit, turn). A torn last line is cut off, so the next append starts a line."""
+        if not self.path.is_file():
+            return {}
+        data = self.path.read_bytes()
+        whole = data[: data.rfind(b"\n") + 1]
+        if len(whole) < len(data):
+            os.truncate(self.path, len(whole))
+        answers = {}
+        for line in whole.splitlines():
+            try:
+                row = json.loads(line)
+                answers[(row["unit"], row["turn"])] = row["answer"]
+            except (ValueError, KeyError, TypeError):
+                continue  # garbled (two writers crashed mid-line): that answer is asked for again
+        return answers
+
+    def append(self, unit: int, turn: int, answer: str) -> None:
+        if self._file is None:
+            self._file = open(self.path, "a", encoding="utf-8")
+        self._file.write(json.dumps({"unit": unit, "turn": turn, "answer": answer}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def remove(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+
+def _opening(messages: Messages, width: int = 40) -> str:
+    text = next((m["content"] for m in messages if m["role"] == "user"), "")
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _named(failed: list[dict], shown: int = 5) -> str:
+    named = "; ".join(f"#{f['conversation']} {f['opening']!r} ({f['reason']})" for f in failed[:shown])
+    return named + (f"; and {len(failed) - shown} more" if len(failed) > shown else "")
+
+
 def _write_shard(path: Path, jobs: list[ConversationJob]) -> None:
     rebuilt = [{"messages": c} for c in (job.result() for job in jobs) if c is not None]
     write_jsonl(path, rebuilt + [{"_empty_answers": sum(job.empty for job in jobs)}])
+
+
+def _read_shard(path: Path) -> tuple[list[Messages], int]:
+    conversations, empty = [], 0
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if "_empty_answers" in row:
+            empty += row["_empty_answers"]
+        else:
+            conversations.append(row["messages"])
+    return conversations, empty
+
+
+class _Rebuild:
+    """The unfinished shards of one regeneration. Every conversation's prompts go through one answer stream (the
+    generator keeps its batch full across shard boundaries); each answer is journaled as it arrives, answers the
+    journal already holds are not asked for again, and a shard is written (atomically) the moment its last
+    conversation is complete. A conversation whose request failed for good is counted and named, and its shard
+    stays unwritten, so that a rerun asks for that conversation alone."""
+
+    def __init__(self, shards: list[list[Messages]], paths: list[Path], todo: list[int], cfg: GenerationConfig,
+                 journal: AnswerJournal):
+        self.shards, self.paths, self.cfg, self.journal = shards, paths, cfg, journal
+        turns = 1 if cfg.context == "last" else cfg.max_turns
+        self.jobs = {(i, j): ConversationJob(unit, turns) for i in todo for j, unit in enumerate(shards[i])}
+        self.left = {i: len(shards[i]) for i in todo}
+        known = journal.read() if todo else {}
+        # the answers of shards still to write (the journal also holds those of shards a killed run had written)
+        self.known = {(unit, turn): a for (unit, turn), a in known.items() if unit // cfg.batch_size in self.left}
+        self.replayed = len(self.known)
+        self.total = sum(len(s) for s in shards)
+        self.failed: list[dict] = []
+        self.queue = PromptQueue()
+        self.bar = None
+
+    def run(self, stream: AnswerStream) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=len(self.shards), initial=len(self.shards) - len(self.left), desc="regenerate",
+                        dynamic_ncols=True)
+        try:
+            for key in reversed(list(self.jobs)):  # advance() pushes to the front: reversed, the queue is in order
+                self.advance(key)
+            answers = stream.stream(self.queue)
+            try:
+                for key, answer in answers:
+                    self.take(key, answer)
+            finally:
+                getattr(answers, "close", lambda: None)()  # a stop here ends the requests in flight at once
+        finally:
+            self.journal.close()
+            self.bar.close()
+        if not self.failed:
+            self.journal.remove()  # every shard is written
+
+    def unit(self, key: tuple[int, int]) -> int:
+        return key[0] * self.cfg.batch_size + key[1]
+
+    def advance(self, key: tuple[int, int]) -> None:
+        """Queue the conversation's next prompt (answers the journal holds are taken instead), or count it done."""
+        job = self.jobs[key]
+        while (prompt := job.next_prompt()) is not None:
+            answer = self.known.pop((self.unit(key), job.turns), None)
+            if answer is None:
+                i, j = key
+                # Seeded per conversation and turn, not by call order: a resumed run samples what an
+                # uninterrupted one would.
+                seed = self.cfg.seed * 1_000_003 + i * 10_007 + j * 101 + job.turns
+                self.queue.push(key, prompt, seed, first=True)
+                return
+            job.take(answer)
+        self._done(key[0])
+
+    def take(self, key: tuple[int, int], answer: str | FailedAnswer) -> None:
+        if isinstance(answer, FailedAnswer):
+            self._fail(key, answer.reason)
+            self._done(key[0])
+            return
+        self.journal.append(self.unit(key), self.jobs[key].turns, answer)
+        self.jobs[key].take(answer)
+        self.advance(key)
+
+    def _fail(self, key: tuple[int, int], reason: str) -> None:
+        job = self.jobs[key]
+        job.failed = reason
+        self.failed.append({"conversation": self.unit(key), "turn": job.turns, "opening": _opening(job.source),
+                            "reason": reason})
+        if len(self.failed) > self.cfg.max_failed_fraction * self.total:
+            self.write_failures()
+            raise RegenerationFailed(
+                f"{len(self.failed)} of {self.total} conversations could not be regenerated (their requests failed "
+                f"after the retries), more than data.generation.max_failed_fraction={self.cfg.max_failed_fraction} "
+                f"allows: {_named(self.failed)} (all in {self.failures_path}). Check the server "
+                "(data.generation.server_url) and run the same command: the answers already made are kept in "
+                f"{self.journal.path.parent} and only the missing ones are asked for")
+
+    def _done(self, i: int) -> None:
+        self.left[i] -= 1
+        jobs = [self.jobs[(i, j)] for j in range(len(self.shards[i]))]
+        if self.left[i] == 0 and not any(job.failed for job in jobs):
+            _write_shard(self.paths[i], jobs)
+            self.bar.update(1)
+
+    @property
+    def failures_path(self) -> Path:
+        return self.journal.path.parent / "failed.jsonl"
+
+    def write_failures(self) -> None:
+        write_jsonl(self.failures_path, self.failed)
+
+    def unwritten(self, i: int) -> tuple[list[Messages], int]:
+        """A shard left unwritten by a failure: its conversations that are complete, and its empty answers."""
+        jobs = [self.jobs[(i, j)] for j in range(len(self.shards[i]))]
+        return [c for c in (job.result() for job in jobs) if c is not None], sum(
+            job.empty and not job.failed for job in jobs)
 
 
 def regenerate(conversations: list[Messages], generate: Generate | AnswerStream, cfg: GenerationConfig, key: str,
@@ -169,59 +358,32 @@ def regenerate(conversations: list[Messages], generate: Generate | AnswerStream,
     root = cache_dir() / "regenerated" / key
     root.mkdir(parents=True, exist_ok=True)
     shards = [units[i : i + cfg.batch_size] for i in range(0, len(units), cfg.batch_size)]
-    turns = 1 if cfg.context == "last" else cfg.max_turns
-
-    def shard_path(i: int) -> Path:
-        return root / f"part-{i:05d}-of-{len(shards[i])}.jsonl"
-
-    todo = [i for i in range(len(shards)) if not shard_path(i).is_file()]
-    bar = None
-    if todo:
-        from tqdm import tqdm
-
-        log(f"[regenerate] {len(units)} {'conversations' if cfg.context == 'all' else 'prompts'} in {len(shards)} "
-            f"batches of {cfg.batch_size} ({len(shards) - len(todo)} already cached in {root})")
-        bar = tqdm(total=len(shards), initial=len(shards) - len(todo), desc="regenerate", dynamic_ncols=True)
+    paths = [root / f"part-{i:05d}-of-{len(shard)}.jsonl" for i, shard in enumerate(shards)]
+    todo = [i for i, path in enumerate(paths) if not path.is_file()]
+    rebuild = _Rebuild(shards, paths, todo, cfg, AnswerJournal(root / "answers.jsonl"))
     stream = answer_stream(generate, cfg.batch_size)
     before, t0 = counters(stream), time.perf_counter()
-    # Every unfinished shard's conversations go through one stream: the generator keeps its batch full
-    # across shard boundaries, and each shard is written (atomically) the moment its last answer is in.
-    jobs = {(i, j): ConversationJob(unit, turns) for i in todo for j, unit in enumerate(shards[i])}
-    left = {i: len(shards[i]) for i in todo}
-    queue = PromptQueue()
-
-    def advance(key) -> None:
-        prompt = jobs[key].next_prompt()
-        if prompt is not None:
-            i, j = key
-            # Seeded per conversation and turn, not by call order: a resumed run samples what an
-            # uninterrupted one would.
-            queue.push(key, prompt, cfg.seed * 1_000_003 + i * 10_007 + j * 101 + jobs[key].turns, first=True)
-            return
-        i = key[0]
-        left[i] -= 1
-        if left[i] == 0:
-            _write_shard(shard_path(i), [jobs[(i, j)] for j in range(len(shards[i]))])
-            if bar is not None:
-                bar.update(1)
-
-    for key in reversed(list(jobs)):  # advance() pushes to the front: reversed, the queue is in shard order
-        advance(key)
-    for key, answer in stream.stream(queue):
-        jobs[key].take(answer)
-        advance(key)
+    if todo:
+        what = "conversations" if cfg.context == "all" else "prompts"
+        resumed = f"; {rebuild.replayed} answers of unfinished batches read back" if rebuild.replayed else ""
+        log(f"[regenerate] {len(units)} {what} in {len(shards)} batches of {cfg.batch_size} "
+            f"({len(shards) - len(todo)} already cached in {root}{resumed})")
+        rebuild.run(stream)
     elapsed = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
     out, empty_total = [], 0
-    for i in range(len(shards)):
-        for line in shard_path(i).read_text().splitlines():
-            row = json.loads(line)
-            if "_empty_answers" in row:
-                empty_total += row["_empty_answers"]
-            else:
-                out.append(row["messages"])
-    stats = {"regenerated": len(out), "empty_answers": empty_total, "cache": str(root)}
+    for i, path in enumerate(paths):
+        conversations, empty = _read_shard(path) if path.is_file() else rebuild.unwritten(i)
+        out += conversations
+        empty_total += empty
+    stats = {"regenerated": len(out), "empty_answers": empty_total, "failed": len(rebuild.failed), "cache": str(root)}
+    if rebuild.failed:
+        stats["failed_conversations"] = rebuild.failed
+        rebuild.write_failures()
+        log(f"[regenerate] {len(rebuild.failed)} of {len(units)} conversations failed after the retries and are left "
+            f"out of this run's data (up to data.generation.max_failed_fraction={cfg.max_failed_fraction} may be; "
+            f"the same command asks for them again): {_named(rebuild.failed)} (all in {rebuild.failures_path})")
+    else:
+        rebuild.failures_path.unlink(missing_ok=True)
     if todo and elapsed > 0:
         after = counters(stream)
         stats.update(compute_shares({k: after[k] - before.get(k, 0) for k in after}))

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..config import SelfGeneratedConfig, cache_dir
 from ..files import write_jsonl
-from .regenerate import PromptQueue, answer_stream, counters
+from .regenerate import FailedAnswer, PromptQueue, answer_stream, counters
 
 _MARK = "\u2063SFL-USER-TURN\u2063"  # an invisible separator around a word no template contains
 # Openings of a reply, not a request: the model wrote the assistant's side.
@@ -112,8 +112,12 @@ def _filter(root: Path, shards: int, batch_size: int, tokenizer: Any, cfg: SelfG
     kept, reasons, seen, total = [], Counter(), set(), 0
     for i in range(shards):
         for line in _shard_path(root, i, batch_size).read_text().splitlines():
-            text = json.loads(line)["text"].strip()
+            row = json.loads(line)
             total += 1
+            if "failed" in row:
+                reasons["request failed after the retries"] += 1
+                continue
+            text = row["text"].strip()
             why = rejection(text, len(tokenizer(text, add_special_tokens=False)["input_ids"]), cfg)
             if why is None and normalized(text) in seen:
                 why = "duplicate"
@@ -139,7 +143,9 @@ def _sample_shards(writer: Any, root: Path, todo: range, prefix: str, batch_size
             # seeded per request: a resumed or larger run samples the same requests
             queue.push((i, j), prefix, seed * 1_000_003 + i * 10_007 + j)
     for (i, j), text in stream.stream(queue):
-        texts[i][j] = text
+        # a request whose sampling failed for good (a serving engine, after its retries) is one candidate fewer,
+        # counted by the filter
+        texts[i][j] = {"failed": text.reason} if isinstance(text, FailedAnswer) else {"text": text}
         if len(texts[i]) == batch_size:
-            write_jsonl(_shard_path(root, i, batch_size), [{"text": texts[i][k]} for k in range(batch_size)])
+            write_jsonl(_shard_path(root, i, batch_size), [texts[i][k] for k in range(batch_size)])
     return counters(stream).get("tokens_generated", 0) - before

@@ -2,7 +2,7 @@
 generate, a serving engine's OpenAI endpoint) and the generator a run builds on first use (lazy.py)."""
 
 from .engines import HFGenerator, LeanAnswers, ServedAnswers, encode_prompt
-from .lazy import GENERATION_ENGINES, LazyGenerator, stop_ids
+from .lazy import GENERATION_ENGINES, LazyGenerator, lean_decoder, stop_ids
 
 __all__ = ["GENERATION_ENGINES", "HFGenerator", "LazyGenerator", "LeanAnswers", "ServedAnswers", "encode_prompt",
-           "stop_ids"]
+           "lean_decoder", "stop_ids"]

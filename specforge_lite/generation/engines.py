@@ -5,23 +5,23 @@
 * ``hf``: transformers' ``generate`` on batches of prompts (left padding, KV cache): every family, but a
   batch runs until its longest answer ends and the rows that stopped earlier keep computing.
 * ``openai``: a serving engine (vLLM, SGLang) through its OpenAI-compatible completions endpoint, with
-  ``concurrency`` requests in flight. The prompt goes as token ids rendered here with the same chat
-  template as the other engines, so the server sees exactly the prompt they would.
+  ``concurrency`` requests in flight, retried with backoff by the openai package's client. The prompt goes
+  as token ids rendered here with the same chat template as the other engines, so the server sees exactly
+  the prompt they would.
 
 Each counts what it computed, so the share spent on padding or past the end of an answer is reported.
 """
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+import asyncio
 from typing import Any, Callable, Iterator
 
 import torch
 
 from ..data.chat import generation_prompt_ids
+from ..data.regenerate import FailedAnswer
+from ..errors import UserError
 
 
 def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
@@ -122,46 +122,85 @@ class ServedAnswers:
     """An OpenAI-compatible server as an answer stream: ``stream(queue)`` keeps up to ``concurrency``
     completion requests in flight (token-id prompts, the server's own continuous batching does the rest)
     and yields ``(key, answer text)`` as they finish. ``base_url``: ``http://host:port/v1``, or a callable
-    giving it (a server started on first use)."""
+    giving it (a server started on first use).
+
+    The openai package's client sends them: each request is retried ``max_retries`` times (connection errors,
+    timeouts, HTTP 408/409/429/5xx) with exponential backoff, each try given ``timeout`` seconds. A request
+    that still fails yields a FailedAnswer with the reason (regeneration counts and names it); a server that
+    refuses the settings themselves (no such model, no access) stops at once with the fix."""
 
     def __init__(self, base_url: str | Callable[[], str], model: str, tokenizer: Any, max_new_tokens: int,
-                 temperature: float, top_p: float, stop_ids: set[int], concurrency: int, timeout: float = 3600):
+                 temperature: float, top_p: float, stop_ids: set[int], concurrency: int, timeout: float = 600,
+                 max_retries: int = 8):
         self.base_url, self.model, self.tokenizer = base_url, model, tokenizer
         self.sampling = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                         "stop_token_ids": sorted(stop_ids), "skip_special_tokens": True}
-        self.concurrency, self.timeout = concurrency, timeout
+                         "extra_body": {"stop_token_ids": sorted(stop_ids), "skip_special_tokens": True}}
+        self.concurrency, self.timeout, self.max_retries = concurrency, timeout, max_retries
         self.tokens_generated = self.prompt_tokens = self.prompt_pad_tokens = 0  # (prompts are never padded)
 
-    def stream(self, queue) -> Iterator[tuple[Any, str]]:
-        url = (self.base_url() if callable(self.base_url) else self.base_url).rstrip("/") + "/completions"
-        with ThreadPoolExecutor(self.concurrency) as pool:
-            pending: dict = {}
+    def stream(self, queue) -> Iterator[tuple[Any, Any]]:
+        url = (self.base_url() if callable(self.base_url) else self.base_url).rstrip("/")
+        # One event loop, run here between answers: no thread per request, and the queue is only touched here.
+        loop = asyncio.new_event_loop()
+        client = self._client(url)
+        pending: dict[asyncio.Task, Any] = {}
+        try:
             while len(queue) or pending:
                 while len(queue) and len(pending) < self.concurrency:
                     key, prompt, seed = queue.pop()
                     ids = encode_prompt(self.tokenizer, prompt)
                     self.prompt_tokens += len(ids)
-                    pending[pool.submit(self._complete, url, ids, seed)] = key
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in done:
-                    text, tokens = future.result()
-                    self.tokens_generated += tokens
-                    yield pending.pop(future), text.strip()
+                    pending[loop.create_task(self._complete(client, url, ids, seed))] = key
+                done, _ = loop.run_until_complete(asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED))
+                for task in done:
+                    yield pending.pop(task), task.result()
+        finally:
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.wait(pending))
+            loop.run_until_complete(client.close())
+            loop.close()
 
-    def _complete(self, url: str, ids: list[int], seed: int) -> tuple[str, int]:
-        body = json.dumps({"model": self.model, "prompt": ids, "seed": seed, **self.sampling}).encode()
-        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    def _client(self, url: str):
+        import httpx2
+        import openai
+
+        # a kept-alive connection per request in flight (the client's default keeps 100)
+        limits = httpx2.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        return openai.AsyncOpenAI(base_url=url, api_key="EMPTY", max_retries=self.max_retries, timeout=self.timeout,
+                                  http_client=openai.DefaultAsyncHttpxClient(limits=limits))
+
+    async def _complete(self, client, url: str, ids: list[int], seed: int) -> str | FailedAnswer:
+        import openai
+
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                reply = json.loads(response.read())
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")
-            if e.code == 400 and "context length" in detail:
-                return "", 0  # a prompt longer than the server's context: an empty answer, counted as one
-            raise RuntimeError(f"the server at {url} refused a completion ({e.code}: "
-                               f"{detail[:500]}); check data.generation.server_url and "
-                               f"server_model (the name the server serves)") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise RuntimeError(f"no answer from {url} ({e}): is the server running? (data.generation.server_url)"
-                               ) from None
-        return reply["choices"][0]["text"], int(reply.get("usage", {}).get("completion_tokens", 0))
+            reply = await client.completions.create(model=self.model, prompt=ids, seed=seed, **self.sampling)
+        except (openai.AuthenticationError, openai.PermissionDeniedError, openai.NotFoundError) as e:
+            raise UserError(f"the server at {url} refused a completion ({e.status_code}: {_said(e)}); check "
+                            "data.generation.server_url and server_model (the name the server serves)") from None
+        except openai.BadRequestError as e:
+            if "context length" in e.message:
+                return ""  # a prompt longer than the server's context: an empty answer, counted as one
+            return FailedAnswer(f"HTTP 400: {_said(e)}")
+        except openai.APIStatusError as e:
+            retried = e.status_code in (408, 409, 429) or e.status_code >= 500  # what the client retries
+            return FailedAnswer(f"HTTP {e.status_code}{f' after {self.max_retries} retries' if retried else ''}: "
+                                f"{_said(e)}")
+        except openai.APITimeoutError:
+            return FailedAnswer(f"no answer within {self.timeout:g} s, {self.max_retries} retries")
+        except openai.APIConnectionError as e:
+            return FailedAnswer(f"connection failed after {self.max_retries} retries: {_short(str(e.__cause__ or e))}")
+        self.tokens_generated += (reply.usage.completion_tokens or 0) if reply.usage else 0
+        return reply.choices[0].text.strip()
+
+
+def _said(error) -> str:
+    """What the server said in an error reply (its JSON's message, else the client's summary)."""
+    body = error.body
+    return _short(body.get("message") if isinstance(body, dict) and body.get("message") else error.message)
+
+
+def _short(text: str, width: int = 160) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 1] + "…"

@@ -20,6 +20,19 @@ def stop_ids(tokenizer, target: HFTarget) -> set[int]:
 GENERATION_ENGINES = ("auto", "lean", "hf", "openai")
 
 
+def lean_decoder(target: HFTarget, model, slots: int, max_new_tokens: int, stops: set[int], temperature: float = 0.0,
+                 top_p: float = 1.0):
+    """Our continuous-batching decoder (targets/lean/decode.py) over ``model``: the target's, or its copy in
+    another dtype."""
+    from ..targets.lean import build_lean_forward
+    from ..targets.lean.decode import LeanDecoder
+    from ..targets.teacher import LogitHead
+
+    family = target.family
+    head = LogitHead(family.lm_head_weight(model), family.lm_head_bias(model), family, model.config)
+    return LeanDecoder(build_lean_forward(family, model), head, slots, max_new_tokens, stops, temperature, top_p)
+
+
 class LazyGenerator:
     """The target's answer generator (an AnswerStream, data/regenerate.py), built on first use: a run whose
     regenerated data is cached loads no extra model. With ``generation.dtype`` other than the target's, a
@@ -77,7 +90,8 @@ class LazyGenerator:
 
             url = gen.server_url or self.server.start
             return ServedAnswers(url, gen.server_model or str(self.target.location), self.tokenizer,
-                                 gen.max_new_tokens, gen.temperature, gen.top_p, stops, gen.concurrency)
+                                 gen.max_new_tokens, gen.temperature, gen.top_p, stops, gen.concurrency,
+                                 gen.request_timeout, gen.max_retries)
         model = self.target.model
         if self._dtype() != self.target.dtype:
             model = self.target.family.load(self.target.location, dtype=self._dtype(),
@@ -87,15 +101,10 @@ class LazyGenerator:
             from .engines import HFGenerator
 
             return HFGenerator(model, self.tokenizer, gen.max_new_tokens, gen.temperature, gen.top_p, stops)
-        from ..targets.lean import build_lean_forward
-        from ..targets.lean.decode import LeanDecoder
         from .engines import LeanAnswers
-        from ..targets.teacher import LogitHead
 
-        family = self.target.family
-        head = LogitHead(family.lm_head_weight(model), family.lm_head_bias(model), family, model.config)
-        decoder = LeanDecoder(build_lean_forward(family, model), head, gen.batch_size, gen.max_new_tokens, stops,
-                              gen.temperature, gen.top_p)
+        decoder = lean_decoder(self.target, model, gen.batch_size, gen.max_new_tokens, stops, gen.temperature,
+                               gen.top_p)
         return LeanAnswers(decoder, self.tokenizer)
 
     def stream(self, queue):
@@ -107,10 +116,15 @@ class LazyGenerator:
 
     def __call__(self, conversations):
         """Answers to a list of conversations, in order (benchmarks; regeneration uses stream)."""
-        from ..data.regenerate import PromptQueue
+        from ..data.regenerate import FailedAnswer, PromptQueue
+        from ..errors import UserError
 
         queue = PromptQueue()
         for i, messages in enumerate(conversations):
             queue.push(i, messages, self.settings.seed)
         answers = dict(self.stream(queue))
+        failed = [a.reason for a in answers.values() if isinstance(a, FailedAnswer)]
+        if failed:
+            raise UserError(f"{len(failed)} of {len(conversations)} requests failed after the retries (the first: "
+                            f"{failed[0]}); check the server (data.generation.server_url) and run the same command")
         return [answers[i] for i in range(len(conversations))]
