@@ -208,23 +208,29 @@ def initial_draft(config: Config, log=print) -> tuple[Eagle3Spec, dict[str, torc
     if spec.method != config.draft.method:
         raise ValueError(f"draft.init_from={config.draft.init_from} is a {spec.method} draft and this run trains "
                          f"draft.method={config.draft.method}: set draft.method={spec.method}")
+    ids = spec.aux_layer_ids or "the servers' default (it names none)"
     log(f"[draft] continuing the {spec.method} draft of {folder} (its {spec.num_layers} layer(s), aux ids "
-        f"{spec.aux_layer_ids} and {spec.draft_vocab_size}-token vocabulary)")
+        f"{ids} and {spec.draft_vocab_size}-token vocabulary)")
     return spec, weights
 
 
 def draft_from_weights(spec: Eagle3Spec, weights: dict[str, torch.Tensor], target: Target) -> Draft:
-    """A draft rebuilt from a checkpoint or export, wired to its target's embedding."""
+    """A draft rebuilt from a checkpoint or export, wired to its target's embedding (a published draft's spec
+    completed for the target first: export/published.py)."""
+    from .export import fit_to_target
+    from .export.published import weight_mismatch
+
     if spec.target_hidden_size != target.hidden_size or spec.vocab_size != target.vocab_size:
         raise ValueError(f"the draft was trained for a target with hidden size {spec.target_hidden_size} and vocab "
                          f"{spec.vocab_size}; this target has {target.hidden_size} and {target.vocab_size}")
-    draft = draft_method(spec.method).model(spec)
+    draft = draft_method(spec.method).model(fit_to_target(spec, target.num_layers))
     # an export may carry the target's embedding (export.include_embeddings); the draft reads the target's own
-    result = draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()
-                                    if not k.startswith("embed_tokens.")}, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise ValueError(f"draft weights do not fit: missing {result.missing_keys}, "
-                         f"unexpected {result.unexpected_keys}")
+    weights = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()
+               if not k.startswith("embed_tokens.")}
+    problem = weight_mismatch(draft.state_dict(), weights)
+    if problem:
+        raise ValueError(f"draft weights do not fit: {problem}")
+    draft.load_state_dict(weights)
     draft.to(target.device)
     draft.set_embedding(target.embedding_weight())
     return draft.eval()

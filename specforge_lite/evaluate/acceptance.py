@@ -268,10 +268,13 @@ def write_eval(run_dir: Path, result: dict) -> Path:
     from .report import write_eval_report
 
     from ..export import record_confidence_calibration
+    from ..export.card import write_model_card
 
     path = Path(run_dir) / "eval.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     write_eval_report(run_dir, result)
-    if result.get("calibration_fit") and (Path(run_dir) / "final" / "config.json").is_file():
-        record_confidence_calibration(Path(run_dir) / "final", result["calibration_fit"])
+    if (Path(run_dir) / "final" / "config.json").is_file():
+        if result.get("calibration_fit"):
+            record_confidence_calibration(Path(run_dir) / "final", result["calibration_fit"])
+        write_model_card(Path(run_dir) / "final", run_dir)  # with the acceptance just measured
     return path

@@ -36,14 +36,17 @@ def finish(run: Run, result, draft: Draft, run_dir: Path, log=print) -> dict:
 def export_final(run: Run, weights: dict, draft: Draft, run_dir: Path, log=print) -> Path:
     """RUN/final in export.format, for the target the run trained against."""
     from ..export import export_draft
+    from ..export.card import write_model_card
 
     config, target = run.config, run.target
     embedding = target.embedding_weight() if config.export.include_embeddings else None
     verifier = {"name_or_path": config.model.path or str(target.location),
                 "architectures": list(getattr(target.config, "architectures", None) or [])}
-    return export_draft(weights, draft.spec, config.export.format, run_dir / "final", config.export.dtype,
-                        embedding, warn=lambda m: log(f"[export] warning: {m}"), verifier=verifier,
-                        num_speculative_tokens=config.eval.num_draft_tokens)
+    final = export_draft(weights, draft.spec, config.export.format, run_dir / "final", config.export.dtype,
+                         embedding, warn=lambda m: log(f"[export] warning: {m}"), verifier=verifier,
+                         num_speculative_tokens=config.eval.num_draft_tokens)
+    write_model_card(final, run_dir)
+    return final
 
 
 def _evaluate(run: Run, summary: dict, result, run_dir: Path, log) -> None:
@@ -112,6 +115,7 @@ def finished_run(run_dir: Path, eval_overrides: dict | None = None, log=print) -
         setattr(config.eval, key, value)
     spec, weights = load_export(run_dir / "final")
     vocab = DraftVocab.from_d2t(weights["d2t"], spec.vocab_size)
+    config.draft.init_from = None  # (final/ is what is evaluated, not the draft the run started from)
     return Run.online(config, log=log, aux_layer_ids=spec.aux_layer_ids, vocab=vocab)
 
 
@@ -121,3 +125,56 @@ def evaluate_finished_run(run_dir: Path, eval_overrides: dict | None = None, log
     result = evaluate_export(run.config, run.target, run.tokenizer, run.data, Path(run_dir) / "final", log=log)
     write_eval(run_dir, result)
     return result
+
+
+def evaluate_published(draft_dir: Path, run_dir: Path, overrides: list[str], eval_overrides: dict | None = None,
+                       log=print) -> dict:
+    """Evaluate a draft folder, ours or one another trainer published (python -m specforge_lite.evaluate --export
+    DIR --run-dir OUT [model=...]): ``run_dir`` becomes a run of it, which the served check and a later
+    ``--run-dir`` evaluation read as any other (config.yaml with draft.init_from naming the folder, final/ the draft
+    in export.format as this project writes it, with its model card, eval.json)."""
+    from omegaconf import OmegaConf
+
+    from ..config import load_config
+    from ..export import load_export
+
+    draft_dir, run_dir = Path(draft_dir), Path(run_dir)
+    if (run_dir / "checkpoints").is_dir():
+        raise ValueError(f"--run-dir {run_dir} holds a training run; give another folder for the evaluation of "
+                         f"{draft_dir}")
+    method = load_export(draft_dir)[0].method  # (read before the target loads: a folder that cannot be is refused)
+    config = load_config(["tracker=none", *target_overrides(draft_dir, overrides), *overrides])
+    config.draft.method, config.draft.init_from = method, str(draft_dir.resolve())
+    for key, value in (eval_overrides or {}).items():
+        setattr(config.eval, key, value)
+    run = Run.online(config, log=log)  # (the draft's own aux ids and vocabulary: draft.init_from)
+    draft = run.build_draft()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.structured(config), run_dir / "config.yaml")
+    final = export_final(run, run.initial[1], draft, run_dir, log)  # (its weights in the dtype it was saved in)
+    result = evaluate_export(config, run.target, run.tokenizer, run.data, final, log=log)
+    write_eval(run_dir, result)
+    return result
+
+
+def target_overrides(draft_dir: Path, overrides: list[str]) -> list[str]:
+    """The target a draft folder is evaluated with: the one the overrides name (model=..., model.path=...), else
+    the one its config names (speculators' verifier), as the preset of that hub id when there is one; a folder
+    that names none is refused, saying how to name it."""
+    import os
+
+    from ..config import available_presets, model_preset
+    from ..export.published import named_target
+
+    if any(o.split("=", 1)[0].lstrip("+~") in ("model", "model.path") for o in overrides):
+        return []
+    name = named_target(draft_dir)
+    if not name:
+        raise ValueError(f"{draft_dir}/config.json does not name the target it drafts for (speculators' "
+                         "speculators_config.verifier.name_or_path; SpecForge's and SGLang's layout has no such "
+                         "field): name it, e.g. model=llama3_8b (a preset) or "
+                         "model.path=meta-llama/Llama-3.1-8B-Instruct (a hub id or a local folder)")
+    preset = next((p for p in available_presets("model") if model_preset(p).path == name), None)
+    if preset:
+        return [f"model={preset}"]
+    return [f"model.path={name}"] + ([] if os.path.isdir(os.path.expanduser(name)) else ["model.source=hub"])

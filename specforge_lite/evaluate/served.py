@@ -34,6 +34,10 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
 
     run_dirs = [Path(r) for r in run_dirs]
     for run_dir in run_dirs:
+        if (run_dir / "config.json").is_file() and not (run_dir / "final").is_dir():
+            raise ServedMismatch(f"{run_dir} is a draft folder, not an evaluated run: the served check replays our "
+                                 f"evaluation's prompts, so evaluate it first (python -m specforge_lite.evaluate "
+                                 f"--export {run_dir} --run-dir OUT [model=...]), then serve OUT")
         refusal = unservable_here(run_dir)
         if refusal:
             raise ServedMismatch(f"{run_dir}: {refusal}")

@@ -14,11 +14,13 @@ from ..draft import draft_method
 from ..draft.methods import DEFAULT
 from ..draft.model import DRAFT_ACT, Eagle3Spec
 from ..training.checkpoint import latest_checkpoint, load_checkpoint, unusable_checkpoints
+from .card import write_model_card
 from .dflash import DFlashFormat
 from .dflash2 import DFlash2Format
 from .dspark import DSparkFormat
 from .format import ExportFormat
 from .layout import PROVENANCE_KEY, draft_weights, write_export
+from .published import fit_to_target, read_published
 from .sglang import SGLangFormat
 from .speculators import SpeculatorsFormat
 from .vllm import VLLMFormat
@@ -54,13 +56,7 @@ def export_draft(weights: dict[str, torch.Tensor], spec: Eagle3Spec, fmt: str, o
 
 
 def export_run(run_dir: Path, fmt: str, out_dir: Path, checkpoint: Path | None = None, dtype: str = "auto") -> Path:
-    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(Path(run_dir), log=print)
-    if ckpt is None:
-        unusable = unusable_checkpoints(Path(run_dir))
-        raise FileNotFoundError(f"no checkpoint under {Path(run_dir) / 'checkpoints'} can be read"
-                                + (f" ({'; '.join(unusable)})" if unusable else "") + "; train first or pass "
-                                "--checkpoint")
-    weights, _, spec = load_checkpoint(ckpt)
+    weights, spec = _run_draft(Path(run_dir), checkpoint)
     verifier, k = {}, 3
     if (Path(run_dir) / "config.yaml").is_file():  # the target the run trained against, for speculators
         from omegaconf import OmegaConf
@@ -68,24 +64,63 @@ def export_run(run_dir: Path, fmt: str, out_dir: Path, checkpoint: Path | None =
         saved = OmegaConf.load(Path(run_dir) / "config.yaml")
         verifier = {"name_or_path": saved.model.get("path") or saved.model.get("name")}
         k = int(saved.eval.get("num_draft_tokens", 3))
-    return export_draft(weights, Eagle3Spec(**spec), fmt, out_dir, dtype, verifier=verifier, num_speculative_tokens=k)
+    out = export_draft(weights, spec, fmt, out_dir, dtype, verifier=verifier, num_speculative_tokens=k)
+    write_model_card(out, Path(run_dir))
+    return out
+
+
+def _run_draft(run_dir: Path, checkpoint: Path | None) -> tuple[dict[str, torch.Tensor], Eagle3Spec]:
+    """The draft of a run to export: the checkpoint given, else the newest; a run without checkpoints whose final/
+    holds a draft (an evaluated published draft: python -m specforge_lite.evaluate --export) exports that."""
+    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir, log=print)
+    if ckpt is not None:
+        weights, _, spec = load_checkpoint(ckpt)
+        return weights, Eagle3Spec(**spec)
+    unusable = unusable_checkpoints(run_dir)
+    if not unusable and (run_dir / "final" / "config.json").is_file():
+        spec, weights = load_export(run_dir / "final")
+        return weights, spec
+    raise FileNotFoundError(f"no checkpoint under {run_dir / 'checkpoints'} can be read"
+                            + (f" ({'; '.join(unusable)})" if unusable else "") + "; train first or pass --checkpoint")
 
 
 def load_export(export_dir: Path) -> tuple[Eagle3Spec, dict[str, torch.Tensor]]:
-    """Read an export back into our spec and state dict (round trip, and evaluation of final/)."""
-    from safetensors.torch import load_file
-
+    """Read a draft folder into our spec and state dict: ours (the round trip, evaluation of final/), or an EAGLE3
+    draft another trainer published in speculators' format or SpecForge's and SGLang's Llama layout
+    (export/published.py; what it leaves unsaid is settled by ``fit_to_target`` once the target is known)."""
     export_dir = Path(export_dir)
-    config = json.loads((export_dir / "config.json").read_text())
-    if PROVENANCE_KEY not in config:
-        raise ValueError(f"{export_dir} was not written by specforge_lite (no {PROVENANCE_KEY!r} block)")
-    spec = Eagle3Spec(**config[PROVENANCE_KEY]["spec"])
-    form = FORMATS.get(config[PROVENANCE_KEY].get("format", "vllm"), FORMATS["vllm"])
-    weights = {form.our_weight_name(k): v for k, v in load_file(str(export_dir / "model.safetensors")).items()}
+    config, tensors = _read_folder(export_dir)
+    if PROVENANCE_KEY in config:
+        spec = Eagle3Spec(**config[PROVENANCE_KEY]["spec"])
+        form = FORMATS.get(config[PROVENANCE_KEY].get("format", "vllm"), FORMATS["vllm"])
+        weights = {form.our_weight_name(k): v for k, v in tensors.items()}
+    else:
+        spec, weights = read_published(export_dir, config, tensors)
     if "d2t" not in weights:  # full draft vocabulary: identity maps
         weights["d2t"] = torch.zeros(spec.draft_vocab_size, dtype=torch.long)
         weights["t2d"] = torch.ones(spec.vocab_size, dtype=torch.bool)
     return spec, weights
+
+
+def _read_folder(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json and every *.safetensors file of a draft folder (a published draft may come in shards)."""
+    from safetensors.torch import load_file
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{folder} has no config.json: give the folder of a draft (config.json and "
+                                "*.safetensors)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{folder}/config.json is not valid JSON ({e}); fetch or copy the draft again") from None
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors weights (a pytorch_model.bin is not read: convert it "
+                                "to safetensors)")
+    tensors = {}
+    for path in files:
+        tensors.update(load_file(str(path)))
+    return config, tensors
 
 
 def record_confidence_calibration(export_dir: Path, fit: dict) -> None:
@@ -136,4 +171,4 @@ def check_draft_tokens(export_dir: Path, k: int) -> None:
 
 
 __all__ = ["FORMATS", "ExportFormat", "check_draft_tokens", "cpu_serving_refusal", "export_draft", "export_format",
-           "export_run", "fixed_draft_tokens", "load_export", "record_confidence_calibration"]
+           "export_run", "fit_to_target", "fixed_draft_tokens", "load_export", "record_confidence_calibration"]

@@ -84,10 +84,17 @@ def _check_trained_ids(config: dict, readers: list, server: str | None, report: 
     error for the server the folder is meant for (``server``, else the format the provenance names), a
     warning for the others (another server may read the folder, but not as trained)."""
     provenance = config.get(PROVENANCE_KEY) or {}
-    trained = provenance.get("aux_layer_ids")
+    trained, intended = provenance.get("aux_layer_ids"), server or provenance.get("format")
+    if not provenance:  # a folder written elsewhere: trained on the ids its own layout's convention names
+        from .published import published_format
+
+        try:
+            own = published_format(report.path, config)
+        except ValueError:
+            return
+        trained, intended = own.read_aux_ids(config), server or own.name
     if not trained:
         return
-    intended = server or provenance.get("format")
     if server is not None and server not in {fmt.name for fmt in readers}:
         report.errors.append(f"--server {server}: no {server} loader reads this folder (it is a {report.format} "
                              f"draft); export the run with export.format={server}")
@@ -111,7 +118,9 @@ def check_layout(layer: dict, top: dict, shapes: dict, prefix: str, report: Repo
     head_dim = layer.get("head_dim") or (H // heads if H and heads else None)
     vocab, draft_vocab = layer.get("vocab_size"), top.get("draft_vocab_size")
     target_h = top.get("target_hidden_size") or H
-    ids = top.get("eagle_aux_hidden_state_layer_ids") or []
+    # (SGLang reads eagle_config's ids, vLLM the top-level ones: each server's check says what it makes of them)
+    ids = top.get("eagle_aux_hidden_state_layer_ids") or (top.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids") or []
     n_aux = len(ids) or 3
     expected = {"fc.weight": (H, n_aux * target_h), "norm.weight": (H,), "lm_head.weight": (draft_vocab or vocab, H),
                 f"{prefix}self_attn.q_proj.weight": (heads * head_dim, 2 * H),

@@ -40,6 +40,7 @@ class DFlashFormat(ExportFormat):
     and the weights it adds (checked by its ``check_extra``), the DFlash part checked here."""
 
     name, server, layout = "dflash", "vLLM (method=dflash)", "dflash"
+    serve_method = "dflash"  # (DFlash 2 too: vLLM tells it by its architecture)
     arch = ARCH
     extra_weights = ""  # a regex of the weight names a layout built on DFlash's adds
 

@@ -19,6 +19,8 @@ from .dflash import DFlashFormat, expect_shapes
 
 class DSparkFormat(DFlashFormat):
     name, server, layout = "dspark", "vLLM (method=dspark)", "dspark"
+    serve_method = "dspark"
+    serve_options = {"enable_adaptive_verification": True}  # vLLM sizes verification from its confidence head
     arch = "DSparkDraftModel"
     extra_weights = r"markov_head\.markov_w[12]\.weight|confidence_head\.proj\.(?:weight|bias)"
     cpu_serving_refusal = ("vLLM 0.32 serves method=dspark in its V2 model runner only, which needs Triton's CPU "

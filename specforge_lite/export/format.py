@@ -25,6 +25,8 @@ class ExportFormat:
     server = ""  # who reads it, as the check's report names it
     layout = "llama-eagle3"  # the config layout: several servers may read one
     layer_prefix = "midlayer."  # the decoder layer's weight prefix in the written file
+    serve_method = "eagle3"  # vLLM's speculative_config method for a folder of this layout
+    serve_options: dict = {}  # and what else vLLM's speculative_config should say for it
     writes_mask_slots = False  # a parallel (P-EAGLE) draft's mask_token_id and mask_hidden
     # why vLLM's CPU build (scripts/setup_serving.sh) cannot serve this layout, when it cannot: the served check
     # and the ranking then say so and use our own evaluation

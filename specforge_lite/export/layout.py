@@ -26,13 +26,33 @@ LATER_LAYER_WEIGHTS = (r"layers\.[1-9]\d*\.(?:(?:self_attn\.(?:q|k|v|o)_proj|mlp
                        r"|(?:input_layernorm|post_attention_layernorm)\.weight)")
 
 
+# The decoder layers' config fields every draft layout writes alike, as (config key, Eagle3Spec field).
+DECODER_FIELDS = (("hidden_size", "hidden_size"), ("intermediate_size", "intermediate_size"),
+                  ("num_attention_heads", "num_attention_heads"), ("num_key_value_heads", "num_key_value_heads"),
+                  ("head_dim", "head_dim"), ("num_hidden_layers", "num_layers"), ("rms_norm_eps", "rms_norm_eps"),
+                  ("hidden_act", "hidden_act"), ("max_position_embeddings", "max_position_embeddings"))
+
+
 def decoder_shape(spec: Eagle3Spec) -> dict:
     """The decoder layers' config fields every draft layout writes alike."""
-    return {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
-            "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_key_value_heads,
-            "head_dim": spec.head_dim, "num_hidden_layers": spec.num_layers, "rms_norm_eps": spec.rms_norm_eps,
-            "hidden_act": spec.hidden_act, "max_position_embeddings": spec.max_position_embeddings,
+    return {**{key: getattr(spec, field) for key, field in DECODER_FIELDS},
             "rope_theta": spec.rope_parameters.get("rope_theta", 10000.0)}
+
+
+def decoder_fields(layer: dict) -> dict:
+    """The inverse of ``decoder_shape``: our spec's fields from a draft's decoder config as another trainer
+    saved it. transformers' config class fills what the file leaves out (``save_pretrained`` writes only what
+    differs from the class's defaults, and servers read the file through the same class), and turns legacy
+    rope fields (rope_theta, rope_scaling) into ``rope_parameters``."""
+    from transformers import AutoConfig
+
+    full = AutoConfig.for_model(layer.get("model_type") or "llama", **{k: v for k, v in layer.items()
+                                                                       if k != "model_type"})
+    values = full.to_dict()
+    return {**{field: values[key] for key, field in DECODER_FIELDS},
+            "head_dim": values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"],
+            "attention_bias": bool(values.get("attention_bias")), "mlp_bias": bool(values.get("mlp_bias")),
+            "rope_parameters": dict(full.rope_parameters)}
 
 
 def llama_draft_config(spec: Eagle3Spec, server_aux_ids: list[int], dtype: torch.dtype) -> dict:

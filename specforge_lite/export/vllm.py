@@ -25,6 +25,12 @@ class VLLMFormat(ExportFormat):
         if draft == vocab and "d2t" in shapes:
             report.warnings.append("d2t with a full draft vocabulary: vLLM builds that want none may refuse it")
         ids = config.get("eagle_aux_hidden_state_layer_ids")
+        if not ids and (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
+            report.warnings.append("the aux ids are in eagle_config only (SGLang's and SpecForge's place): vLLM reads "
+                                   "the top-level eagle_aux_hidden_state_layer_ids and, without them, captures its "
+                                   "default ids; for vLLM, python -m specforge_lite.evaluate --export DIR --run-dir "
+                                   "OUT model=... writes it as vLLM reads it in OUT/final")
+            report.servers[self.server] = "captures its default ids [2, L//2, L-3] of the target (no top-level ids)"
         if ids:
             report.servers[self.server] = (
                 f"captures the input of layers {list(ids)} (id L = pre-norm final state), "

