@@ -6,14 +6,16 @@
     python -m specforge_lite.adapt rollback --home drafts
     python -m specforge_lite.adapt status --home drafts
 
-``init`` makes the draft version v0001 of a home and fixes the rails. With a run folder its config.yaml is the
-base (``key=value`` overrides on top); with an export folder the overrides compose it as train.py would
-(``model=... data=...``). ``run`` adapts once on the traffic files given (OpenAI chat-completion logs, ShareGPT
-or messages JSONL, a vLLM request log), ``watch`` whenever enough new conversations land in DIR. Each candidate
+``init`` makes the draft version v0001 of a new home (one holding versions is refused) and fixes the rails.
+With a run folder its config.yaml is the base (``key=value`` overrides on top); with an export folder the
+overrides compose it as train.py would (``model=... data=...``). ``run`` adapts once on the traffic files given
+(OpenAI chat-completion logs, ShareGPT or messages JSONL, a vLLM request log) and on the files not used yet in
+the folders given, ``watch`` whenever enough new conversations land in DIR. Each candidate
 is trained from the current version on the traffic plus a replay slice of the base data, judged against the
 current version on held-out traffic and the frozen regression set (served by vLLM unless --judge ours), and
 promoted only past the rails. ``current`` always names a complete version; every decision is in
-HOME/decisions.jsonl with its numbers.
+HOME/decisions.jsonl with its numbers. ``status`` reads without the home's lock; ``rollback`` (and ``run``) wait
+for it while a ``watch`` adapts. SIGTERM or SIGINT stops adapt and the candidate's training with it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from pathlib import Path
 
 from ..errors import said_in_one_line
 from .home import Home
-from .loop import DEFAULTS, adapt_once, check_judge, init, watch
+from .loop import DEFAULTS, check_judge, init, run, watch
+from .stopping import stopped_by_signals
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,39 +59,44 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def status(home: Home) -> str:
-    lines = [f"{home.root}: current -> {home.current().name}"]
+def status(home: Home) -> tuple[str, bool]:
+    """Where the home stands, read without its lock (a watch may be adapting); whether all is well."""
+    history = home.require().history()
+    lines, problem = [f"{home.root}: current -> {history[-1]}"], home.current_problem()
+    if problem:
+        lines.append(f"  error: {problem}")
+    elif home.linked() != history[-1]:
+        lines.append(f"  the current link names {home.linked()}, the log {history[-1]}: a promotion or rollback is "
+                     "under way, or was killed (the next command that writes the home swaps the link)")
     for e in home.events()[-10:]:
         what = e.get("why") or e.get("error") or e.get("source") or e.get("rolled_back", "")
-        lines.append(f"  {e['time']} {e['event']:<8} {e.get('version', e.get('parent', '')):<6} {what}")
-    return "\n".join(lines)
+        lines.append(f"  {e.get('time', '?')} {e['event']:<8} {e.get('version', e.get('parent', '')):<6} {what}")
+    return "\n".join(lines), problem is None
 
 
 def main(argv=None) -> None:
-    from ..training.output_dir import hold_output_dir
-
     a = _parser().parse_args(argv)
     home = Home(a.home)
-    with said_in_one_line():
+    with stopped_by_signals(), said_in_one_line():
         if a.command == "init":
             settings = {key: getattr(a, key) for key in DEFAULTS}
-            with hold_output_dir(home.root):
-                init(home, a.draft, a.overrides, settings, a.regression, a.regression_prompts)
+            init(home, a.draft, a.overrides, settings, a.regression, a.regression_prompts)
             return
         home.require()
-        with hold_output_dir(home.root):  # (one adaptation writes a home at a time)
-            home.repair()
-            if a.command in ("run", "watch"):
-                check_judge(home.settings()["judge"])
-            if a.command == "run":
-                event = adapt_once(home, a.traffic)
-                if event["event"] == "fail":
-                    sys.exit(f"error: {event['error']}")
-            elif a.command == "watch":
-                watch(home, a.folder, a.interval, a.settle, a.once)
-            elif a.command == "rollback":
-                home.rollback()
-            print(status(home))
+        if a.command in ("run", "watch"):
+            check_judge(home.settings()["judge"])
+        if a.command == "run":
+            event = run(home, a.traffic)
+            if event is not None and event["event"] == "fail":
+                sys.exit(f"error: {event['error']}")
+        elif a.command == "watch":
+            watch(home, a.folder, a.interval, a.settle, a.once)
+        elif a.command == "rollback":
+            home.rollback()
+        text, well = status(home)
+        print(text)
+        if not well:
+            sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -11,15 +11,15 @@ candidate's configuration is the home's base configuration with:
 * the adaptation's trainer budget (``--steps``, ``--minutes``), no evaluation of its own (the judge
   evaluates), no tracker.
 
-It is trained by ``python -m specforge_lite.job`` in its own process, so a long ``adapt watch`` holds no
-model between adaptations and a failed candidate cannot take the loop down with it.
+It is trained by ``python -m specforge_lite.job`` in its own process group, so a long ``adapt watch`` holds no
+model between adaptations, a failed candidate cannot take the loop down with it, and a signal that stops adapt
+stops all of it (stopping.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from ..config import MixSource
 from ..data.prepare import opening
 from ..files import write_jsonl
 from ..training.tracking import read_metrics
+from .stopping import run_in_own_group
 
 HELDOUT_FOR_DATA = 8  # the candidate's own held-out split (its data needs one; the judge does not read it)
 
@@ -108,11 +109,10 @@ def train_candidate(home, current: Path, train_convs: list, work: Path, log=prin
     log(f"[adapt] training a candidate from {current.name} on {len(train_convs)} traffic conversations "
         f"(replay ratio {home.settings()['replay_ratio']}; log: {work / 'train.log'})")
     with open(work / "train.log", "w") as out:
-        proc = subprocess.run([sys.executable, "-m", "specforge_lite.job", str(config_file), str(run_dir)],
-                              stdout=out, stderr=subprocess.STDOUT)
-    if proc.returncode != 0 or not (run_dir / "final" / "config.json").is_file():
+        code = run_in_own_group([sys.executable, "-m", "specforge_lite.job", str(config_file), str(run_dir)], out)
+    if code != 0 or not (run_dir / "final" / "config.json").is_file():
         tail = (work / "train.log").read_text(errors="replace").splitlines()[-5:]
-        raise RuntimeError(f"the candidate's training failed (exit {proc.returncode}); its log ends:\n  "
+        raise RuntimeError(f"the candidate's training failed (exit {code}); its log ends:\n  "
                            + "\n  ".join(tail))
     rows = read_metrics(run_dir / "metrics.jsonl")
     log(f"[adapt] candidate trained: {rows[-1]['step'] if rows else 0} steps")

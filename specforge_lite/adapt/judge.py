@@ -8,7 +8,8 @@ get (its outputs must equal the target's greedy ones, as the served check requir
 decides by our speculative decoding (no serving environment needed).
 
 A candidate is promoted when its traffic acceptance beats the current one's by the margin (relative) and its
-regression acceptance is not lower by more than the tolerance (relative).
+regression acceptance is not lower by more than the tolerance (relative) than the current version's, nor than
+the first version's (as first measured): a fall within the tolerance at each promotion cannot add up.
 """
 
 from __future__ import annotations
@@ -59,15 +60,21 @@ def measure(folders: dict[str, Path], prompt_files: dict[str, Path], settings: d
     return results
 
 
-def decide(current: dict, candidate: dict, margin: float, tolerance: float) -> tuple[bool, str]:
-    """Whether to promote, and why, in one line."""
+def decide(current: dict, candidate: dict, margin: float, tolerance: float,
+           first: float | None = None) -> tuple[bool, str]:
+    """Whether to promote, and why, in one line. ``first``: the first version's regression acceptance (None:
+    the current version is the first)."""
+    first = current["regression"] if first is None else first
     gain = candidate["traffic"] / current["traffic"] - 1
     drop = 1 - candidate["regression"] / current["regression"]
+    drop_from_first = 1 - candidate["regression"] / first
     said = (f"held-out traffic {current['traffic']:.3f} -> {candidate['traffic']:.3f} ({gain:+.1%}, margin "
             f"{margin:+.1%}), regression {current['regression']:.3f} -> {candidate['regression']:.3f} "
-            f"({-drop:+.1%}, tolerance {tolerance:.1%})")
+            f"({-drop:+.1%}; {-drop_from_first:+.1%} from the first version's {first:.3f}; tolerance {tolerance:.1%})")
     if gain < margin:
         return False, "not enough gain on held-out traffic: " + said
     if drop > tolerance:
         return False, "the regression set fell: " + said
+    if drop_from_first > tolerance:
+        return False, "the regression set fell below the first version's: " + said
     return True, said

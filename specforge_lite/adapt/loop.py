@@ -79,11 +79,16 @@ def regression_prompts(source: Path | None, per_set: int) -> list[dict]:
 
 def init(home: Home, draft: Path, overrides: list[str], settings: dict, regression: Path | None = None,
          regression_per_set: int = 4, log=print) -> str:
+    """Make ``draft`` version v0001 of a new home and fix its settings; its name."""
+    with home.lock(log):
+        return _init(home, draft, overrides, settings, regression, regression_per_set, log)
+
+
+def _init(home: Home, draft: Path, overrides: list[str], settings: dict, regression: Path | None,
+          regression_per_set: int, log) -> str:
     from omegaconf import OmegaConf
 
-    if home.events():
-        raise AdaptHomeError(f"{home.root} already holds an adaptation (current: {home.current().name}); use "
-                             "another --home, or adapt run/watch with this one")
+    home.refuse_to_start_over()
     settings = {**DEFAULTS, **settings}
     check_judge(settings["judge"])
     if not 0 <= settings["replay_ratio"] < 1:
@@ -106,9 +111,7 @@ def init(home: Home, draft: Path, overrides: list[str], settings: dict, regressi
     OmegaConf.save(OmegaConf.structured(config), home.root / "base_config.yaml")
     write_json_atomic(home.root / "settings.json", settings)
     write_jsonl(home.root / "regression.jsonl", regression_prompts(regression, regression_per_set))
-    name = home.publish(final, home.root / "base_config.yaml")
-    home.log("init", version=name, source=str(draft))
-    home.point_at(name)
+    name = home.add_version("init", final, home.root / "base_config.yaml", source=str(draft))["version"]
     log(f"[adapt] {home.root}: current -> {name} (from {draft})")
     return name
 
@@ -133,7 +136,9 @@ def _update_heldout(home: Home, held: list[list[dict]]) -> Path:
 
 
 def adapt_once(home: Home, files: list[Path], log=print) -> dict:
-    """One adaptation on these traffic files; the logged event (promote, reject, skip or fail)."""
+    """One adaptation on these traffic files, under the home's lock; the logged event (promote, reject, skip or
+    fail)."""
+    current = home.current()  # (a current version that is gone refuses before anything is read)
     settings = home.settings()
     traffic = read_traffic(files)
     log(f"[adapt] traffic: {traffic.summary()}")
@@ -146,7 +151,6 @@ def adapt_once(home: Home, files: list[Path], log=print) -> dict:
     work = home.root / "work"
     shutil.rmtree(work, ignore_errors=True)  # (a killed attempt starts over)
     work.mkdir()
-    current = home.current()
     try:
         heldout = as_prompts([json.loads(x)["messages"] for x in heldout_file.read_text().splitlines()])
         if not heldout:
@@ -162,21 +166,47 @@ def adapt_once(home: Home, files: list[Path], log=print) -> dict:
                          **skipped)
         log(f"[adapt] candidate failed: {event['error']}")
         return event
-    promote, why = decide(numbers["current"], numbers["candidate"], settings["margin"], settings["tolerance"])
+    # (the first version's regression acceptance is unmeasured only while it is current: decide() then takes this)
+    promote, why = decide(numbers["current"], numbers["candidate"], settings["margin"], settings["tolerance"],
+                          home.first_regression())
     common = {"parent": current.name, "files": records, "train_conversations": len(train),
               "heldout_conversations": len(heldout[: settings["eval_prompts"]]), "numbers": numbers, "why": why,
               **skipped}
     if promote:
-        name = home.publish(run_dir / "final", run_dir / "config.yaml")
-        event = home.log("promote", version=name, **common)
-        home.point_at(name)
-        log(f"[adapt] promoted {name}: {why}")
+        event = home.add_version("promote", run_dir / "final", run_dir / "config.yaml", **common)
+        log(f"[adapt] promoted {event['version']}: {why}")
     else:
         event = home.log("reject", **common)
         log(f"[adapt] rejected the candidate, current stays {current.name}: {why}")
     _keep_reports(home, folders, len(home.events()))
     shutil.rmtree(work, ignore_errors=True)
     return event
+
+
+def run(home: Home, paths: list[Path], log=print) -> dict | None:
+    """``adapt run``: one adaptation on the files named and each folder's traffic files not used yet (as
+    ``watch`` takes them), under the home's lock; the logged event, or None when there was nothing new."""
+    with home.holding(log):
+        files = traffic_files(home, paths)
+        if not files:
+            log(f"[adapt] nothing new in {', '.join(map(str, paths))}: every traffic file there was used already")
+            return None
+        return adapt_once(home, files, log)
+
+
+def traffic_files(home: Home, paths: list[Path]) -> list[Path]:
+    """Each file named, and each folder's traffic files not used yet; once each, in order."""
+    out: dict[Path, None] = {}
+    for path in map(lambda p: Path(p).expanduser(), paths):
+        if path.is_dir():
+            out.update(dict.fromkeys(new_files(home, path, settle=0)))
+        elif not path.is_file():
+            raise AdaptHomeError(f"adapt run {path}: no such file or folder")
+        elif path.suffix not in TRAFFIC_SUFFIXES:
+            raise AdaptHomeError(f"adapt run {path}: not a traffic file (name it {', '.join(TRAFFIC_SUFFIXES)})")
+        else:
+            out[path] = None
+    return list(out)
 
 
 def _keep_reports(home: Home, folders: dict[str, Path], number: int) -> None:
@@ -211,25 +241,33 @@ def new_files(home: Home, folder: Path, settle: float) -> list[Path]:
 
 def watch(home: Home, folder: Path, interval: float = 30, settle: float = 10, once: bool = False, log=print) -> None:
     """Adapt whenever ``min_conversations`` new conversations have landed in ``folder``; keep going after a bad
-    file or a failed candidate. ``once``: one poll (and at most one adaptation), then return."""
+    file or a failed candidate. ``once``: one poll (and at most one adaptation), then return. The home's lock is
+    held only while it looks and adapts, so a rollback waits at most for one adaptation."""
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         raise AdaptHomeError(f"adapt watch {folder}: no such folder (the folder the server's traffic files land in)")
     wanted = home.settings()["min_conversations"]
-    log(f"[adapt] watching {folder} (adapting every {wanted} new conversations; current: {home.current().name})")
+    log(f"[adapt] watching {folder} (adapting every {wanted} new conversations)")
     while True:
-        ready, count = [], 0
-        for path in new_files(home, folder, settle):
-            traffic = read_traffic([path])
-            if traffic.conversations:
-                ready.append(path)
-                count += len(traffic.conversations)
-            else:  # a bad file is named in the log, counted as used, and the loop goes on
-                home.log("skip", files=[_file_record(path)], why="no conversation could be read",
-                         skipped_rows=len(traffic.skipped), first_skipped=traffic.skipped[:5])
-                log(f"[adapt] skipped {path}: {traffic.summary()}")
-        if ready and count >= wanted:
-            adapt_once(home, ready, log)
+        with home.holding(log):
+            look(home, folder, settle, wanted, log)
         if once:
             return
         time.sleep(interval)
+
+
+def look(home: Home, folder: Path, settle: float, wanted: int, log=print) -> None:
+    """One poll of ``folder``: bad files logged as skipped, and an adaptation once ``wanted`` conversations wait."""
+    home.current()  # (a watch stops, with the fix, when the current version is gone)
+    ready, count = [], 0
+    for path in new_files(home, folder, settle):
+        traffic = read_traffic([path])
+        if traffic.conversations:
+            ready.append(path)
+            count += len(traffic.conversations)
+        else:  # a bad file is named in the log, counted as used, and the loop goes on
+            home.log("skip", files=[_file_record(path)], why="no conversation could be read",
+                     skipped_rows=len(traffic.skipped), first_skipped=traffic.skipped[:5])
+            log(f"[adapt] skipped {path}: {traffic.summary()}")
+    if ready and count >= wanted:
+        adapt_once(home, ready, log)
