@@ -11,29 +11,10 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from .layout import PROVENANCE_KEY, eagle_flag
-
-
-@dataclass
-class Report:
-    path: Path
-    format: str = "unknown"
-    errors: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    servers: dict[str, str] = field(default_factory=dict)  # server -> what it would do
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    def text(self) -> str:
-        lines = [f"{self.path}: {self.format} draft -> {'OK' if self.ok else 'NOT SERVABLE AS TRAINED'}"]
-        lines += [f"  error: {e}" for e in self.errors] + [f"  warning: {w}" for w in self.warnings]
-        lines += [f"  {server}: {what}" for server, what in self.servers.items()]
-        return "\n".join(lines)
+from .layout import PROVENANCE_KEY, PUBLISHED_READERS, eagle_flag
+from .report import Report
 
 
 def _shapes(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -86,11 +67,8 @@ def _check_trained_ids(config: dict, readers: list, server: str | None, report: 
     provenance = config.get(PROVENANCE_KEY) or {}
     trained, intended = provenance.get("aux_layer_ids"), server or provenance.get("format")
     if not provenance:  # a folder written elsewhere: trained on the ids its own layout's convention names
-        from .published import published_format
-
-        try:
-            own = published_format(report.path, config)
-        except ValueError:
+        own = next((fmt for name in PUBLISHED_READERS for fmt in readers if fmt.name == name), None)
+        if own is None:
             return
         trained, intended = own.read_aux_ids(config), server or own.name
     if not trained:

@@ -17,6 +17,9 @@ from ..draft.model import Eagle3Spec
 from ..errors import UserError
 from ..files import WRITE_ERRORS, write_failure, write_then_rename
 
+# which of the export formats reads a draft folder written by another trainer, by layout, in this order:
+# speculators' own format, else a Llama-EAGLE3 folder as SGLang (and SpecForge, which writes for SGLang) reads it
+PUBLISHED_READERS = ("speculators", "sglang")
 PROVENANCE_KEY = "specforge_lite"
 # The first decoder layer's weights, after its prefix (midlayer. or layers.0.), as a regular expression.
 LAYER_WEIGHTS = (r"(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight"

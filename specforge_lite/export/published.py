@@ -22,11 +22,9 @@ from ..draft.model import _LLAMA_ROPE_TYPES as LLAMA_ROPE_TYPES
 from ..draft.model import DRAFT_ACT, Eagle3Spec
 from ..targets.capture import CONVENTION, default_aux_layer_ids
 from .format import ExportFormat
-from .layout import decoder_fields, eagle_flag
+from .layout import PUBLISHED_READERS, decoder_fields, eagle_flag
+from .report import Report
 
-# which of our format classes reads a folder written elsewhere, by layout: speculators' own, else a Llama-EAGLE3
-# folder as SGLang (and SpecForge, which writes for SGLang) reads it
-READERS = ("speculators", "sglang")
 UNKNOWN_LAYERS = 0  # target_num_layers of a draft whose target is not known yet
 
 
@@ -34,7 +32,7 @@ def published_format(folder: Path, config: dict) -> ExportFormat:
     """The format class whose conventions the folder was written in; refused in one line when none."""
     from . import FORMATS
 
-    form = next((FORMATS[name] for name in READERS if FORMATS[name].reads(config)), None)
+    form = next((FORMATS[name] for name in PUBLISHED_READERS if FORMATS[name].reads(config)), None)
     if form is None:
         raise ValueError(f"{folder}/config.json: architectures {config.get('architectures')} is neither an EAGLE3 "
                          "draft in speculators' format (speculators_model_type) nor SpecForge's and SGLang's Llama "
@@ -121,8 +119,6 @@ def fit_to_target(spec: Eagle3Spec, num_layers: int) -> Eagle3Spec:
 
 
 def _layer_config(folder: Path, config: dict, form: ExportFormat) -> dict:
-    from .check import Report
-
     report = Report(folder)
     layer = form.layer_config(config, report)
     if layer is None:
