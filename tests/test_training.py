@@ -37,7 +37,7 @@ def synthetic_dataset(n=24, vocab=256, seed=0, answers=True):
 def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, resume="auto", draft_vocab=None,
                  vocab_offset=0, answers=True, log=lambda m: None, max_minutes=None, save_every=2,
                  stream_cls=BatchStream, data_seed=0, optimizer="adamw", save_every_minutes=None, steps_per_epoch=None,
-                 **stream_kw):
+                 precision="fp32", **stream_kw):
     target = tiny_target()
     draft = tiny_draft(target, draft_vocab_size=draft_vocab or target.vocab_size, seed=seed)
     if vocab_offset:  # another mapping of the same size
@@ -45,7 +45,7 @@ def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, res
         vocab = DraftVocab(ids.sort().values, target.vocab_size, float("nan"))
         draft.set_vocab(vocab.d2t, vocab.t2d)
     cfg = TrainerConfig(max_steps=max_steps, micro_batch_size=2, grad_accum_steps=accum, lr=lr, save_every=save_every,
-                        stop_at_step=stop_at, progress_bar=False, precision="fp32", warmup_ratio=0.1, resume=resume,
+                        stop_at_step=stop_at, progress_bar=False, precision=precision, warmup_ratio=0.1, resume=resume,
                         max_minutes=max_minutes, optimizer=optimizer, save_every_minutes=save_every_minutes)
     stream = stream_cls(synthetic_dataset(seed=data_seed, answers=answers), cfg.micro_batch_size, pad_id=0, seed=seed,
                         **stream_kw)
@@ -533,6 +533,38 @@ def test_a_time_budget_ends_the_run_and_its_schedule_and_a_resume_spends_only_wh
     assert again.step == state["step"] and again.finished
     with pytest.raises(ValueError, match="trainer.max_minutes=0"):
         run_training(tmp_path / "zero", max_steps=5, max_minutes=0)
+
+
+def test_a_resume_on_a_machine_where_auto_precision_chooses_otherwise_says_so(tmp_path, monkeypatch):
+    """Review H8: trainer.precision=auto was recorded and compared as the word, so a run begun in bf16 (a CPU
+    with native bf16, a GPU) and resumed where auto picks fp32 changed precision without a word. The choice is
+    recorded; a resume where it differs says so in one line."""
+    from types import SimpleNamespace
+
+    from specforge_lite.training import distributed
+
+    said = []
+    monkeypatch.setattr(distributed, "native_bf16", lambda device: SimpleNamespace(native=True))
+    run_training(tmp_path, max_steps=4, stop_at=2, precision="auto")
+    monkeypatch.setattr(distributed, "native_bf16", lambda device: SimpleNamespace(native=False))
+    run_training(tmp_path, max_steps=4, precision="auto", log=said.append)
+    assert any("trainer.precision changed since step_00000002 (bf16 -> fp32)" in line for line in said), said
+
+
+def test_a_time_budget_that_never_binds_schedules_every_step_as_the_step_schedule_does():
+    """Review H7: with trainer.max_minutes the schedule followed the step schedule one step late, and the run's
+    last step trained at lr 0. With a budget whose time never binds, every step's factor must be the step
+    schedule's: the warmup's, then the decay from where the coming step starts."""
+    from specforge_lite.config import TrainerConfig
+    from specforge_lite.training.optim import Budget, warmup_decay
+
+    for schedule, ratio in (("cosine", 0.1), ("linear", 0.0), ("cosine", 0.25)):
+        cfg = TrainerConfig(max_steps=20, warmup_ratio=ratio, schedule=schedule, max_minutes=1e6)
+        by_steps = warmup_decay(TrainerConfig(max_steps=20, warmup_ratio=ratio, schedule=schedule))
+        by_time = warmup_decay(cfg, Budget(cfg))  # (elapsed 0: the time never binds)
+        for step in range(20):
+            assert by_time(step) == pytest.approx(by_steps(step), abs=1e-12), (schedule, ratio, step)
+        assert by_time(19) > 0
 
 
 def test_a_time_budget_the_steps_fit_leaves_the_run_independent_of_a_slow_first_step(tmp_path, monkeypatch):

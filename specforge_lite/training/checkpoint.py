@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import UserError
 from ..files import WRITE_ERRORS, fsync, safetensors_problem, write_failure, write_then_rename
+from .distributed import use_bf16
 from .optimizer_state import META as OPTIMIZER_META
 
 WEIGHTS = "draft.safetensors"
@@ -294,13 +295,20 @@ class CheckpointManager:
         return state["step"], state["tokens_seen"]
 
     def settings(self) -> dict:
-        return {key: getattr(self.cfg, key) for key in (*APPLIED_ON_RESUME, *REFUSED_ON_RESUME)}
+        settings = {key: getattr(self.cfg, key) for key in (*APPLIED_ON_RESUME, *REFUSED_ON_RESUME)}
+        # the precision this run trains in, not the word: auto chooses by the machine, which a resume may change
+        device = next(self.engine.module.parameters()).device
+        settings["precision"] = "bf16" if use_bf16(self.cfg.precision, device) else "fp32"
+        return settings
 
     def _check_settings(self, path: Path, state: dict, log) -> None:
         """A setting changed since the checkpoint is applied from the resumed step with a notice, or refused
         (``REFUSED_ON_RESUME``): never silently ignored."""
         now = self.settings()
-        changed = {k: (v, now[k]) for k, v in state.get("settings", {}).items() if k in now and v != now[k]}
+        saved = dict(state.get("settings", {}))
+        if saved.get("precision") == "auto":  # (recorded as the word before: what it chose is not known)
+            del saved["precision"]
+        changed = {k: (v, now[k]) for k, v in saved.items() if k in now and v != now[k]}
         refused = [f"trainer.{k} {old} -> {new} ({REFUSED_ON_RESUME[k]})" for k, (old, new) in changed.items()
                    if k in REFUSED_ON_RESUME]
         if refused:

@@ -140,10 +140,12 @@ def warmup_decay(cfg: TrainerConfig, budget: Budget | None = None):
 
     if budget is not None and budget.seconds is not None:
         def by_time(step: int) -> float:
-            done = budget.progress(step + 1)  # where the coming step ends
-            if done < cfg.warmup_ratio:
-                return done / cfg.warmup_ratio
-            return decay((done - cfg.warmup_ratio) / max(1e-9, 1 - cfg.warmup_ratio))
+            # as the step schedule: the warmup up to where the coming step ends, the decay from where it starts
+            # (so the last step does not train at the decay's floor)
+            start, end = budget.progress(step), budget.progress(step + 1)
+            if end <= cfg.warmup_ratio:
+                return end / cfg.warmup_ratio
+            return decay(max(0.0, start - cfg.warmup_ratio) / max(1e-9, 1 - cfg.warmup_ratio))
 
         return by_time
 
