@@ -25,6 +25,7 @@ Results go to ``--out`` (JSON, rewritten after every row) and a Markdown table o
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -203,8 +204,9 @@ def replace_attention(objective, way: str):
 
 
 def replace_objective(objective, **changes):
-    new = object.__new__(type(objective))
-    new.__dict__.update(objective.__dict__, **changes)
+    """A copy of the objective with some of its settings changed (the draft and the row stay shared)."""
+    new = copy.copy(objective)
+    new.__dict__.update(changes)
     return new
 
 
