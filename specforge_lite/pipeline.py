@@ -11,8 +11,8 @@ from .config import Config
 from .data import DraftVocab, build_draft_vocab
 from .data.images import image_inputs
 from .data.vocab import choose_mask_token
-from .draft import Draft, Eagle3Spec, draft_method
-from .draft.methods import draft_vocab_size
+from .draft import Draft, Eagle3Spec
+from .methods import draft_method, draft_spec, draft_vocab_size
 from .generation import LazyGenerator
 from .targets import HFTarget, Target
 from .targets.hf import BACKENDS
@@ -161,9 +161,8 @@ def build_draft(config: Config, target: Target, vocab: DraftVocab, tokenizer=Non
         raise ValueError(f"draft.attn_implementation={config.draft.attn_implementation!r}: only 'eager' (the TTT "
                          "attention pattern in plain PyTorch, draft/ttt.py) is implemented")
     draft_config = dataclasses.replace(config.draft, mask_token_id=mask_slot_token(config, target, tokenizer, log))
-    spec = Eagle3Spec.from_target(target.config, draft_config, target.aux_layer_ids, target.convention,
-                                  vocab_size=target.vocab_size, draft_vocab_size=vocab.size,
-                                  target_hidden_size=target.hidden_size)
+    spec = draft_spec(target.config, draft_config, target.aux_layer_ids, target.convention,
+                      vocab_size=target.vocab_size, draft_vocab_size=vocab.size, target_hidden_size=target.hidden_size)
     torch.manual_seed(config.trainer.seed)
     draft = draft_method(spec.method).model(spec)
     draft.set_vocab(vocab.d2t, vocab.t2d)

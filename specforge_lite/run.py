@@ -17,7 +17,8 @@ from typing import Any
 from .config import Config
 from .data import BatchStream, DraftVocab
 from .data.images import image_inputs
-from .draft import Draft, Eagle3Objective, build_objective
+from .draft import Draft, Eagle3Objective
+from .methods import build_objective
 from .targets import Target, Teacher
 from .training.distributed import DistributedContext
 

@@ -1,5 +1,5 @@
 """Every setting of a composed config checked once, before anything expensive runs: the numbers against their
-ranges (config.RANGES), then what the draft method refuses (its own module says, draft/methods.py), what the
+ranges (config.RANGES), then what the draft method refuses (its own folder says, methods/<name>/), what the
 export format cannot write of that draft, and what the evaluation cannot measure of it. All problems are said
 together, each naming the key and the fix, so a run never trains for hours to be refused at its export.
 """
@@ -10,11 +10,11 @@ import torch
 
 from .config import Config, out_of_range
 from .data.prepare import data_setting_problems
-from .draft import draft_method
 from .draft.ttt import TTT_ATTENTION
 from .evaluate.acceptance import DRAFTING
 from .evaluate.finish import SERVED_CHECKS
 from .export import export_format
+from .methods import draft_method
 from .training.optim import DECAYS, OPTIMIZERS
 
 

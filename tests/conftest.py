@@ -22,7 +22,8 @@ os.environ.setdefault("SPECFORGE_LITE_NATIVE_BF16", "0")
 
 from specforge_lite.config import DraftConfig, load_config  # noqa: E402
 from specforge_lite.data.vocab import DraftVocab  # noqa: E402
-from specforge_lite.draft import Eagle3Draft, Eagle3Spec  # noqa: E402
+from specforge_lite.methods import draft_spec  # noqa: E402
+from specforge_lite.methods.eagle3.model import Eagle3Draft  # noqa: E402
 from specforge_lite.targets import HFTarget, Teacher  # noqa: E402
 from specforge_lite.targets.families import get_family  # noqa: E402
 
@@ -64,9 +65,9 @@ def tiny_draft(target: HFTarget, draft_vocab_size: int = 128, use_aux_norm: bool
     naive references here compute (a run's default is EAGLE 3.1: the method's, tests/test_settings.py)."""
     vocab = tiny_vocab(target, draft_vocab_size)
     options = {"norm_before_fc": False, "norm_output": False, **options}
-    spec = Eagle3Spec.from_target(target.config, DraftConfig(use_aux_norm=use_aux_norm, **options),
-                                  target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
-                                  target.hidden_size)
+    spec = draft_spec(target.config, DraftConfig(use_aux_norm=use_aux_norm, **options),
+                      target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
+                      target.hidden_size)
     torch.manual_seed(seed)
     draft = Eagle3Draft(spec)
     draft.set_vocab(vocab.d2t, vocab.t2d)

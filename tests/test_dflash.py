@@ -1,4 +1,4 @@
-"""DFlash (draft/dflash.py) against a naive reference written here: one anchor and one slot at a time, with
+"""DFlash (methods/dflash/) against a naive reference written here: one anchor and one slot at a time, with
 explicit key lists, the way vLLM's qwen3_dflash.py lays the context and the block out."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from conftest import tiny_target, tiny_vocab
 from specforge_lite.config import DraftConfig
-from specforge_lite.draft import DFlashDraft, DFlashObjective, Eagle3Spec, draft_method
-from specforge_lite.draft.dflash import DFlashContext
 from specforge_lite.draft.objective import UnrollInputs
+from specforge_lite.methods import draft_method, draft_spec
+from specforge_lite.methods.dflash.model import DFlashContext, DFlashDraft, DFlashObjective
 from test_ttt import rms, rope
 
 MASK = 3
@@ -28,10 +28,10 @@ def tiny_block_draft(target, method: str = "dflash", layers: int = 2, seed: int 
     from 1, so a norm left out or applied to the wrong tensor shows; layers whose attention moves the state as
     much as a trained one's; heads whose terms are not negligible. DFlash 2's convolutions stay the identity."""
     vocab = tiny_vocab(target, draft_vocab or target.vocab_size)
-    spec = Eagle3Spec.from_target(target.config, DraftConfig(method=method, mask_token_id=MASK, num_layers=layers,
-                                                             **settings),
-                                  target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
-                                  target.hidden_size)
+    spec = draft_spec(target.config, DraftConfig(method=method, mask_token_id=MASK, num_layers=layers,
+                                                 **settings),
+                      target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
+                      target.hidden_size)
     torch.manual_seed(seed)
     draft = draft_method(method).model(spec)
     draft.set_vocab(vocab.d2t, vocab.t2d)
@@ -183,9 +183,9 @@ def test_the_block_size_is_recorded_and_every_tool_that_takes_a_k_refuses_anothe
 
     target = tiny_target(aux_ids=[2, 4, 6])
     vocab = tiny_vocab(target, target.vocab_size)
-    spec = Eagle3Spec.from_target(target.config, DraftConfig(method="dflash", mask_token_id=MASK, ttt_length=3),
-                                  target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
-                                  target.hidden_size)
+    spec = draft_spec(target.config, DraftConfig(method="dflash", mask_token_id=MASK, ttt_length=3),
+                      target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
+                      target.hidden_size)
     assert spec.block_size == 4
     draft = DFlashDraft(spec)
     run = tmp_path / "run"

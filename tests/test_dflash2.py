@@ -1,4 +1,4 @@
-"""DFlash 2 (draft/dflash2.py) against references written here: the convolution slot by slot, a fresh draft
+"""DFlash 2 (methods/dflash2/) against references written here: the convolution slot by slot, a fresh draft
 against DFlash's proven forward, and the selector's loss and drafting walk with the scores written out.
 (Against speculators' own DFlash 2 model and vLLM's own class: tests/test_serving.py.)"""
 
@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from conftest import tiny_target, tiny_vocab
 from specforge_lite.config import DraftConfig
-from specforge_lite.draft import DFlash2Draft, DFlash2Objective, DFlashDraft, DFlashObjective, Eagle3Spec
-from specforge_lite.draft.dflash2 import DFlash2Context, grouped_causal_conv
+from specforge_lite.methods import draft_spec
+from specforge_lite.methods.dflash.model import DFlashDraft, DFlashObjective
+from specforge_lite.methods.dflash2.model import DFlash2Context, DFlash2Draft, DFlash2Objective, grouped_causal_conv
 from test_dflash import MASK, block_inputs, naive_block, tiny_block_draft
 from test_ttt import rms
 
@@ -102,9 +103,9 @@ def test_dflash2_settings_refused_export_checked_and_round_trip(tmp_path):
     check_settings(load_config(base))
     target = tiny_target(aux_ids=[2, 4, 6])
     vocab = tiny_vocab(target, 96)
-    reduced = Eagle3Spec.from_target(target.config, DraftConfig(method="dflash2", mask_token_id=MASK),
-                                     target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
-                                     target.hidden_size)
+    reduced = draft_spec(target.config, DraftConfig(method="dflash2", mask_token_id=MASK),
+                         target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
+                         target.hidden_size)
     with pytest.raises(ValueError, match="keeps the whole target vocabulary"):  # (runs build it whole)
         DFlash2Draft(reduced)
 

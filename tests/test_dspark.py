@@ -1,4 +1,4 @@
-"""DSpark (draft/dspark.py) against a naive reference written here: one anchor and one slot at a time, the block
+"""DSpark (methods/dspark/) against a naive reference written here: one anchor and one slot at a time, the block
 from test_dflash's naive forward, the Markov bias and the confidence head written out, and the loss as DSpark
 defines it. (Against speculators' own DSpark model and vLLM's own class: tests/test_serving.py.)"""
 
@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_target
-from specforge_lite.draft import DSparkObjective
-from specforge_lite.draft.dspark import DSparkContext
+from specforge_lite.methods.dspark.model import DSparkContext, DSparkObjective
 from test_dflash import MASK, block_inputs, naive_block, tiny_block_draft
 from test_ttt import rms
 

@@ -345,13 +345,13 @@ def test_every_familys_draft_is_a_silu_llama_layer_and_other_activations_are_ref
     from dataclasses import replace
 
     from specforge_lite.config import DraftConfig, load_config
-    from specforge_lite.draft import Eagle3Spec
+    from specforge_lite.methods import draft_spec
     from specforge_lite.pipeline import build_target
 
     gemma = build_target(load_config(["model=gemma3_tiny", "tracker=none"]))
     assert gemma.config.get_text_config().hidden_activation == "gelu_pytorch_tanh"
-    spec = Eagle3Spec.from_target(gemma.config, DraftConfig(), gemma.aux_layer_ids, gemma.convention,
-                                  gemma.vocab_size, 64, gemma.hidden_size)
+    spec = draft_spec(gemma.config, DraftConfig(), gemma.aux_layer_ids, gemma.convention,
+                      gemma.vocab_size, 64, gemma.hidden_size)
     assert spec.hidden_act == "silu"
     target = tiny_target(aux_ids=[2, 4, 6])
     draft = tiny_draft(target, draft_vocab_size=100)

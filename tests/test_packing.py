@@ -9,7 +9,9 @@ import torch
 from specforge_lite.config import DraftConfig, load_config
 from specforge_lite.data.loader import collate, collate_packed, pack
 from specforge_lite.data.vocab import DraftVocab
-from specforge_lite.draft import Eagle3Draft, Eagle3Objective, Eagle3Spec
+from specforge_lite.draft import Eagle3Objective
+from specforge_lite.methods import draft_spec
+from specforge_lite.methods.eagle3.model import Eagle3Draft
 from specforge_lite.pipeline import build_target
 from specforge_lite.targets import Teacher
 
@@ -30,8 +32,8 @@ def conversations(vocab: int, lengths=(21, 9, 26, 14, 7, 18), seed: int = 0) -> 
 def make_draft(target, seed: int = 0) -> Eagle3Draft:
     # the whole vocabulary: every target argmax is in it, so every answer token is scored
     vocab = DraftVocab(torch.arange(target.vocab_size), target.vocab_size, float("nan"))
-    spec = Eagle3Spec.from_target(target.config, CFG, target.aux_layer_ids, target.convention, target.vocab_size,
-                                  vocab.size, target.hidden_size)
+    spec = draft_spec(target.config, CFG, target.aux_layer_ids, target.convention, target.vocab_size,
+                      vocab.size, target.hidden_size)
     torch.manual_seed(seed)
     draft = Eagle3Draft(spec)
     draft.set_vocab(vocab.d2t, vocab.t2d)

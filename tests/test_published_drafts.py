@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT
-from specforge_lite.draft import draft_method
+from specforge_lite.methods import draft_method
 from specforge_lite.draft.ttt import TTTCache
 from specforge_lite.export import fit_to_target, load_export
 

@@ -135,7 +135,7 @@ def test_speculators_own_model_computes_our_block_draft(serving_python, block_dr
     at every anchor it picks, our logits and (DSpark) confidence logits or (DFlash 2) candidates and selector
     scores of every slot. Fails with another block layout, a bias or edge from the wrong token, or a head over
     the pre-norm state."""
-    from specforge_lite.draft.dflash import DFlashContext
+    from specforge_lite.methods.dflash.model import DFlashContext
 
     target, draft, export = block_draft_export
     ids = torch.randint(0, target.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))

@@ -1,5 +1,5 @@
 """Every setting checked once, before anything runs (settings.py), and draft methods as plug-ins: everything
-about a method is asked of its registered ``DraftMethod`` (draft/methods.py), so nothing outside draft/ names one."""
+about a method is asked of its registered ``DraftMethod`` (methods/<name>/), so nothing outside methods/ names one."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT
 from specforge_lite.config import load_config
-from specforge_lite.draft import METHODS, draft_method
+from specforge_lite.methods import METHODS, draft_method
 from specforge_lite.settings import check_settings, setting_problems
 
 
@@ -96,14 +96,14 @@ def test_the_defaults_of_every_method_pass():
 
 
 def test_no_method_is_named_outside_its_own_module():
-    """The house rule of the plug-ins: outside draft/, code asks the method (``draft_method(name).<what>``) and
+    """The house rule of the plug-ins: outside methods/, code asks the method (``draft_method(name).<what>``) and
     never compares a method's name. Config defaults and the exporters' own server vocabulary (speculators'
     model type "eagle3", the export format named dflash) are names of settings and formats, not branches."""
     # a comparison with a method's name, or a table keyed by the names (how the branches looked before)
     branch = re.compile(r"""method\s*(==|!=|\bin\b|\bnot in\b)\s*[("'\[]|[{,]\s*["'](eagle3|dflash2?|dspark)["']\s*:""")
     found = []
     for path in sorted((ROOT / "specforge_lite").rglob("*.py")):
-        if path.parent.name == "draft":
+        if "methods" in path.relative_to(ROOT).parts:
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if branch.search(line.split("#")[0]):
@@ -115,7 +115,7 @@ def test_a_method_registered_elsewhere_is_checked_exported_and_labelled_without_
     """What adding a method costs outside its own module: nothing but the registration. A method registered
     here (EAGLE3's model under another name, its own refusal and label) is asked by the settings check, the
     export-format choice and the ranking's label, none of which was edited for it."""
-    from specforge_lite.draft.methods import register
+    from specforge_lite.methods import register
     from specforge_lite.export import export_format
 
     base = draft_method("eagle3")
@@ -141,7 +141,7 @@ def test_each_method_owns_its_defaults_eagle3s_are_eagle_31s_and_no_documented_c
     the run's draft is built with (what checkpoints and exports record)."""
     from transformers import LlamaConfig
 
-    from specforge_lite.draft import Eagle3Spec
+    from specforge_lite.methods import draft_spec
 
     target = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256)
@@ -149,7 +149,7 @@ def test_each_method_owns_its_defaults_eagle3s_are_eagle_31s_and_no_documented_c
     def norms(*overrides):
         config = load_config(["tracker=none", f"recipe={recipe}", *overrides])
         assert setting_problems(config) == [], overrides
-        spec = Eagle3Spec.from_target(target, config.draft, [2, 4, 5], "input", 256, 128, 64)
+        spec = draft_spec(target, config.draft, [2, 4, 5], "input", 256, 128, 64)
         return spec.norm_before_fc, spec.use_aux_norm, spec.norm_output
 
     assert norms() == (True, False, True)

@@ -136,13 +136,14 @@ def test_acceptance_by_context_length():
 def test_smollm2_speculative_equals_greedy(smollm2):
     from specforge_lite.config import DraftConfig
     from specforge_lite.data.vocab import DraftVocab
-    from specforge_lite.draft import Eagle3Draft, Eagle3Spec
+    from specforge_lite.methods import draft_spec
+    from specforge_lite.methods.eagle3.model import Eagle3Draft
     from specforge_lite.generation import stop_ids
 
     config, target, tok = smollm2
     vocab = DraftVocab(torch.arange(0, 8000).long(), target.vocab_size, 1.0)
-    spec = Eagle3Spec.from_target(target.config, DraftConfig(), target.aux_layer_ids, target.convention,
-                                  target.vocab_size, vocab.size, target.hidden_size)
+    spec = draft_spec(target.config, DraftConfig(), target.aux_layer_ids, target.convention,
+                      target.vocab_size, vocab.size, target.hidden_size)
     torch.manual_seed(0)
     draft = Eagle3Draft(spec)
     draft.set_vocab(vocab.d2t, vocab.t2d)
@@ -331,7 +332,7 @@ def test_parallel_draft_proposes_in_one_forward_what_the_chain_proposes():
     and it proposes what the k-step chain (draft_chain, each later step reading the mask slot's inputs)
     proposes, round after round with the committed rows' keys kept, for rounds committing 1 to k+1 rows;
     speculative decoding with it still equals greedy. Fails when the parallel draft runs k forwards."""
-    from specforge_lite.draft import draft_method
+    from specforge_lite.methods import draft_method
     from specforge_lite.draft.drafting import ParallelDraftContext
     from specforge_lite.evaluate.spec_decode import greedy_generate
 

@@ -22,13 +22,14 @@ def synthetic_draft(shape: dict, draft_cfg, draft_vocab_size: int):
     """The EAGLE3 draft for a target of ``shape`` (default aux ids, seed 0), with a stand-in embedding."""
     from transformers import LlamaConfig
 
-    from ..draft import Eagle3Draft, Eagle3Spec
+    from ..methods import draft_spec
+    from ..methods.eagle3.model import Eagle3Draft
     from ..targets.capture import CONVENTION
 
     L = shape["num_hidden_layers"]
-    spec = Eagle3Spec.from_target(LlamaConfig(**shape), draft_cfg, [2, L // 2, L - 3], CONVENTION,
-                                  vocab_size=shape["vocab_size"], draft_vocab_size=draft_vocab_size,
-                                  target_hidden_size=shape["hidden_size"])
+    spec = draft_spec(LlamaConfig(**shape), draft_cfg, [2, L // 2, L - 3], CONVENTION,
+                      vocab_size=shape["vocab_size"], draft_vocab_size=draft_vocab_size,
+                      target_hidden_size=shape["hidden_size"])
     torch.manual_seed(0)
     draft = Eagle3Draft(spec)
     # the target's table is read, never trained: a stride-0 stand-in of the right shape costs no memory

@@ -2,7 +2,7 @@
 draft's own KV cache of the committed context, kept across verification rounds, and the k tokens of a round
 drafted one step each (``DraftContext``, ``draft_chain``) or all from one forward over mask slots
 (``ParallelDraftContext``). Evaluation (evaluate/spec_decode.py) asks the method for its drafting
-(draft/methods.py), so it never names one."""
+(methods/<name>/), so it never names one."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ from ..config import Config, EvalConfig
 from ..data.chat import generation_prompt_ids
 from ..data.images import image_inputs
 from ..device import dtype_name
-from ..draft import build_objective, draft_method
 from ..draft.ttt import TreeCache
+from ..methods import build_objective, draft_method
 from ..targets.teacher import Teacher
 from .heldout import heldout_accuracy
 from .prompts import PromptSet, load_prompt_sets

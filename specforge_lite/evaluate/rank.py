@@ -18,8 +18,7 @@ import json
 import statistics
 from pathlib import Path
 
-from ..draft import draft_method
-from ..draft.methods import DEFAULT
+from ..methods import DEFAULT, draft_method
 from ..errors import said_in_one_line
 from ..export.layout import PROVENANCE_KEY
 from ..training.tracking import read_metrics

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..draft import draft_method
 from ..draft.drafting import DraftContext
+from ..methods import draft_method
 
 
 @dataclass

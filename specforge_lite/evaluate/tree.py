@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EvalConfig
-from ..draft import draft_method
 from ..draft.drafting import DraftContext
+from ..methods import draft_method
 from ..draft.ttt import TreeCache
 from .spec_decode import Generation, _croppable, _cut, _new_cache
 

@@ -10,9 +10,8 @@ from pathlib import Path
 import torch
 
 from ..device import resolve_dtype
-from ..draft import draft_method
-from ..draft.methods import DEFAULT
 from ..draft.model import DRAFT_ACT, Eagle3Spec
+from ..methods import DEFAULT, draft_method
 from ..training.checkpoint import latest_checkpoint, load_checkpoint, unusable_checkpoints
 from .card import write_model_card
 from .dflash import DFlashFormat

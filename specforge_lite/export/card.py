@@ -33,7 +33,7 @@ def write_model_card(export_dir: Path, run_dir: Path) -> Path:
 
 def _render(export_dir: Path, run_dir: Path, config: dict, run: dict, evaluation: dict, target: str) -> str:
     from . import FORMATS
-    from ..draft import draft_method
+    from ..methods import draft_method
 
     provenance = config[PROVENANCE_KEY]
     spec, form = provenance["spec"], FORMATS[provenance.get("format", "vllm")]

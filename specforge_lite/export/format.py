@@ -9,8 +9,8 @@ import re
 
 import torch
 
-from ..draft import draft_method
 from ..draft.model import Eagle3Spec
+from ..methods import draft_method
 from .layout import LATER_LAYER_WEIGHTS, LAYER_WEIGHTS, PROVENANCE_KEY, llama_draft_config
 
 LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")

@@ -91,7 +91,7 @@ def weight_mismatch(own: dict[str, torch.Tensor], weights: dict[str, torch.Tenso
 def _meta_state(spec: Eagle3Spec) -> dict[str, torch.Tensor]:
     """The state dict our draft of ``spec`` has (shapes only, nothing allocated); the aux ids, which fix only how
     many states fc reads, stand in as 0..n-1 when the folder names none."""
-    from ..draft import draft_method
+    from ..methods import draft_method
 
     n_aux = len(spec.aux_layer_ids) or 3
     with torch.device("meta"):

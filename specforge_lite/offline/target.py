@@ -16,7 +16,7 @@ import torch
 
 from ..config import Config
 from ..data.vocab import DraftVocab
-from ..draft.methods import draft_vocab_size
+from ..methods import draft_vocab_size
 from ..run import Run
 from ..targets.capture import CONVENTION, resolve_aux_layer_ids
 from ..targets.families import get_family

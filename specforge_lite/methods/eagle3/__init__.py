@@ -1,21 +1,26 @@
-"""EAGLE3 as a registered method (draft/methods.py), with its options: EAGLE 3.1 (``draft.norm_before_fc``,
+"""EAGLE3 as a registered method (methods/__init__.py), with its options: EAGLE 3.1 (``draft.norm_before_fc``,
 ``draft.norm_output``), P-EAGLE (``draft.parallel_drafting``: the later tokens from mask slots, one forward)
-and several layers (``draft.num_layers``). The model is draft/model.py, the objective draft/objective.py."""
+and several layers (``draft.num_layers``). The model is model.py here; its training-time-test unroll is
+draft/objective.py, the objective the block drafts' objectives build on."""
 
 from __future__ import annotations
 
-from .drafting import DraftContext, ParallelDraftContext
-from .methods import DraftMethod, layers_label, register
+from ...draft.drafting import DraftContext, ParallelDraftContext
+from ...draft.method import DraftMethod, layers_label
+from ...draft.objective import Eagle3Objective
 from .model import Eagle3Draft
-from .objective import Eagle3Objective
 
 
-def defaults(draft_settings) -> dict:
-    """EAGLE 3.1's two norms unless the per-aux norm (fc_norm) was asked for: EAGLE 3.1 won all five
-    comparisons served by vLLM at equal time or steps (docs/levers.md, "EAGLE 3.1, repeated"), and the norm
-    over the concatenated states excludes the per-aux one."""
-    eagle31 = not draft_settings.use_aux_norm
-    return {"norm_before_fc": eagle31, "norm_output": eagle31}
+def spec_fields(draft_settings) -> dict:
+    """The spec's EAGLE3 fields from the settings. A norm left null is EAGLE 3.1's unless the per-aux norm
+    (fc_norm) was asked for: EAGLE 3.1 won all five comparisons served by vLLM at equal time or steps
+    (docs/levers.md, "EAGLE 3.1, repeated"), and the norm over the concatenated states excludes the per-aux one."""
+    d, eagle31 = draft_settings, not draft_settings.use_aux_norm
+    return {"use_aux_norm": d.use_aux_norm,
+            "norm_before_fc": eagle31 if d.norm_before_fc is None else d.norm_before_fc,
+            "norm_output": eagle31 if d.norm_output is None else d.norm_output,
+            "norm_before_residual": d.norm_before_residual, "parallel_drafting": d.parallel_drafting,
+            "mask_token_id": d.mask_token_id if d.parallel_drafting else None}
 
 
 def refused(config) -> list[str]:
@@ -47,7 +52,6 @@ def label(spec: dict) -> str:
     return f"{name}, {layers_label(spec)}" + (f" ({', '.join(norms)})" if norms else "")
 
 
-EAGLE3 = register(DraftMethod("eagle3", Eagle3Draft, Eagle3Objective, refused, refused_evaluation, drafting,
-                              ("vllm", "sglang", "speculators"), label,
-                              has_mask_slots=lambda draft_settings: draft_settings.parallel_drafting,
-                              defaults=defaults))
+METHOD = DraftMethod("eagle3", Eagle3Draft, Eagle3Objective, refused, refused_evaluation, drafting,
+                     ("vllm", "sglang", "speculators"), label,
+                     has_mask_slots=lambda draft_settings: draft_settings.parallel_drafting, spec_fields=spec_fields)

@@ -22,11 +22,10 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, repeat_kv, rotate_half
 
-from .attention import causal_attention_lse
-from .drafting import greedy_with_confidence
-from .methods import DraftMethod, layers_label, register
-from .model import TargetWiredDraft
-from .objective import Eagle3Objective, StepStats, TTTOutput, UnrollInputs
+from ...draft.attention import causal_attention_lse
+from ...draft.drafting import greedy_with_confidence
+from ...draft.model import TargetWiredDraft
+from ...draft.objective import Eagle3Objective, StepStats, TTTOutput, UnrollInputs
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -241,40 +240,3 @@ class DFlashContext:
             return out.transpose(1, 2).unsqueeze(3)  # [1, S, h, 1, d]
 
         return draft.block(ids, positions, self.kept, attend)
-
-
-def refused(config, method: str = "dflash") -> list[str]:
-    """What a block draft (DFlash, and DSpark on its backbone) cannot take."""
-    d, problems = config.draft, []
-    settings = {"draft.use_aux_norm": d.use_aux_norm, "draft.norm_before_fc": d.norm_before_fc,
-                "draft.norm_output": d.norm_output, "draft.norm_before_residual": d.norm_before_residual,
-                "draft.parallel_drafting": d.parallel_drafting,
-                "draft.checkpointing": d.checkpointing, "data.packing": config.data.packing,
-                "draft.init_layers_from_target": d.init_layers_from_target,
-                "trainer.deepspeed.sequence_parallel": config.trainer.deepspeed.sequence_parallel != 1}
-    unsupported = [name for name, on in settings.items() if on]
-    if unsupported:
-        problems.append(f"draft.method={method} does not take {', '.join(unsupported)} (EAGLE3 options, or not "
-                        "implemented for block drafts): turn them off")
-    if d.ttt_length != config.eval.num_draft_tokens:  # (the block attends bidirectionally: its size is input)
-        problems.append(f"draft.method={method} with draft.ttt_length={d.ttt_length} tokens per block but served "
-                        f"with eval.num_draft_tokens={config.eval.num_draft_tokens}: a block draft sees all its slots, "
-                        "so a block of another size is another input; set both to the k you serve with")
-    return problems
-
-
-def refused_evaluation(draft_settings, ev) -> list[str]:
-    if ev.drafting == "tree" or ev.temperature > 0:
-        return [f"a {draft_settings.method} draft is evaluated greedy and as a chain (one block per round): use "
-                "eval.drafting=chain eval.temperature=0"]
-    return []
-
-
-def label(spec: dict) -> str:
-    return f"DFlash, {layers_label(spec)}"
-
-
-DFLASH = register(DraftMethod("dflash", DFlashDraft, DFlashObjective, refused, refused_evaluation, DFlashContext,
-                              ("dflash",), label, has_mask_slots=lambda draft_settings: True,
-                              spec_fields=lambda d: {"block_size": d.ttt_length + 1},  # the next token and k masks
-                              fixed_draft_tokens=lambda spec: spec["block_size"] - 1))

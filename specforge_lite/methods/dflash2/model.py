@@ -25,10 +25,8 @@ import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
 
-from .dflash import DFlashContext, DFlashDraft, DFlashLayer, DFlashObjective, refused as block_draft_refused
-from .dflash import refused_evaluation
-from .methods import DraftMethod, layers_label, register
-from .objective import UnrollInputs, chunked, token_loss
+from ...draft.objective import UnrollInputs, chunked, token_loss
+from ..dflash.model import DFlashContext, DFlashDraft, DFlashLayer, DFlashObjective
 
 
 def grouped_causal_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -184,28 +182,3 @@ class DFlash2Context(DFlashContext):
             drafted.append(int(self.draft.draft_to_target(previous)))
             self.confidences.append(float(torch.softmax(scores.float(), -1)[0, best]))
         return drafted
-
-
-def refused(config) -> list[str]:
-    problems = block_draft_refused(config, "dflash2")
-    d = config.draft
-    if d.selector_top_k < 1 or d.selector_rank < 1 or d.conv_kernel_size < 1:
-        problems.append("draft.method=dflash2 needs draft.selector_top_k, draft.selector_rank and "
-                        "draft.conv_kernel_size >= 1")
-    elif d.conv_kernel_size > d.ttt_length + 1:
-        problems.append(f"draft.conv_kernel_size={d.conv_kernel_size} is longer than the block (draft.ttt_length + 1 "
-                        f"= {d.ttt_length + 1} slots): use at most {d.ttt_length + 1}")
-    return problems
-
-
-def label(spec: dict) -> str:
-    return f"DFlash 2, {layers_label(spec)}"
-
-
-DFLASH2 = register(DraftMethod(
-    "dflash2", DFlash2Draft, DFlash2Objective, refused, refused_evaluation, DFlash2Context, ("dflash2",), label,
-    has_mask_slots=lambda draft_settings: True,
-    spec_fields=lambda d: {"block_size": d.ttt_length + 1, "conv_kernel_size": d.conv_kernel_size,
-                           "conv_group_size": d.conv_group_size, "selector_rank": d.selector_rank,
-                           "selector_top_k": d.selector_top_k},
-    fixed_draft_tokens=lambda spec: spec["block_size"] - 1, whole_vocabulary=True))

@@ -1,6 +1,6 @@
 """DSpark: DFlash's block backbone, a Markov head and a confidence head, from the same capture as EAGLE3.
 
-The backbone is draft/dflash.py's, with DSpark's block layout (vLLM's ``sample_from_anchor``): a block of k
+The backbone is methods/dflash/model.py's, with DSpark's block layout (vLLM's ``sample_from_anchor``): a block of k
 slots, the committed token (the bonus token the target just chose, at position n) and k - 1 mask slots
 after it, and every slot s predicts the token after its own position (n + s + 1), so one forward over k
 slots proposes k tokens (DFlash spends one slot more: its anchor predicts nothing).
@@ -30,9 +30,8 @@ import torch
 from torch import nn
 from torch.nn.functional import binary_cross_entropy_with_logits
 
-from .dflash import DFlashContext, DFlashDraft, DFlashObjective, refused as block_draft_refused, refused_evaluation
-from .methods import DraftMethod, layers_label, register
-from .objective import UnrollInputs, chunked, token_loss
+from ...draft.objective import UnrollInputs, chunked, token_loss
+from ..dflash.model import DFlashContext, DFlashDraft, DFlashObjective
 
 CE_WEIGHT, TV_WEIGHT = 0.1, 0.9  # DSpark's token loss (speculators' DSpark recipe)
 
@@ -136,24 +135,3 @@ class DSparkContext(DFlashContext):
             drafted.append(int(previous))
             self.confidences.append(float(torch.sigmoid(confidence)))
         return drafted
-
-
-def refused(config) -> list[str]:
-    problems = block_draft_refused(config, "dspark")
-    if config.draft.loss != "soft_ce":
-        problems.append(f"draft.method=dspark with draft.loss={config.draft.loss}: DSpark's loss is its own (0.1 x "
-                        "soft_ce + 0.9 x tv, and the confidence head's BCE); leave draft.loss at soft_ce")
-    if config.draft.markov_rank < 1:
-        problems.append(f"draft.markov_rank={config.draft.markov_rank}: DSpark's Markov head needs a rank >= 1 "
-                        "(vLLM refuses a DSpark draft without one); draft.method=dflash is the block draft without it")
-    return problems
-
-
-def label(spec: dict) -> str:
-    return f"DSpark, {layers_label(spec)}"
-
-
-DSPARK = register(DraftMethod("dspark", DSparkDraft, DSparkObjective, refused, refused_evaluation, DSparkContext,
-                              ("dspark",), label, has_mask_slots=lambda draft_settings: True,
-                              spec_fields=lambda d: {"block_size": d.ttt_length, "markov_rank": d.markov_rank},
-                              fixed_draft_tokens=lambda spec: spec["block_size"]))

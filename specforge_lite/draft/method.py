@@ -1,0 +1,48 @@
+"""What a draft method is to the rest of the project: one ``DraftMethod``, written in its own folder
+(methods/<name>/) and registered by name (``draft.method``) in methods/__init__.py: everything the rest of the
+project needs to know of it. Its model and objective (both read the same target states, so one hidden-state
+store trains any method), the settings it refuses, how an evaluation drafts with it, which export formats can
+write it, and its name in tables. Nothing outside
+methods/ branches on a method's name: it asks the method. P-EAGLE and EAGLE 3.1 are EAGLE3 with options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class DraftMethod:
+    name: str  # draft.method=<name>
+    model: type  # built from its spec (draft/model.py Eagle3Spec: every method's fields)
+    objective: type  # its loss over the unrolled steps; ``from_config(draft_config, sequence)``
+    # the settings of a composed config it cannot take, each "what and the fix" (settings.py asks before anything)
+    refused: Callable[[Any], list[str]]
+    # the evaluation settings (eval.*) it cannot be measured with, given the draft's settings (a DraftConfig
+    # before training, the trained draft's spec after: the same field names)
+    refused_evaluation: Callable[[Any, Any], list[str]]
+    # what keeps a draft's context across rounds and proposes each round's k tokens (evaluation's drafting);
+    # its ``one_forward`` says whether all k come from one forward (mask slots) or one step each
+    drafting: Callable[[Any], Any]
+    # the export formats that can write it (export/): the first is what export.format=vllm writes (EAGLE3's
+    # Llama layout, or vLLM's own layout for the method)
+    export_formats: tuple[str, ...]
+    # a draft's name in tables, from its spec (a checkpoint's spec.json, an export's provenance block)
+    label: Callable[[dict], str]
+    # whether a draft with these settings embeds a mask token in slots (P-EAGLE, DFlash): one is then chosen
+    has_mask_slots: Callable[[Any], bool]
+    # the spec fields (draft/model.py Eagle3Spec) its settings fix beyond the shared ones: EAGLE3's norms, a
+    # block draft's block_size and mask token, DSpark's markov_rank
+    spec_fields: Callable[[Any], dict] = lambda draft_settings: {}
+    # the one k a draft can be served and evaluated at, from its spec (a dict): a block draft's block is its
+    # input, so its k is fixed at training; None: any k
+    fixed_draft_tokens: Callable[[dict], int | None] = lambda spec: None
+    # whether its draft keeps the whole target vocabulary whatever draft.draft_vocab_size says (DFlash 2: its
+    # selector indexes codebooks with token ids as vLLM does)
+    whole_vocabulary: bool = False
+
+
+def layers_label(spec: dict) -> str:
+    layers = spec.get("num_layers", 1)
+    return f"{layers} layer{'s' if layers > 1 else ''}"

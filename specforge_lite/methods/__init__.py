@@ -1,0 +1,54 @@
+"""The draft methods, one folder each (its model, drafting, settings, refusals and label), registered here by
+name (``draft.method``): adding a method is its folder and one line in ``METHODS``. The rest of the project asks
+the method (``draft_method(name)``), never its name (draft/method.py: what a method offers)."""
+
+from __future__ import annotations
+
+from ..draft.method import DraftMethod
+from ..draft.model import Eagle3Spec
+from . import dflash, dflash2, dspark, eagle3
+
+METHODS: dict[str, DraftMethod] = {m.name: m for m in (
+    eagle3.METHOD,
+    dflash.METHOD,
+    dspark.METHOD,
+    dflash2.METHOD,
+)}
+DEFAULT = "eagle3"  # draft.method's default, and the method of a spec written before methods were recorded
+
+
+def draft_method(name: str) -> DraftMethod:
+    if name not in METHODS:
+        raise ValueError(f"draft.method={name!r}: use one of {sorted(METHODS)}")
+    return METHODS[name]
+
+
+def register(method: DraftMethod) -> DraftMethod:
+    """A method added at run time (a plug-in outside this package; the tests' own)."""
+    METHODS[method.name] = method
+    return method
+
+
+def draft_spec(target_config, draft_cfg, aux_layer_ids: list[int], convention: str, vocab_size: int,
+               draft_vocab_size: int, target_hidden_size: int) -> Eagle3Spec:
+    """The spec of a new draft of these settings for this target: the shared fields from the target, the
+    method's own from its settings (``spec_fields``; a null setting resolved as the method decides, so a
+    checkpoint or an export never depends on that default again)."""
+    return Eagle3Spec.from_target(target_config, draft_cfg, aux_layer_ids, convention, vocab_size, draft_vocab_size,
+                                  target_hidden_size, draft_method(draft_cfg.method).spec_fields(draft_cfg))
+
+
+def build_objective(draft_cfg, sequence=None):
+    """The objective of the configured method (``sequence``: a rank's share of each row, EAGLE3 only)."""
+    return draft_method(draft_cfg.method).objective.from_config(draft_cfg, sequence)
+
+
+def draft_vocab_size(draft_cfg, target_vocab_size: int) -> int:
+    """The draft vocabulary a run of these settings has: draft.draft_vocab_size capped at the target's, or the
+    whole target vocabulary for a method that needs it."""
+    if draft_method(draft_cfg.method).whole_vocabulary:
+        return target_vocab_size
+    return min(draft_cfg.draft_vocab_size, target_vocab_size)
+
+
+__all__ = ["DEFAULT", "METHODS", "build_objective", "draft_method", "draft_spec", "draft_vocab_size", "register"]

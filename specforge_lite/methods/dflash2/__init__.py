@@ -1,0 +1,33 @@
+"""DFlash 2 as a registered method (methods/__init__.py): DFlash's block draft with local convolutions and a
+candidate selector (model.py; vLLM method=dflash, DFlash2DraftModel)."""
+
+from __future__ import annotations
+
+from ...draft.method import DraftMethod, layers_label
+from ..dflash import refused as block_draft_refused, refused_evaluation
+from .model import DFlash2Context, DFlash2Draft, DFlash2Objective
+
+
+def refused(config) -> list[str]:
+    problems = block_draft_refused(config, "dflash2")
+    d = config.draft
+    if d.selector_top_k < 1 or d.selector_rank < 1 or d.conv_kernel_size < 1:
+        problems.append("draft.method=dflash2 needs draft.selector_top_k, draft.selector_rank and "
+                        "draft.conv_kernel_size >= 1")
+    elif d.conv_kernel_size > d.ttt_length + 1:
+        problems.append(f"draft.conv_kernel_size={d.conv_kernel_size} is longer than the block (draft.ttt_length + 1 "
+                        f"= {d.ttt_length + 1} slots): use at most {d.ttt_length + 1}")
+    return problems
+
+
+def label(spec: dict) -> str:
+    return f"DFlash 2, {layers_label(spec)}"
+
+
+METHOD = DraftMethod(
+    "dflash2", DFlash2Draft, DFlash2Objective, refused, refused_evaluation, DFlash2Context, ("dflash2",), label,
+    has_mask_slots=lambda draft_settings: True,
+    spec_fields=lambda d: {"block_size": d.ttt_length + 1, "conv_kernel_size": d.conv_kernel_size,
+                           "conv_group_size": d.conv_group_size, "selector_rank": d.selector_rank,
+                           "selector_top_k": d.selector_top_k, "mask_token_id": d.mask_token_id},
+    fixed_draft_tokens=lambda spec: spec["block_size"] - 1, whole_vocabulary=True)
