@@ -11,7 +11,7 @@ from .config import Config
 from .data import DraftVocab, build_draft_vocab
 from .data.images import image_inputs
 from .data.vocab import choose_mask_token
-from .draft import Draft, Eagle3Spec
+from .draft import Draft, DraftSpec
 from .methods import draft_method, draft_spec, draft_vocab_size
 from .generation import LazyGenerator
 from .targets import HFTarget, Target
@@ -191,7 +191,7 @@ def frozen_as_configured(draft: Draft, config: Config) -> Draft:
     return draft
 
 
-def initial_draft(config: Config, log=print) -> tuple[Eagle3Spec, dict[str, torch.Tensor]]:
+def initial_draft(config: Config, log=print) -> tuple[DraftSpec, dict[str, torch.Tensor]]:
     """draft.init_from: the (spec, weights) of the draft a run continues, from an export folder or a run folder's
     final/. Its method must be the run's (the objective trains that method)."""
     from pathlib import Path
@@ -213,7 +213,7 @@ def initial_draft(config: Config, log=print) -> tuple[Eagle3Spec, dict[str, torc
     return spec, weights
 
 
-def draft_from_weights(spec: Eagle3Spec, weights: dict[str, torch.Tensor], target: Target) -> Draft:
+def draft_from_weights(spec: DraftSpec, weights: dict[str, torch.Tensor], target: Target) -> Draft:
     """A draft rebuilt from a checkpoint or export, wired to its target's embedding (a published draft's spec
     completed for the target first: export/published.py)."""
     from .export import fit_to_target

@@ -150,7 +150,7 @@ def test_each_method_owns_its_defaults_eagle3s_are_eagle_31s_and_no_documented_c
         config = load_config(["tracker=none", f"recipe={recipe}", *overrides])
         assert setting_problems(config) == [], overrides
         spec = draft_spec(target, config.draft, [2, 4, 5], "input", 256, 128, 64)
-        return spec.norm_before_fc, spec.use_aux_norm, spec.norm_output
+        return tuple(getattr(spec, norm, None) for norm in ("norm_before_fc", "use_aux_norm", "norm_output"))
 
     assert norms() == (True, False, True)
     assert norms("draft.use_aux_norm=true") == (False, True, False)
@@ -158,6 +158,6 @@ def test_each_method_owns_its_defaults_eagle3s_are_eagle_31s_and_no_documented_c
     assert norms("draft.norm_output=false") == (True, False, False)
     for method in ("dflash", "dspark", "dflash2"):
         assert norms(f"draft.method={method}", "draft.ttt_length=3", "eval.num_draft_tokens=3",
-                     "draft.mask_token_id=1") == (False, False, False)
+                     "draft.mask_token_id=1") == (None, None, None)  # (a block draft's spec has no norms)
     refused = setting_problems(load_config(["tracker=none", "draft.use_aux_norm=true", "draft.norm_before_fc=true"]))
     assert any("not both" in p for p in refused)

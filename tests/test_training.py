@@ -493,7 +493,7 @@ def test_every_spec_field_added_later_reads_as_its_old_behaviour(tmp_path):
     """A checkpoint from before the draft methods existed records no method, layers, mask token or parallel
     drafting: each absent field is its default (method eagle3, one layer, ...), so the run resumes. A field whose
     default is a non-empty string (the method) once refused every such checkpoint."""
-    from specforge_lite.draft import Eagle3Spec
+    from specforge_lite.methods.eagle3.spec import Eagle3Spec
 
     run_training(tmp_path, max_steps=4, stop_at=2)
     spec_file = tmp_path / "checkpoints" / "step_00000002" / "spec.json"

@@ -3,11 +3,11 @@ loss (objective.py, ttt.py, attention.py, head_loss.py), chain drafting (draftin
 (method.py). The methods themselves, each in its folder, are registered in specforge_lite/methods/."""
 
 from .method import DraftMethod
-from .model import Eagle3Spec, TargetWiredDraft
+from .model import DraftSpec, TargetWiredDraft
 from .objective import Eagle3Objective, TTTOutput, sim_accepted_drafts
 from .ttt import TTTCache, ttt_attention
 
 Draft = TargetWiredDraft  # what a registered method's model is
 
-__all__ = ["Draft", "DraftMethod", "Eagle3Objective", "Eagle3Spec", "TTTCache", "TTTOutput", "TargetWiredDraft",
+__all__ = ["Draft", "DraftMethod", "DraftSpec", "Eagle3Objective", "TTTCache", "TTTOutput", "TargetWiredDraft",
            "sim_accepted_drafts", "ttt_attention"]

@@ -15,7 +15,8 @@ from typing import Any, Callable
 @dataclass(frozen=True)
 class DraftMethod:
     name: str  # draft.method=<name>
-    model: type  # built from its spec (draft/model.py Eagle3Spec: every method's fields)
+    model: type  # built from its spec
+    spec: type  # its spec: draft/model.py DraftSpec's fields and its own (``from_target``)
     objective: type  # its loss over the unrolled steps; ``from_config(draft_config, sequence)``
     # the settings of a composed config it cannot take, each "what and the fix" (settings.py asks before anything)
     refused: Callable[[Any], list[str]]
@@ -32,7 +33,7 @@ class DraftMethod:
     label: Callable[[dict], str]
     # whether a draft with these settings embeds a mask token in slots (P-EAGLE, DFlash): one is then chosen
     has_mask_slots: Callable[[Any], bool]
-    # the spec fields (draft/model.py Eagle3Spec) its settings fix beyond the shared ones: EAGLE3's norms, a
+    # the fields of its spec that its settings fix beyond the shared ones: EAGLE3's norms, a
     # block draft's block_size and mask token, DSpark's markov_rank
     spec_fields: Callable[[Any], dict] = lambda draft_settings: {}
     # the one k a draft can be served and evaluated at, from its spec (a dict): a block draft's block is its

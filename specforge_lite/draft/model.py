@@ -24,8 +24,10 @@ _LLAMA_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope
 
 
 @dataclass
-class Eagle3Spec:
-    """Everything that fixes the draft's shapes and meaning; saved with checkpoints and exports."""
+class DraftSpec:
+    """What fixes a draft's shapes and meaning, saved with checkpoints (spec.json) and exports: the fields every
+    method shares. Each method's own spec (methods/<name>/spec.py) adds its fields; methods/__init__.py
+    ``read_spec`` reads any saved one, those written before the methods had specs of their own included."""
 
     hidden_size: int
     intermediate_size: int
@@ -42,25 +44,10 @@ class Eagle3Spec:
     target_num_layers: int
     aux_layer_ids: list[int]
     aux_convention: str
-    use_aux_norm: bool = False
     num_layers: int = 1
-    norm_before_residual: bool = False  # the first layer's residual after hidden_norm (SGLang: always before)
-    norm_before_fc: bool = False
-    norm_output: bool = False
-    # P-EAGLE (draft/parallel.py): k - 1 mask slots fed mask_token_id and the learned mask_hidden
-    parallel_drafting: bool = False
+    method: str = ""  # its method's name (methods/<name>/), set by each method's spec
+    # the token a draft's mask slots embed (P-EAGLE, the block drafts); None: a draft without mask slots
     mask_token_id: int | None = None
-    # Block drafts: positions per block (DFlash: the next token and k mask slots, vLLM's block_size = k + 1;
-    # DSpark: the next token and k - 1 mask slots, block_size = k). The block is the draft's input, so it is
-    # served at that k only. None: a draft that proposes step by step, at any k.
-    block_size: int | None = None
-    method: str = "eagle3"  # methods/<name>/: eagle3 | dflash | dspark | dflash2
-    markov_rank: int = 0  # DSpark's Markov head (0: none)
-    # DFlash 2 (0: none): the convolutions' taps and channels per kernel, the candidate selector's rank and top-k
-    conv_kernel_size: int = 0
-    conv_group_size: int = 0
-    selector_rank: int = 0
-    selector_top_k: int = 0
     attention_bias: bool = False
     mlp_bias: bool = False
     extra: dict = field(default_factory=dict)
@@ -68,20 +55,18 @@ class Eagle3Spec:
     def __post_init__(self):
         if self.num_layers < 1:
             raise ValueError(f"draft.num_layers={self.num_layers}: a draft has at least one layer")
-        if self.norm_before_fc and self.use_aux_norm:
-            raise ValueError("draft.norm_before_fc=true and draft.use_aux_norm=true: one norm over the concatenated "
-                             "aux states, or one per aux state (fc_norm), not both (speculators refuses the pair); "
-                             "set one of them to false")
-        mask_ok = self.mask_token_id is not None and 0 <= self.mask_token_id < self.vocab_size
-        if (self.parallel_drafting or self.block_size is not None) and not mask_ok:
-            raise ValueError(f"mask slots (draft.parallel_drafting=true, a block draft: dflash, dspark) need a mask "
-                             f"token id inside the target vocabulary (0..{self.vocab_size - 1}), got "
-                             f"draft.mask_token_id={self.mask_token_id}")
+
+    def check_mask_token(self) -> None:
+        """For a draft with mask slots: its mask token is a token of the target's vocabulary."""
+        if self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"a {self.method} draft's mask slots need a mask token id inside the target vocabulary "
+                             f"(0..{self.vocab_size - 1}), got draft.mask_token_id={self.mask_token_id}")
 
     @classmethod
     def from_target(cls, target_config: Any, draft_cfg, aux_layer_ids: list[int], convention: str,
                     vocab_size: int, draft_vocab_size: int, target_hidden_size: int,
-                    method_fields: dict) -> "Eagle3Spec":
+                    method_fields: dict) -> "DraftSpec":
+        """A new draft's spec: the shapes from the target, ``method_fields`` from the method (its settings)."""
         c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         # Plain values: per-layer (heterogeneous) configs such as Gemma 4's refuse attribute access.
         get = c.to_dict().get
@@ -133,7 +118,7 @@ class TargetWiredDraft(nn.Module):
     draft vocabulary (d2t/t2d, the lm_head's rows), its trainable state, and the forward a training engine
     wraps (the objective's unroll). Subclasses build their layers, then call ``_finish_build``."""
 
-    def __init__(self, spec: Eagle3Spec):
+    def __init__(self, spec: DraftSpec):
         super().__init__()
         self.spec = spec
         # The target's frozen embedding table, held by reference and not as a parameter: the draft never

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from ..device import resolve_dtype
-from ..draft.model import DRAFT_ACT, Eagle3Spec
-from ..methods import DEFAULT, draft_method
+from ..draft.model import DRAFT_ACT, DraftSpec
+from ..methods import DEFAULT, draft_method, read_spec
 from ..training.checkpoint import latest_checkpoint, load_checkpoint, unusable_checkpoints
 from .card import write_model_card
 from .dflash import DFlashFormat
@@ -36,7 +36,7 @@ def export_format(fmt: str, method: str) -> ExportFormat:
     return FORMATS[draft_method(method).export_formats[0] if fmt == "vllm" else fmt]
 
 
-def export_draft(weights: dict[str, torch.Tensor], spec: Eagle3Spec, fmt: str, out_dir: Path, dtype: str = "auto",
+def export_draft(weights: dict[str, torch.Tensor], spec: DraftSpec, fmt: str, out_dir: Path, dtype: str = "auto",
                  embedding: torch.Tensor | None = None, warn=None, verifier: dict | None = None,
                  num_speculative_tokens: int = 3) -> Path:
     """Write ``fmt``'s config.json and model.safetensors. ``verifier`` (speculators): the target's
@@ -68,13 +68,13 @@ def export_run(run_dir: Path, fmt: str, out_dir: Path, checkpoint: Path | None =
     return out
 
 
-def _run_draft(run_dir: Path, checkpoint: Path | None) -> tuple[dict[str, torch.Tensor], Eagle3Spec]:
+def _run_draft(run_dir: Path, checkpoint: Path | None) -> tuple[dict[str, torch.Tensor], DraftSpec]:
     """The draft of a run to export: the checkpoint given, else the newest; a run without checkpoints whose final/
     holds a draft (an evaluated published draft: python -m specforge_lite.evaluate --export) exports that."""
     ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir, log=print)
     if ckpt is not None:
         weights, _, spec = load_checkpoint(ckpt)
-        return weights, Eagle3Spec(**spec)
+        return weights, read_spec(spec)
     unusable = unusable_checkpoints(run_dir)
     if not unusable and (run_dir / "final" / "config.json").is_file():
         spec, weights = load_export(run_dir / "final")
@@ -83,14 +83,14 @@ def _run_draft(run_dir: Path, checkpoint: Path | None) -> tuple[dict[str, torch.
                             + (f" ({'; '.join(unusable)})" if unusable else "") + "; train first or pass --checkpoint")
 
 
-def load_export(export_dir: Path) -> tuple[Eagle3Spec, dict[str, torch.Tensor]]:
+def load_export(export_dir: Path) -> tuple[DraftSpec, dict[str, torch.Tensor]]:
     """Read a draft folder into our spec and state dict: ours (the round trip, evaluation of final/), or an EAGLE3
     draft another trainer published in speculators' format or SpecForge's and SGLang's Llama layout
     (export/published.py; what it leaves unsaid is settled by ``fit_to_target`` once the target is known)."""
     export_dir = Path(export_dir)
     config, tensors = _read_folder(export_dir)
     if PROVENANCE_KEY in config:
-        spec = Eagle3Spec(**config[PROVENANCE_KEY]["spec"])
+        spec = read_spec(config[PROVENANCE_KEY]["spec"])
         form = FORMATS.get(config[PROVENANCE_KEY].get("format", "vllm"), FORMATS["vllm"])
         weights = {form.our_weight_name(k): v for k, v in tensors.items()}
     else:

@@ -83,9 +83,9 @@ def _vllm(export_dir: Path, config: dict, form, target: str, k: int) -> str:
 
 def _sglang(export_dir: Path, run_dir: Path, spec: dict, form, target: str, k: int) -> str:
     from . import FORMATS
-    from ..draft.model import Eagle3Spec
+    from ..methods import read_spec
 
-    problems = FORMATS["sglang"].refusals(Eagle3Spec(**spec))
+    problems = FORMATS["sglang"].refusals(read_spec(spec))
     if 0 in spec["aux_layer_ids"]:
         problems.append("aux id 0 (the embedding output) has no SGLang id")
     if problems:

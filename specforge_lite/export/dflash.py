@@ -16,7 +16,7 @@ import re
 import torch
 
 from ..device import dtype_name
-from ..draft.model import Eagle3Spec
+from ..methods.dflash.spec import DFlashSpec
 from .format import ExportFormat, ExportRefused
 from .layout import PROVENANCE_KEY, decoder_shape
 
@@ -41,10 +41,11 @@ class DFlashFormat(ExportFormat):
 
     name, server, layout = "dflash", "vLLM (method=dflash)", "dflash"
     serve_method = "dflash"  # (DFlash 2 too: vLLM tells it by its architecture)
+    writes_mask_slots = True  # (dflash_config.mask_token_id)
     arch = ARCH
     extra_weights = ""  # a regex of the weight names a layout built on DFlash's adds
 
-    def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
+    def write_config(self, spec: DFlashSpec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:
         self.refuse(spec)
         if 0 in spec.aux_layer_ids:

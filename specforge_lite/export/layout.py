@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..device import dtype_name
-from ..draft.model import Eagle3Spec
+from ..draft.model import DraftSpec
+from ..methods.eagle3.spec import Eagle3Spec
 from ..errors import UserError
 from ..files import WRITE_ERRORS, write_failure, write_then_rename
 
@@ -29,14 +30,14 @@ LATER_LAYER_WEIGHTS = (r"layers\.[1-9]\d*\.(?:(?:self_attn\.(?:q|k|v|o)_proj|mlp
                        r"|(?:input_layernorm|post_attention_layernorm)\.weight)")
 
 
-# The decoder layers' config fields every draft layout writes alike, as (config key, Eagle3Spec field).
+# The decoder layers' config fields every draft layout writes alike, as (config key, DraftSpec field).
 DECODER_FIELDS = (("hidden_size", "hidden_size"), ("intermediate_size", "intermediate_size"),
                   ("num_attention_heads", "num_attention_heads"), ("num_key_value_heads", "num_key_value_heads"),
                   ("head_dim", "head_dim"), ("num_hidden_layers", "num_layers"), ("rms_norm_eps", "rms_norm_eps"),
                   ("hidden_act", "hidden_act"), ("max_position_embeddings", "max_position_embeddings"))
 
 
-def decoder_shape(spec: Eagle3Spec) -> dict:
+def decoder_shape(spec: DraftSpec) -> dict:
     """The decoder layers' config fields every draft layout writes alike."""
     return {**{key: getattr(spec, field) for key, field in DECODER_FIELDS},
             "rope_theta": spec.rope_parameters.get("rope_theta", 10000.0)}

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from ..draft.model import _LLAMA_ROPE_TYPES as LLAMA_ROPE_TYPES
-from ..draft.model import DRAFT_ACT, Eagle3Spec
+from ..draft.model import DRAFT_ACT
+from ..methods.eagle3.spec import Eagle3Spec
 from ..targets.capture import CONVENTION, default_aux_layer_ids
 from .format import ExportFormat
 from .layout import PUBLISHED_READERS, decoder_fields, eagle_flag

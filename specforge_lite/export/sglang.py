@@ -15,7 +15,7 @@ multi-layer draft is refused here and the flags are a warning in ``--check``. No
 
 from __future__ import annotations
 
-from ..draft.model import Eagle3Spec
+from ..methods.eagle3.spec import Eagle3Spec
 from .format import ExportFormat, ExportRefused
 from .layout import eagle_flag
 

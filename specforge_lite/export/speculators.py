@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..draft.model import Eagle3Spec
+from ..methods.eagle3.spec import Eagle3Spec
 from .format import ExportFormat
 
 _LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",

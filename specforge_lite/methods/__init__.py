@@ -4,8 +4,10 @@ the method (``draft_method(name)``), never its name (draft/method.py: what a met
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..draft.method import DraftMethod
-from ..draft.model import Eagle3Spec
+from ..draft.model import DraftSpec
 from . import dflash, dflash2, dspark, eagle3
 
 METHODS: dict[str, DraftMethod] = {m.name: m for m in (
@@ -30,12 +32,26 @@ def register(method: DraftMethod) -> DraftMethod:
 
 
 def draft_spec(target_config, draft_cfg, aux_layer_ids: list[int], convention: str, vocab_size: int,
-               draft_vocab_size: int, target_hidden_size: int) -> Eagle3Spec:
+               draft_vocab_size: int, target_hidden_size: int) -> DraftSpec:
     """The spec of a new draft of these settings for this target: the shared fields from the target, the
     method's own from its settings (``spec_fields``; a null setting resolved as the method decides, so a
     checkpoint or an export never depends on that default again)."""
-    return Eagle3Spec.from_target(target_config, draft_cfg, aux_layer_ids, convention, vocab_size, draft_vocab_size,
-                                  target_hidden_size, draft_method(draft_cfg.method).spec_fields(draft_cfg))
+    method = draft_method(draft_cfg.method)
+    return method.spec.from_target(target_config, draft_cfg, aux_layer_ids, convention, vocab_size, draft_vocab_size,
+                                   target_hidden_size, method.spec_fields(draft_cfg))
+
+
+def read_spec(fields: dict) -> DraftSpec:
+    """A saved spec (a checkpoint's spec.json, an export's provenance block) as its method's spec. A spec written
+    before each method had its own holds every method's fields, those of the others off (false, 0 or null): they
+    are dropped. A field the method does not have that is on says the file is not a draft of that method."""
+    method = draft_method(fields.get("method") or DEFAULT)
+    own = {f.name for f in dataclasses.fields(method.spec)}
+    foreign = {key: value for key, value in fields.items() if key not in own and value not in (None, False, 0)}
+    if foreign:
+        raise ValueError(f"a spec of a {method.name} draft records {foreign}, which a {method.name} draft does not "
+                         "have: the file was not written for this draft; export or train the draft again")
+    return method.spec(**{**{key: value for key, value in fields.items() if key in own}, "method": method.name})
 
 
 def build_objective(draft_cfg, sequence=None):
@@ -51,4 +67,5 @@ def draft_vocab_size(draft_cfg, target_vocab_size: int) -> int:
     return min(draft_cfg.draft_vocab_size, target_vocab_size)
 
 
-__all__ = ["DEFAULT", "METHODS", "build_objective", "draft_method", "draft_spec", "draft_vocab_size", "register"]
+__all__ = ["DEFAULT", "METHODS", "build_objective", "draft_method", "draft_spec", "draft_vocab_size", "read_spec",
+           "register"]

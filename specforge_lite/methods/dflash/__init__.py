@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ...draft.method import DraftMethod, layers_label
 from .model import DFlashContext, DFlashDraft, DFlashObjective
+from .spec import DFlashSpec
 
 
 def refused(config, method: str = "dflash") -> list[str]:
@@ -38,7 +39,7 @@ def label(spec: dict) -> str:
     return f"DFlash, {layers_label(spec)}"
 
 
-METHOD = DraftMethod("dflash", DFlashDraft, DFlashObjective, refused, refused_evaluation, DFlashContext,
+METHOD = DraftMethod("dflash", DFlashDraft, DFlashSpec, DFlashObjective, refused, refused_evaluation, DFlashContext,
                     ("dflash",), label, has_mask_slots=lambda draft_settings: True,
                     spec_fields=lambda d: {"block_size": d.ttt_length + 1,  # the next token and k masks
                                            "mask_token_id": d.mask_token_id},

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ...draft.method import DraftMethod, layers_label
 from ..dflash import refused as block_draft_refused, refused_evaluation
 from .model import DFlash2Context, DFlash2Draft, DFlash2Objective
+from .spec import DFlash2Spec
 
 
 def refused(config) -> list[str]:
@@ -25,7 +26,8 @@ def label(spec: dict) -> str:
 
 
 METHOD = DraftMethod(
-    "dflash2", DFlash2Draft, DFlash2Objective, refused, refused_evaluation, DFlash2Context, ("dflash2",), label,
+    "dflash2", DFlash2Draft, DFlash2Spec, DFlash2Objective, refused, refused_evaluation, DFlash2Context, ("dflash2",),
+    label,
     has_mask_slots=lambda draft_settings: True,
     spec_fields=lambda d: {"block_size": d.ttt_length + 1, "conv_kernel_size": d.conv_kernel_size,
                            "conv_group_size": d.conv_group_size, "selector_rank": d.selector_rank,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ...draft.method import DraftMethod, layers_label
 from ..dflash import refused as block_draft_refused, refused_evaluation
 from .model import DSparkContext, DSparkDraft, DSparkObjective
+from .spec import DSparkSpec
 
 
 def refused(config) -> list[str]:
@@ -23,7 +24,7 @@ def label(spec: dict) -> str:
     return f"DSpark, {layers_label(spec)}"
 
 
-METHOD = DraftMethod("dspark", DSparkDraft, DSparkObjective, refused, refused_evaluation, DSparkContext,
+METHOD = DraftMethod("dspark", DSparkDraft, DSparkSpec, DSparkObjective, refused, refused_evaluation, DSparkContext,
                     ("dspark",), label, has_mask_slots=lambda draft_settings: True,
                     spec_fields=lambda d: {"block_size": d.ttt_length, "markov_rank": d.markov_rank,
                                            "mask_token_id": d.mask_token_id},

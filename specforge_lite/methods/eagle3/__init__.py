@@ -9,6 +9,7 @@ from ...draft.drafting import DraftContext, ParallelDraftContext
 from ...draft.method import DraftMethod, layers_label
 from ...draft.objective import Eagle3Objective
 from .model import Eagle3Draft
+from .spec import Eagle3Spec, norm_problems
 
 
 def spec_fields(draft_settings) -> dict:
@@ -24,11 +25,7 @@ def spec_fields(draft_settings) -> dict:
 
 
 def refused(config) -> list[str]:
-    d = config.draft
-    if d.norm_before_fc and d.use_aux_norm:
-        return ["draft.norm_before_fc=true with draft.use_aux_norm=true: one norm over the concatenated aux states "
-                "or one per aux state, not both (speculators refuses the pair); set one to false"]
-    return []
+    return norm_problems(config.draft.use_aux_norm, config.draft.norm_before_fc)
 
 
 def refused_evaluation(draft_settings, ev) -> list[str]:
@@ -52,6 +49,6 @@ def label(spec: dict) -> str:
     return f"{name}, {layers_label(spec)}" + (f" ({', '.join(norms)})" if norms else "")
 
 
-METHOD = DraftMethod("eagle3", Eagle3Draft, Eagle3Objective, refused, refused_evaluation, drafting,
+METHOD = DraftMethod("eagle3", Eagle3Draft, Eagle3Spec, Eagle3Objective, refused, refused_evaluation, drafting,
                      ("vllm", "sglang", "speculators"), label,
                      has_mask_slots=lambda draft_settings: draft_settings.parallel_drafting, spec_fields=spec_fields)

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
-from ...draft.model import Eagle3Spec, TargetWiredDraft
+from ...draft.model import TargetWiredDraft
 from ...draft.parallel import mask_slot_inputs, new_mask_hidden
 from ...draft.ttt import DraftCache
+from .spec import Eagle3Spec
 
 
 class DraftAttention(nn.Module):
