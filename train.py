@@ -14,7 +14,8 @@ import hydra
 from omegaconf import DictConfig
 
 from specforge_lite.arguments import check_arguments
-from specforge_lite.config import register_configs, to_config, with_recipe
+from specforge_lite.compose import register_configs, to_config, with_draft_group
+from specforge_lite.config import with_recipe
 from specforge_lite.errors import said_in_one_line
 from specforge_lite.job import run  # (the job itself; tests call it as train.run)
 
@@ -40,4 +41,5 @@ if __name__ == "__main__":
     sys.argv = [sys.argv[0], *strip_launcher_args(sys.argv[1:])]
     check_arguments(sys.argv[1:], Path(__file__).parent / "conf")
     sys.argv = [sys.argv[0], *with_recipe(sys.argv[1:])]  # (a real target: recipe=scale, unless one is named)
+    sys.argv = [sys.argv[0], *with_draft_group(sys.argv[1:])]  # (draft.method=<name> is draft=<name>)
     main()

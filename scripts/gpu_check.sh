@@ -79,7 +79,7 @@ sample_gpu_memory() {
 CHECKS=(
   "eagle3_bf16||1"
   "zero2_bf16|trainer=zero2|all"
-  "dflash_bf16|draft.method=dflash draft.ttt_length=3 eval.num_draft_tokens=3|1"
+  "dflash_bf16|draft=dflash draft.ttt_length=3 eval.num_draft_tokens=3|1"
   "zero3_bf16|trainer=zero3|all"
   "peagle_bf16|draft.parallel_drafting=true|1"
   "eagle31_2layers_bf16|draft.norm_before_fc=true draft.norm_output=true draft.num_layers=2|1"

@@ -8,6 +8,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from .compose import draft_setting_problems, with_draft_group
 from .config import Config, available_presets
 from .training.output_dir import OutputDirError, check_output_dir
 
@@ -16,6 +17,12 @@ def check_arguments(argv: list[str], conf_dir: Path) -> None:
     """Exit with one ``error:`` line for an argument Hydra would refuse unhelpfully (``conf_dir``: its groups)."""
     groups = sorted(p.name for p in conf_dir.iterdir() if p.is_dir())
     keys = [f.name for f in dataclasses.fields(Config)]
+    try:
+        problems = draft_setting_problems(with_draft_group(argv))
+    except ValueError as e:
+        problems = [str(e)]
+    if problems:
+        sys.exit(f"error: {'; '.join(problems)}")
     for arg in argv:
         name = arg.split("=", 1)[0].split(".", 1)[0].split("/", 1)[0]
         if "=" in arg and not arg.startswith(("+", "~", "-")) and name not in {*groups, *keys, "hydra"}:

@@ -1,7 +1,8 @@
 """Typed configuration behind the Hydra groups in ``conf/``.
 
 Every field has the default a user would otherwise have to look up; the YAML presets only override.
-Hydra validates overrides against these dataclasses, so a typo (``draft.ttt_lenght=3``) fails at start.
+Hydra validates overrides against these dataclasses, so a typo (``draft.ttt_lenght=3``) fails at start. The
+draft's settings are its method's class (methods/<name>/settings.py); compose.py composes the whole tree.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -89,76 +90,37 @@ class TargetConfig:
 
 
 @dataclass
-class DraftConfig:
-    """The draft model and its training objective (draft=eagle3 and the method's options)."""
+class DraftSettings:
+    """The draft settings every method shares. Each method's settings class (methods/<name>/settings.py) adds
+    its own options and is what draft=<name> selects (conf/draft/<name>.yaml): an option a method does not read
+    is not one of its settings."""
 
-    # eagle3: EAGLE3 (with the options below: EAGLE 3.1, P-EAGLE). dflash: a block-diffusion draft that
-    # proposes ttt_length tokens in one forward from mask slots (draft/dflash.py; vLLM method=dflash).
-    # dspark: DFlash's backbone with a Markov head (each token's logits biased by the token before it) and a
-    # confidence head, whose estimates a server sizes verification with (draft/dspark.py; vLLM method=dspark).
-    # dflash2: DFlash with local convolutions along the block and a candidate selector (draft/dflash2.py).
-    method: str = "eagle3"
-    # Decoder layers: 1 is EAGLE3 as every server loads it; more are plain Llama layers after the first
+    method: str = ""  # the method these settings are for (methods/<name>/), set by its settings class
+    # Decoder layers: EAGLE3's 1 is what every server loads; more are plain Llama layers after the first
     # (served by vLLM; SGLang loads one layer).
     num_layers: int = 1
-    ttt_length: int = 7  # training-time-test unroll steps (EAGLE3 paper: 7); dflash, dspark: tokens per block
-    # dspark: the rank of the Markov head's previous-token embedding (target vocab x rank, rank x draft vocab;
-    # speculators' default 256 is sized for 100k+ vocabularies and hidden sizes of thousands)
-    markov_rank: int = 64
-    confidence_weight: float = 1.0  # dspark: the confidence head's BCE weight beside the token loss (speculators: 1)
-    conv_kernel_size: int = 2  # dflash2: taps of the convolutions along the block (speculators: 2)
-    conv_group_size: int = 16  # dflash2: channels sharing one convolution kernel (speculators: 16)
-    selector_top_k: int = 16  # dflash2: the draft's top tokens per slot the selector rescores (speculators: 16)
-    # dflash2: the rank of the selector's edge term (speculators' 256 is sized for hidden sizes of thousands)
-    selector_rank: int = 64
-    selector_weight: float = 1.0  # dflash2: the selector's cross-entropy weight beside the token loss
-    draft_vocab_size: int = 32000  # capped at the target vocabulary (dflash2: always the whole vocabulary)
+    ttt_length: int = 7  # EAGLE3: training-time-test unroll steps (the EAGLE3 paper: 7); block drafts: tokens per block
+    draft_vocab_size: int = 32000  # capped at the target vocabulary
     # Capture ids in the convention of specforge_lite/targets/capture.py; null derives [2, L//2, L-3].
     aux_layer_ids: Optional[list[int]] = None
-    use_aux_norm: bool = False  # one RMSNorm per aux state before fc (exported as fc_norm)
-    # EAGLE 3.1 (speculators 0.9's defaults, served by vLLM 0.32): one RMSNorm over the concatenated aux
-    # states before fc (exclusive with use_aux_norm). Null: the method decides (draft/methods.py
-    # ``defaults``): EAGLE3 turns both on unless use_aux_norm is (EAGLE 3.1 won every comparison of
-    # docs/levers.md), the block drafts keep them off.
-    norm_before_fc: Optional[bool] = None
-    norm_output: Optional[bool] = None  # EAGLE 3.1: the next unroll step is fed the draft's normed output
-    # The first layer's residual taken after hidden_norm instead of before (speculators' default; vLLM and
-    # speculators read it, SGLang always takes it before: the sglang export refuses such a draft)
-    norm_before_residual: bool = False
-    # P-EAGLE (draft/parallel.py): all k draft tokens in one forward, the later ones from mask slots (vLLM:
-    # method=eagle3, parallel_drafting=true). mask_token_id: the token the mask slots (P-EAGLE, DFlash)
-    # embed; null chooses one no conversation uses (data/vocab.py choose_mask_token: the tokenizer's mask
-    # token, else an unused special token), recorded in the checkpoint and the export.
-    parallel_drafting: bool = False
-    mask_token_id: Optional[int] = None  # see parallel_drafting: the mask slots' token (null: chosen from the data)
-    attn_implementation: str = "eager"  # eager: the TTT attention pattern in plain PyTorch
-    step_loss_decay: float = 0.8  # step k's loss weight is decay**k
-    # soft_ce: cross-entropy to the teacher's draft-vocabulary distribution (EAGLE3). acceptance: -log of
-    # the expected acceptance sum_v min(p_target(v), p_draft(v)), what speculative sampling accepts (LK).
-    # tv: the total variation 1 - sum_v min(p_target(v), p_draft(v)) (DSpark's main term).
-    loss: str = "soft_ce"
+    # The token a draft's mask slots embed (P-EAGLE, the block drafts); null chooses one no conversation uses
+    # (data/vocab.py choose_mask_token: the tokenizer's mask token, else an unused special token), recorded in
+    # the checkpoint and the export.
+    mask_token_id: Optional[int] = None
+    attn_implementation: str = "eager"  # eager: the attention in plain PyTorch
+    step_loss_decay: float = 0.8  # step (or slot) k's loss weight is decay**k
     init_lm_head_from_target: bool = True  # the draft's lm_head starts as the target's rows of the draft vocabulary
     # The lm_head keeps the rows it starts from (speculators' default): the draft learns to speak in the target's
     # output space, and the backward skips the head's weight gradient (3% of an online step on SmolLM2, where
     # the target's forward is most of the step; more from an offline store).
     freeze_lm_head: bool = False
-    # Warm start: the draft's layers begin as the target's layers after the top aux id (attention, MLP, norms;
-    # the embedding half of the first layer's input zero), fc passing the top aux state through, the target's
-    # final norm. Llama-layout targets only (the draft's layer is a Llama layer); EAGLE3 drafts.
-    init_layers_from_target: bool = False
     # Continue training an existing draft: an export folder (a config.json this trainer wrote) or a run folder
-    # (its final/). The draft keeps its own shapes, aux ids and vocabulary; these settings' draft.method must
-    # be its method. Null: a new draft.
+    # (its final/). The draft keeps its own shapes, aux ids and vocabulary; these settings' method must be its
+    # method. Null: a new draft.
     init_from: Optional[str] = None
-    # Long rows: blockwise holds no [T, T] scores (memory linear in T); flex is the same through one compiled
-    # flex-attention kernel (CUDA only); dense (every [T, T] score held) and sdpa (one SDPA call over every
-    # step's keys with an explicit mask) are the references whose memory grows with T squared.
-    ttt_attention: str = "blockwise"
     # Rows per chunk of the lm_head + loss: no [N, draft_vocab] logits of a whole step are kept (soft_ce:
     # fused, gradients made in the forward; acceptance: recomputed in backward). 0: one chunk.
     loss_chunk_rows: int = 512
-    # Recompute each TTT step's draft layer in backward instead of keeping its activations.
-    checkpointing: bool = False
 
 
 @dataclass
@@ -412,7 +374,9 @@ class ExportConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
-    draft: DraftConfig = field(default_factory=DraftConfig)
+    # The settings every draft method shares; draft=<name> chooses the method, whose settings class adds its own
+    # (the draft=<name> sections below).
+    draft: DraftSettings = field(default_factory=DraftSettings)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
@@ -425,23 +389,8 @@ class Config:
     recipe_name: str = "none"
 
 
-def register_configs() -> None:
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    cs.store(name="config_schema", node=Config)
-
-
 def available_presets(group: str = "model") -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-
-
-def to_config(cfg: Any) -> Config:
-    """An OmegaConf node (from Hydra or a saved run) as the typed dataclass tree."""
-    from omegaconf import OmegaConf
-
-    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 
 def model_preset(name: str) -> ModelConfig:
@@ -532,14 +481,3 @@ def small_offline_model(preset: str) -> bool:
         return False
     model = model_preset(preset)
     return model.source == "tiny" or model.registry is not None
-
-
-def load_config(overrides: list[str] | None = None, config_name: str = "config") -> Config:
-    """Compose the Hydra config from Python (tests, eval, export) exactly as train.py would (the recipe the
-    target calls for included: ``with_recipe``)."""
-    from hydra import compose, initialize_config_dir
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=with_recipe(list(overrides or [])))
-    return to_config(cfg)

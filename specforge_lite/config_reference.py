@@ -6,7 +6,8 @@
 Every key of ``config.Config`` with its type, its default, the value ``python train.py`` runs with (the
 composed default: conf/config.yaml and its groups), the range a number may take (``config.RANGES``) and what
 it does: the comments written at the field in config.py (the lines right above it and the one beside it),
-so the page and the code cannot drift apart; tests/test_docs.py regenerates it and compares.
+so the page and the code cannot drift apart; tests/test_docs.py regenerates it and compares. Each draft
+method's own settings (methods/<name>/settings.py, chosen with draft=<name>) follow in a section each.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import typing
 from pathlib import Path
 
 from . import config as config_module
-from .config import RANGES, Config, load_config
+from .compose import load_config
+from .config import RANGES, Config, DraftSettings
+from .methods import METHODS
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "config.md"
 MISSING = object()
@@ -37,8 +40,15 @@ class Key:
 
 
 def field_comments() -> dict[tuple[str, str], str]:
-    """(class name, field name) -> its comment: the comment lines right above the field and the one beside it."""
-    source = Path(config_module.__file__).read_text()
+    """(class name, field name) -> its comment, in config.py and every method's settings module."""
+    out = {}
+    for module in (config_module, *(sys.modules[m.settings.__module__] for m in METHODS.values())):
+        out.update(_comments(Path(module.__file__).read_text()))
+    return out
+
+
+def _comments(source: str) -> dict[tuple[str, str], str]:
+    """The comment lines right above each field of the classes of ``source`` and the one beside it."""
     comments = {tok.start[0]: tok.string.lstrip("#").strip()
                 for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
     lines = source.splitlines()
@@ -82,7 +92,7 @@ def walk(cls, prefix: str, default, composed, comments) -> list[Key]:
         name, kind = f"{prefix}{f.name}", hints[f.name]
         value = getattr(default, f.name)
         ran = getattr(composed, f.name)
-        meaning = comments.get((cls.__name__, f.name), "")
+        meaning = next((comments[c.__name__, f.name] for c in cls.__mro__ if (c.__name__, f.name) in comments), "")
         section = _section(kind)
         if section is None:
             keys.append(Key(name, _type_name(kind), value, MISSING if ran == value else ran, meaning))
@@ -109,9 +119,21 @@ def reference_keys() -> list[Key]:
     return walk(Config, "", Config(), load_config(["output_dir='runs/<timestamp>'"]), field_comments())
 
 
+def method_keys() -> dict[str, list[Key]]:
+    """Each method's own draft settings (those beyond DraftSettings'), by method."""
+    shared, comments = {f.name for f in dataclasses.fields(DraftSettings)}, field_comments()
+    out = {}
+    for name, method in METHODS.items():
+        composed = load_config([f"draft={name}", "output_dir='runs/<timestamp>'"]).draft
+        keys = walk(method.settings, "draft.", method.settings(), composed, comments)
+        out[name] = [k for k in keys if k.name.split(".", 1)[1] not in shared]
+    return out
+
+
 def undocumented() -> list[str]:
     """Keys without a word on what they do (tests/test_docs.py asks for none)."""
-    return [k.name for k in reference_keys() if not k.meaning]
+    keys = reference_keys() + [k for keys in method_keys().values() for k in keys]
+    return [k.name for k in keys if not k.meaning]
 
 
 def _cell(value) -> str:
@@ -148,10 +170,19 @@ def render() -> str:
         if "." not in key.name:
             lines += ["", f"## {key.name}", "", "| key | type | default | train.py | allowed | what it does |",
                       "|---|---|---|---|---|---|"]
-        allowed = f"`{RANGES[key.name]}`" if key.name in RANGES else ""
-        lines.append(f"| `{key.name}` | {_type_name_cell(key.type)} | {_cell(key.default)} | {_cell(key.composed)} | "
-                     f"{allowed} | {key.meaning.replace('|', chr(92) + '|')} |")
+        lines.append(_row(key))
+    for name, keys in method_keys().items():
+        lines += ["", f"## draft={name}", "", f"The settings of `draft={name}` beside the shared `draft.*` keys above "
+                  f"(`{METHODS[name].settings.__module__.replace('.', '/')}.py`).", "",
+                  "| key | type | default | train.py | allowed | what it does |", "|---|---|---|---|---|---|"]
+        lines += [_row(key) for key in keys]
     return "\n".join(lines) + "\n"
+
+
+def _row(key: Key) -> str:
+    allowed = f"`{RANGES[key.name]}`" if key.name in RANGES else ""
+    return (f"| `{key.name}` | {_type_name_cell(key.type)} | {_cell(key.default)} | {_cell(key.composed)} | "
+            f"{allowed} | {key.meaning.replace('|', chr(92) + '|')} |")
 
 
 def _type_name_cell(kind: str) -> str:

@@ -92,7 +92,7 @@ def main(argv=None) -> None:
 
     from omegaconf import OmegaConf
 
-    from .config import to_config
+    from .compose import to_config
     from .errors import said_in_one_line
 
     p = argparse.ArgumentParser(prog="python -m specforge_lite.job", description=main.__doc__)

@@ -169,15 +169,7 @@ def build_draft(config: Config, target: Target, vocab: DraftVocab, tokenizer=Non
     if config.draft.init_lm_head_from_target:
         rows = target.head_rows(vocab.draft_to_target)[0].float()
         draft.init_lm_head_from_target(rows, torch.arange(vocab.size))
-    if config.draft.init_layers_from_target:
-        top = max(spec.aux_layer_ids)
-        if top + spec.num_layers > target.num_layers:
-            raise ValueError(f"draft.init_layers_from_target: the draft's {spec.num_layers} layer(s) start as target "
-                             f"layers {top}.. after the top aux id {top}, and the target has {target.num_layers}; "
-                             "lower "
-                             "the top of draft.aux_layer_ids or draft.num_layers")
-        draft.start_from_target([target.llama_layer(top + i) for i in range(spec.num_layers)],
-                                target.final_norm_weight())
+    draft_method(spec.method).warm_start(draft, config.draft, target)
     draft.to(target.device)
     draft.set_embedding(target.embedding_weight())
     return frozen_as_configured(draft, config)
@@ -206,7 +198,7 @@ def initial_draft(config: Config, log=print) -> tuple[DraftSpec, dict[str, torch
     spec, weights = load_export(folder)
     if spec.method != config.draft.method:
         raise ValueError(f"draft.init_from={config.draft.init_from} is a {spec.method} draft and this run trains "
-                         f"draft.method={config.draft.method}: set draft.method={spec.method}")
+                         f"draft={config.draft.method}: use draft={spec.method}")
     ids = spec.aux_layer_ids or "the servers' default (it names none)"
     log(f"[draft] continuing the {spec.method} draft of {folder} (its {spec.num_layers} layer(s), aux ids "
         f"{ids} and {spec.draft_vocab_size}-token vocabulary)")

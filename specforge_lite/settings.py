@@ -10,7 +10,6 @@ import torch
 
 from .config import Config, out_of_range
 from .data.prepare import data_setting_problems
-from .draft.ttt import TTT_ATTENTION
 from .evaluate.acceptance import DRAFTING
 from .evaluate.finish import SERVED_CHECKS
 from .export import export_format
@@ -30,11 +29,6 @@ def setting_problems(config: Config) -> list[str]:
         problems.append("draft.freeze_lm_head=true with draft.init_lm_head_from_target=false: a frozen lm_head would "
                         "keep its random rows; set draft.init_lm_head_from_target=true (or continue a draft with "
                         "draft.init_from)")
-    if d.ttt_attention not in TTT_ATTENTION:
-        problems.append(f"draft.ttt_attention={d.ttt_attention!r}: use one of {', '.join(TTT_ATTENTION)}")
-    elif d.ttt_attention == "flex" and not torch.cuda.is_available():
-        problems.append("draft.ttt_attention=flex needs a CUDA device (flex attention has no backward on a CPU); use "
-                        "draft.ttt_attention=blockwise, the same attention in query blocks")
     t = config.trainer
     if t.optimizer not in OPTIMIZERS:
         problems.append(f"trainer.optimizer={t.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
@@ -58,7 +52,7 @@ def setting_problems(config: Config) -> list[str]:
     if config.eval.serve not in SERVED_CHECKS:
         problems.append(f"eval.serve={config.eval.serve!r}: use vllm, or null for no served check")
     elif config.eval.serve and form is not None and form.cpu_serving_refusal and not torch.cuda.is_available():
-        problems.append(f"eval.serve={config.eval.serve} with draft.method={config.draft.method}: "
+        problems.append(f"eval.serve={config.eval.serve} with draft={config.draft.method}: "
                         f"{form.cpu_serving_refusal}; set eval.serve=null (our evaluation still measures it)")
     return problems
 

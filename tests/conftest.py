@@ -20,10 +20,11 @@ sys.path.insert(0, str(ROOT))
 # paths are tested where a test asks for them (test_precision.py). Processes the tests start inherit this.
 os.environ.setdefault("SPECFORGE_LITE_NATIVE_BF16", "0")
 
-from specforge_lite.config import DraftConfig, load_config  # noqa: E402
+from specforge_lite.compose import load_config  # noqa: E402
 from specforge_lite.data.vocab import DraftVocab  # noqa: E402
 from specforge_lite.methods import draft_spec  # noqa: E402
 from specforge_lite.methods.eagle3.model import Eagle3Draft  # noqa: E402
+from specforge_lite.methods.eagle3.settings import Eagle3Settings  # noqa: E402
 from specforge_lite.targets import HFTarget, Teacher  # noqa: E402
 from specforge_lite.targets.families import get_family  # noqa: E402
 
@@ -61,11 +62,11 @@ EAGLE31 = {"norm_before_fc": True, "norm_output": True, "num_layers": 2}
 
 def tiny_draft(target: HFTarget, draft_vocab_size: int = 128, use_aux_norm: bool = False, seed: int = 0,
                **options) -> Eagle3Draft:
-    """``options``: DraftConfig fields (e.g. ``**EAGLE31``). Without them the plain EAGLE3 layout, which the
+    """``options``: Eagle3Settings fields (e.g. ``**EAGLE31``). Without them the plain EAGLE3 layout, which the
     naive references here compute (a run's default is EAGLE 3.1: the method's, tests/test_settings.py)."""
     vocab = tiny_vocab(target, draft_vocab_size)
     options = {"norm_before_fc": False, "norm_output": False, **options}
-    spec = draft_spec(target.config, DraftConfig(use_aux_norm=use_aux_norm, **options),
+    spec = draft_spec(target.config, Eagle3Settings(use_aux_norm=use_aux_norm, **options),
                       target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
                       target.hidden_size)
     torch.manual_seed(seed)

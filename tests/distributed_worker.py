@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from specforge_lite.config import load_config  # noqa: E402
+from specforge_lite.compose import load_config  # noqa: E402
 from specforge_lite.data.vocab import DraftVocab  # noqa: E402
 from specforge_lite.pipeline import build_target  # noqa: E402
 from specforge_lite.targets import Teacher  # noqa: E402
@@ -62,13 +62,13 @@ def ulysses(shape: str, out: Path) -> None:
     EAGLE3 draft and an EAGLE 3.1 draft of two layers."""
     import deepspeed
 
-    from specforge_lite.config import DraftConfig
+    from specforge_lite.methods.eagle3.settings import Eagle3Settings
     from specforge_lite.training.distributed import launcher_env, with_sequence_parallel
 
     deepspeed.init_distributed(dist_backend="gloo")
     ctx = with_sequence_parallel(launcher_env(), 2)
     results = [ulysses_unroll(ctx, shape, draft_cfg) for draft_cfg in
-               (DraftConfig(), DraftConfig(norm_before_fc=True, norm_output=True, num_layers=2))]
+               (Eagle3Settings(), Eagle3Settings(norm_before_fc=True, norm_output=True, num_layers=2))]
     gathered = [None] * ctx.world_size
     torch.distributed.all_gather_object(gathered, results)
     if ctx.is_main:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from conftest import tiny_target, tiny_vocab
-from specforge_lite.config import load_config
+from specforge_lite.compose import load_config
 from specforge_lite.data.loader import collate, collate_packed
 from specforge_lite.methods import build_objective
 from specforge_lite.pipeline import build_draft
@@ -25,9 +25,9 @@ OPTIONS = {
     "eagle31_two_layers": ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.num_layers=2"],
     "aux_norm": ["draft.use_aux_norm=true"],
     "peagle": ["draft.parallel_drafting=true", "draft.mask_token_id=3"],
-    "dflash": ["draft.method=dflash", "draft.mask_token_id=3", "eval.num_draft_tokens=3"],
-    "dspark": ["draft.method=dspark", "draft.mask_token_id=3", "eval.num_draft_tokens=3", "draft.markov_rank=16"],
-    "dflash2": ["draft.method=dflash2", "draft.mask_token_id=3", "eval.num_draft_tokens=3", "draft.selector_rank=16",
+    "dflash": ["draft=dflash", "draft.mask_token_id=3", "eval.num_draft_tokens=3"],
+    "dspark": ["draft=dspark", "draft.mask_token_id=3", "eval.num_draft_tokens=3", "draft.markov_rank=16"],
+    "dflash2": ["draft=dflash2", "draft.mask_token_id=3", "eval.num_draft_tokens=3", "draft.selector_rank=16",
                 "draft.selector_top_k=8"],
     "packing": ["data.packing=true"],
     "checkpointing": ["draft.checkpointing=true"],

@@ -10,9 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_target, tiny_vocab
-from specforge_lite.config import DraftConfig
 from specforge_lite.draft.objective import UnrollInputs
-from specforge_lite.methods import draft_method, draft_spec
+from specforge_lite.methods import METHODS, draft_method, draft_spec
 from specforge_lite.methods.dflash.model import DFlashContext, DFlashDraft, DFlashObjective
 from test_ttt import rms, rope
 
@@ -24,12 +23,11 @@ HEADS = ("markov_head.", "confidence_head.", "candidate_selector.")  # DSpark's 
 
 def tiny_block_draft(target, method: str = "dflash", layers: int = 2, seed: int = 0, draft_vocab: int | None = None,
                      **settings):
-    """A block draft (DFlash, DSpark, DFlash 2) for the tiny target, ``settings`` its DraftConfig fields. Norms away
+    """A block draft (DFlash, DSpark, DFlash 2) for the tiny target, ``settings`` its method's settings. Norms away
     from 1, so a norm left out or applied to the wrong tensor shows; layers whose attention moves the state as
     much as a trained one's; heads whose terms are not negligible. DFlash 2's convolutions stay the identity."""
     vocab = tiny_vocab(target, draft_vocab or target.vocab_size)
-    spec = draft_spec(target.config, DraftConfig(method=method, mask_token_id=MASK, num_layers=layers,
-                                                 **settings),
+    spec = draft_spec(target.config, METHODS[method].settings(mask_token_id=MASK, num_layers=layers, **settings),
                       target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
                       target.hidden_size)
     torch.manual_seed(seed)
@@ -136,7 +134,7 @@ def test_dflash_loss_and_drafting_equal_the_naive_block_forward():
 
 
 def test_dflash_settings_refused_and_export_round_trip(tmp_path):
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.settings import check_settings
     from specforge_lite.export import export_draft, load_export
     from specforge_lite.export.check import check_export
@@ -144,10 +142,10 @@ def test_dflash_settings_refused_and_export_round_trip(tmp_path):
     from specforge_lite.pipeline import draft_from_weights
 
     with pytest.raises(ValueError, match="does not take draft.use_aux_norm"):
-        check_settings(load_config(["draft.method=dflash", "draft.use_aux_norm=true", "tracker=none"]))
+        check_settings(load_config(["draft=dflash", "draft.use_aux_norm=true", "tracker=none"]))
     with pytest.raises(ValueError, match="ttt_length=4 tokens per block but served with eval.num_draft_tokens=3"):
-        check_settings(load_config(["draft.method=dflash", "tracker=none"]))  # the recipe's TTT 4, k=3
-    check_settings(load_config(["draft.method=dflash", "draft.ttt_length=3", "tracker=none"]))
+        check_settings(load_config(["draft=dflash", "tracker=none"]))  # the recipe's TTT 4, k=3
+    check_settings(load_config(["draft=dflash", "draft.ttt_length=3", "tracker=none"]))
     target = tiny_target(aux_ids=[2, 4, 6])
     draft = tiny_block_draft(target)
     out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "v", num_speculative_tokens=3)
@@ -176,14 +174,14 @@ def test_the_block_size_is_recorded_and_every_tool_that_takes_a_k_refuses_anothe
     """A DFlash block (the next token and k mask slots) is the draft's input: its size is in the spec and the
     export, and evaluation, the served check and the ranking refuse a k the draft was not trained for, with
     the reason, before anything is loaded or served."""
-    from specforge_lite.config import DraftConfig, load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.evaluate.acceptance import evaluate_export
     from specforge_lite.evaluate.served import serve
     from specforge_lite.export import check_draft_tokens, export_draft
 
     target = tiny_target(aux_ids=[2, 4, 6])
     vocab = tiny_vocab(target, target.vocab_size)
-    spec = draft_spec(target.config, DraftConfig(method="dflash", mask_token_id=MASK, ttt_length=3),
+    spec = draft_spec(target.config, METHODS["dflash"].settings(mask_token_id=MASK, ttt_length=3),
                       target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
                       target.hidden_size)
     assert spec.block_size == 4

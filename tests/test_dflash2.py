@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_target, tiny_vocab
-from specforge_lite.config import DraftConfig
-from specforge_lite.methods import draft_spec
+from specforge_lite.methods import METHODS, draft_spec
 from specforge_lite.methods.dflash.model import DFlashDraft, DFlashObjective
 from specforge_lite.methods.dflash2.model import DFlash2Context, DFlash2Draft, DFlash2Objective, grouped_causal_conv
 from test_dflash import MASK, block_inputs, naive_block, tiny_block_draft
@@ -89,21 +88,21 @@ def test_a_fresh_dflash2_draft_is_the_dflash_draft_of_its_weights_and_its_select
 
 
 def test_dflash2_settings_refused_export_checked_and_round_trip(tmp_path):
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.export import check_draft_tokens, export_draft, load_export
     from specforge_lite.export.check import check_export
     from specforge_lite.pipeline import draft_from_weights
     from specforge_lite.settings import check_settings
 
-    base = ["draft.method=dflash2", "tracker=none", "draft.ttt_length=3"]
-    with pytest.raises(ValueError, match="draft.method=dflash2 does not take draft.use_aux_norm"):
+    base = ["draft=dflash2", "tracker=none", "draft.ttt_length=3"]
+    with pytest.raises(ValueError, match="draft=dflash2 does not take draft.use_aux_norm"):
         check_settings(load_config([*base, "draft.use_aux_norm=true"]))
     with pytest.raises(ValueError, match="conv_kernel_size=5 is longer than the block"):
         check_settings(load_config([*base, "draft.conv_kernel_size=5"]))
     check_settings(load_config(base))
     target = tiny_target(aux_ids=[2, 4, 6])
     vocab = tiny_vocab(target, 96)
-    reduced = draft_spec(target.config, DraftConfig(method="dflash2", mask_token_id=MASK),
+    reduced = draft_spec(target.config, METHODS["dflash2"].settings(mask_token_id=MASK),
                          target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
                          target.hidden_size)
     with pytest.raises(ValueError, match="keeps the whole target vocabulary"):  # (runs build it whole)

@@ -222,7 +222,7 @@ def test_a_build_lock_left_by_a_killed_run_does_not_hang_the_next_one(tmp_path):
     old = time.time() - 600
     os.utime(stale, (old, old))
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "OMP_NUM_THREADS": "1"}
-    code = ("from specforge_lite.config import load_config\n"
+    code = ("from specforge_lite.compose import load_config\n"
             "from specforge_lite.training.distributed import init_distributed\n"
             "ctx = init_distributed(load_config(['tracker=none', 'trainer=zero2']).trainer)\n"
             "print('started', ctx.world_size)\n")
@@ -255,7 +255,7 @@ def test_a_run_ends_its_process_group_and_takes_back_the_launcher_variables(tmp_
     sys.path.insert(0, str(ROOT))
     from train import run
 
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
 
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     for key in keys:

@@ -109,7 +109,7 @@ def train_commands() -> list[tuple[str, list[str]]]:
 def test_every_train_command_in_the_docs_composes():
     """Every example's overrides, the GPU and hub ones too, compose into a config that passes the settings
     check: a renamed key, group or preset breaks the example that still shows it."""
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.settings import setting_problems
 
     commands = train_commands()

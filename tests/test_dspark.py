@@ -77,16 +77,16 @@ def test_dspark_loss_and_drafting_equal_the_naive_forward():
 
 
 def test_dspark_settings_refused_export_checked_and_round_trip(tmp_path):
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.export import check_draft_tokens, export_draft, load_export
     from specforge_lite.export.check import check_export
     from specforge_lite.pipeline import draft_from_weights
     from specforge_lite.settings import check_settings
 
-    base = ["draft.method=dspark", "tracker=none"]
-    with pytest.raises(ValueError, match="draft.method=dspark does not take draft.norm_output"):
+    base = ["draft=dspark", "tracker=none"]
+    with pytest.raises(ValueError, match="draft=dspark does not take draft.norm_output"):
         check_settings(load_config([*base, "draft.ttt_length=3", "draft.norm_output=true"]))
-    with pytest.raises(ValueError, match="DSpark's loss is its own"):
+    with pytest.raises(ValueError, match="draft=dspark does not take draft.loss"):
         check_settings(load_config([*base, "draft.ttt_length=3", "draft.loss=tv"]))
     with pytest.raises(ValueError, match="markov_rank=0"):
         check_settings(load_config([*base, "draft.ttt_length=3", "draft.markov_rank=0"]))
@@ -94,7 +94,7 @@ def test_dspark_settings_refused_export_checked_and_round_trip(tmp_path):
         check_settings(load_config(base))
     check_settings(load_config([*base, "draft.ttt_length=3"]))
     if not torch.cuda.is_available():  # vLLM's CPU build cannot serve DSpark: said before training, not after
-        with pytest.raises(ValueError, match="eval.serve=vllm with draft.method=dspark: vLLM 0.32 serves"):
+        with pytest.raises(ValueError, match="eval.serve=vllm with draft=dspark: vLLM 0.32 serves"):
             check_settings(load_config([*base, "draft.ttt_length=3", "eval.serve=vllm"]))
 
     target = tiny_target(aux_ids=[2, 4, 6])

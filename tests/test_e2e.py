@@ -86,7 +86,7 @@ def test_trained_draft_beats_an_untrained_one_on_heldout_acc0(default_run):
     import torch
     from omegaconf import OmegaConf
 
-    from specforge_lite.config import to_config
+    from specforge_lite.compose import to_config
     from specforge_lite.evaluate.heldout import heldout_accuracy
     from specforge_lite.pipeline import pad_id
     from specforge_lite.run import Run
@@ -110,7 +110,7 @@ def test_a_run_continues_a_trained_draft_as_it_is(default_run, tmp_path):
     import torch
     from omegaconf import OmegaConf
 
-    from specforge_lite.config import to_config
+    from specforge_lite.compose import to_config
     from specforge_lite.evaluate.heldout import heldout_accuracy
     from specforge_lite.export import load_export
     from specforge_lite.pipeline import pad_id
@@ -130,7 +130,7 @@ def test_a_run_continues_a_trained_draft_as_it_is(default_run, tmp_path):
                                 run.config.eval.heldout_batches)
     assert held["acc"] == pytest.approx(json.loads((out / "eval.json").read_text())["heldout_acc"], abs=1e-6)
     for init_from, method, message in ((str(tmp_path), "eagle3", "no draft there"),
-                                       (str(out), "dflash", "set draft.method=eagle3")):
+                                       (str(out), "dflash", "use draft=eagle3")):
         config.draft = dataclasses.replace(config.draft, init_from=init_from, method=method)
         with pytest.raises((ValueError, FileNotFoundError), match=message):
             Run.online(config, log=lambda m: None)
@@ -187,7 +187,7 @@ def test_a_model_folder_with_a_damaged_file_is_named_in_one_line(tmp_path):
     fails somewhere inside (a SafetensorError traceback before)."""
     import shutil
 
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.targets.acquire import ModelUnavailableError, resolve_model_dir, tiny_model_dir
 
     model = load_config(["model=llama3_tiny"]).model

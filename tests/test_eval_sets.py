@@ -69,7 +69,8 @@ def test_bad_prompt_files_are_named_with_the_fix(tmp_path):
 
 
 def test_multi_turn_items_ask_each_turn_after_the_targets_own_answer():
-    from specforge_lite.config import EvalConfig, load_config
+    from specforge_lite.config import EvalConfig
+    from specforge_lite.compose import load_config
     from specforge_lite.evaluate.acceptance import _run_set
     from specforge_lite.evaluate.spec_decode import Generation
     from specforge_lite.pipeline import build_target, load_tokenizer
@@ -99,7 +100,8 @@ def test_multi_turn_items_ask_each_turn_after_the_targets_own_answer():
 
 def test_no_baseline_prompts_reports_no_speedup_instead_of_dividing_by_zero():
     """eval.baseline_prompts=0 (the target alone not timed) used to end the run with a ZeroDivisionError."""
-    from specforge_lite.config import EvalConfig, load_config
+    from specforge_lite.config import EvalConfig
+    from specforge_lite.compose import load_config
     from specforge_lite.evaluate.acceptance import _run_set
     from specforge_lite.evaluate.report import eval_markdown
     from specforge_lite.evaluate.spec_decode import Generation

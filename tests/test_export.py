@@ -344,13 +344,14 @@ def test_every_familys_draft_is_a_silu_llama_layer_and_other_activations_are_ref
     A checkpoint trained with another activation is refused at export, never relabelled."""
     from dataclasses import replace
 
-    from specforge_lite.config import DraftConfig, load_config
+    from specforge_lite.methods.eagle3.settings import Eagle3Settings
+    from specforge_lite.compose import load_config
     from specforge_lite.methods import draft_spec
     from specforge_lite.pipeline import build_target
 
     gemma = build_target(load_config(["model=gemma3_tiny", "tracker=none"]))
     assert gemma.config.get_text_config().hidden_activation == "gelu_pytorch_tanh"
-    spec = draft_spec(gemma.config, DraftConfig(), gemma.aux_layer_ids, gemma.convention,
+    spec = draft_spec(gemma.config, Eagle3Settings(), gemma.aux_layer_ids, gemma.convention,
                       gemma.vocab_size, 64, gemma.hidden_size)
     assert spec.hidden_act == "silu"
     target = tiny_target(aux_ids=[2, 4, 6])
@@ -398,7 +399,7 @@ def test_mask_slots_embed_a_token_no_conversation_uses(smollm2, tmp_path):
     in every training row) embed an unused special token in their mask slots, and the export records it; a
     tokenizer's own mask token wins; an explicit draft.mask_token_id is kept. Fails when the mask token
     defaults to id 0."""
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.data.vocab import DraftVocab, choose_mask_token
     from specforge_lite.pipeline import build_draft
 
@@ -406,7 +407,7 @@ def test_mask_slots_embed_a_token_no_conversation_uses(smollm2, tmp_path):
     vocab = DraftVocab(torch.arange(0, target.vocab_size, 64), target.vocab_size, float("nan"))
     used = set(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant",
                                                                                  "content": "hello"}], tokenize=True))
-    for method in (["draft.parallel_drafting=true"], ["draft.method=dflash", "eval.num_draft_tokens=3"]):
+    for method in (["draft.parallel_drafting=true"], ["draft=dflash", "eval.num_draft_tokens=3"]):
         config = load_config(["tracker=none", *method])
         logged = []
         draft = build_draft(config, target, vocab, tokenizer, log=logged.append)

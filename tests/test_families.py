@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from specforge_lite.config import available_presets, load_config
+from specforge_lite.config import available_presets
+from specforge_lite.compose import load_config
 from specforge_lite.data.images import image_inputs
 from specforge_lite.data.vocab import DraftVocab
 from specforge_lite.draft.ttt import shift_left

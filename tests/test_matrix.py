@@ -80,7 +80,7 @@ def test_a_frozen_lm_head_keeps_the_targets_rows_while_the_rest_learns():
 
     from conftest import tiny_target, tiny_vocab
     from matrix_cases import STEPS, rows
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.data.loader import collate
     from specforge_lite.methods import build_objective
     from specforge_lite.pipeline import build_draft

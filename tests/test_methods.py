@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from transformers import LlamaConfig
 
-from specforge_lite.config import load_config
+from specforge_lite.compose import load_config
 from specforge_lite.methods import METHODS, draft_spec, read_spec
 
 # The fields of the one flat spec every draft recorded before each method had its own, at the values a draft of
@@ -23,7 +23,7 @@ TARGET = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
 
 def new_spec(method: str):
     block = ["draft.ttt_length=3", "eval.num_draft_tokens=3"] if method != "eagle3" else []
-    config = load_config(["tracker=none", f"draft.method={method}", "draft.mask_token_id=1", *block])
+    config = load_config(["tracker=none", f"draft={method}", "draft.mask_token_id=1", *block])
     return draft_spec(TARGET, config.draft, [2, 4, 5], "input", 256, 256, 64)
 
 
@@ -49,3 +49,56 @@ def test_each_methods_spec_holds_the_shared_fields_and_its_own_only():
         f.name for f in dataclasses.fields(type(new_spec("dflash")))}
     assert {"use_aux_norm", "block_size", "markov_rank", "selector_rank"}.isdisjoint(shared)
     assert "block_size" not in new_spec("eagle3").to_dict() and "use_aux_norm" not in new_spec("dspark").to_dict()
+
+
+def test_draft_name_selects_settings_that_exist_for_that_method_only_and_train_py_refuses_others_in_one_line(tmp_path):
+    """draft=dflash composes DFlash's settings class, which has no EAGLE3 option: one given is refused before
+    anything runs, in one line, by Python's composition and by train.py alike. The mission's command still
+    composes as written (draft=eagle3 is the default group), and draft.method=<name> still chooses a method."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    dflash = load_config(["tracker=none", "draft=dflash"]).draft
+    assert type(dflash) is METHODS["dflash"].settings and not hasattr(dflash, "use_aux_norm")
+    assert type(load_config(["tracker=none", "draft.method=dspark"]).draft) is METHODS["dspark"].settings
+    mission = load_config(["model=gemma4", "draft.use_aux_norm=true"]).draft
+    assert mission.method == "eagle3" and mission.use_aux_norm is True
+    with pytest.raises(ValueError, match="draft=dflash does not take draft.use_aux_norm"):
+        load_config(["tracker=none", "draft=dflash", "draft.use_aux_norm=true"])
+    run = subprocess.run([sys.executable, str(ROOT / "train.py"), "draft=dflash", "draft.use_aux_norm=true",
+                          "tracker=none", f"output_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 1 and run.stderr.startswith("error: draft=dflash does not take draft.use_aux_norm")
+    assert len(run.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_a_run_config_saved_with_every_methods_draft_settings_reads_as_its_methods():
+    """A run's config.yaml saved before each method had its own settings holds all of them: another method's
+    at its default reads as nothing, one that differs is refused (that run could not have had it)."""
+    from omegaconf import OmegaConf
+
+    from specforge_lite.compose import to_config
+
+    flat = {"use_aux_norm": False, "norm_before_fc": None, "norm_output": None, "norm_before_residual": False,
+            "parallel_drafting": False, "loss": "soft_ce", "init_layers_from_target": False,
+            "ttt_attention": "blockwise", "checkpointing": False, "markov_rank": 64, "confidence_weight": 1.0,
+            "conv_kernel_size": 2, "conv_group_size": 16, "selector_top_k": 16, "selector_rank": 64,
+            "selector_weight": 1.0}
+    saved = OmegaConf.to_container(OmegaConf.structured(load_config(["tracker=none", "draft=dspark"])))
+    saved["draft"] = {**flat, **saved["draft"], "markov_rank": 8}
+    config = to_config(OmegaConf.create(saved))
+    assert type(config.draft) is METHODS["dspark"].settings and config.draft.markov_rank == 8
+    saved["draft"]["use_aux_norm"] = True
+    with pytest.raises(ValueError, match=r"\{'use_aux_norm': True\} are not settings of a dspark draft"):
+        to_config(OmegaConf.create(saved))
+
+
+def test_each_methods_settings_hold_the_shared_ones_and_its_own_only():
+    own = {name: {f.name for f in dataclasses.fields(m.settings)} for name, m in METHODS.items()}
+    assert {"use_aux_norm", "parallel_drafting", "ttt_attention", "checkpointing"} <= own["eagle3"]
+    for name in ("dflash", "dspark", "dflash2"):
+        assert not own[name] & {"use_aux_norm", "norm_before_fc", "parallel_drafting", "checkpointing",
+                                "init_layers_from_target", "ttt_attention"}, name
+    assert "loss" not in own["dspark"] and "markov_rank" not in own["dflash2"] | own["eagle3"]

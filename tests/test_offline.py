@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import ROOT
-from specforge_lite.config import load_config
+from specforge_lite.compose import load_config
 from specforge_lite.offline import StoreError, StoreReader
 from specforge_lite.offline.dump import dump as dump_run
 from specforge_lite.offline.ingest import ingest

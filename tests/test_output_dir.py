@@ -30,7 +30,7 @@ def test_a_second_run_on_a_held_folder_names_the_holder_and_a_kill_9_frees_it(tm
         sys.path.insert(0, str(ROOT))
         from train import run
 
-        from specforge_lite.config import load_config
+        from specforge_lite.compose import load_config
 
         with pytest.raises(OutputDirError, match=f"pid {holder.pid}"):
             run(load_config(["model=llama3_tiny", "tracker=none"]), folder, log=lambda m: None)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specforge_lite.config import DraftConfig, load_config
+from specforge_lite.methods.eagle3.settings import Eagle3Settings
+from specforge_lite.compose import load_config
 from specforge_lite.data.loader import collate, collate_packed, pack
 from specforge_lite.data.vocab import DraftVocab
 from specforge_lite.draft import Eagle3Objective
@@ -15,7 +16,7 @@ from specforge_lite.methods.eagle3.model import Eagle3Draft
 from specforge_lite.pipeline import build_target
 from specforge_lite.targets import Teacher
 
-CFG = DraftConfig(ttt_length=4)
+CFG = Eagle3Settings(ttt_length=4)
 
 
 def conversations(vocab: int, lengths=(21, 9, 26, 14, 7, 18), seed: int = 0) -> list[dict]:

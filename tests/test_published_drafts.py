@@ -111,7 +111,7 @@ def test_the_check_passes_and_says_what_each_server_reads(peer, reading, capsys)
 
 
 def continued_run(peer: str, tmp_path: Path) -> Path:
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.job import run
 
     out = tmp_path / peer
@@ -187,7 +187,7 @@ def test_the_target_comes_from_the_draft_or_is_asked_for(tmp_path):
     """speculators names its verifier: a preset's hub id becomes that preset, a folder model.path; a draft that
     names none is refused in one line naming the file and how to say it; the served check of a draft folder says
     to evaluate it first."""
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.evaluate.__main__ import main
     from specforge_lite.evaluate.finish import target_overrides
     from specforge_lite.evaluate.served import ServedMismatch, serve

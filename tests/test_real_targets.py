@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specforge_lite.config import load_config
+from specforge_lite.compose import load_config
 from specforge_lite.data.vocab import DraftVocab
 from specforge_lite.draft.ttt import shift_left
 from specforge_lite.pipeline import build_target

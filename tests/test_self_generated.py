@@ -178,7 +178,7 @@ def test_prompts_that_fill_max_length_are_never_answered_nor_asked(tmp_path, smo
 
 def test_a_data_group_on_the_command_line_replaces_the_recipes_mix():
     """The embedded default's recipe picks the assistant mix, but a user's own data=... must win over it."""
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
 
     default = load_config(["tracker=none"]).data
     assert default.source == "mix" and [m.source for m in default.mix] == ["builtin_chitchat", "self_generated"]

@@ -53,7 +53,7 @@ def test_speculators_loads_our_export_and_its_logits_equal_ours(serving_python, 
     """speculators' own Eagle3 model, built from our export, gives our logits at every TTT step: with per-aux
     norms (fc_norm), as EAGLE 3.1 (norm_before_fc, norm_output fed back, a second layer), and with the first
     layer's residual taken after hidden_norm as well (norm_before_residual: speculators' own default)."""
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.export import export_draft
     from specforge_lite.pipeline import build_target
     from conftest import EAGLE31, tiny_draft
@@ -98,7 +98,7 @@ def block_draft_export(request, tmp_path_factory):
     """A DSpark draft (a reduced draft vocabulary, heads whose terms are not negligible) or a DFlash 2 draft
     (convolutions away from the identity, a selector that matters) of two layers for the tiny Qwen3 target,
     exported in vLLM's layout, with the target it was built for."""
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.export import export_draft
     from specforge_lite.pipeline import build_target
     from test_dflash import tiny_block_draft
@@ -234,7 +234,7 @@ SERVED = {"smollm2_135m": ["draft.draft_vocab_size=4096"],
                                 "draft.use_aux_norm=true", "draft.parallel_drafting=true", "draft.mask_token_id=3",
                                 "trainer.max_steps=60", "trainer.lr=5e-3"],
           # DFlash: its own architecture (vLLM method=dflash), a block of mask slots read in one forward
-          "qwen3_tiny+dflash": ["model.tiny.config.head_dim=32", "draft.draft_vocab_size=49152", "draft.method=dflash",
+          "qwen3_tiny+dflash": ["model.tiny.config.head_dim=32", "draft.draft_vocab_size=49152", "draft=dflash",
                                 "draft.mask_token_id=3", "trainer.max_steps=60", "trainer.lr=5e-3"]}
 # acceptance our evaluation must reach for vLLM's agreement with it to mean more than "nothing accepted"
 # (a random Gemma 4 writes a random walk: no draft learns it in CI time, so there it proves loading,
@@ -250,7 +250,7 @@ def served_runs(serving_python, tmp_path_factory):
     sys.path.insert(0, str(ROOT))
     from train import run
 
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.evaluate.served import ServedMismatch, serve
 
     runs, raised, lines = {}, {}, []
@@ -327,11 +327,11 @@ def dspark_run(tmp_path_factory) -> Path:
     sys.path.insert(0, str(ROOT))
     from train import run
 
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
 
     out = tmp_path_factory.mktemp("qwen3_tiny_dspark")
     config = load_config(["model=qwen3_tiny", *SHORT_RUN, "model.tiny.config.head_dim=32",
-                          "draft.draft_vocab_size=49152", "draft.method=dspark", "draft.mask_token_id=3",
+                          "draft.draft_vocab_size=49152", "draft=dspark", "draft.mask_token_id=3",
                           "draft.markov_rank=16", "trainer.max_steps=60", "trainer.lr=5e-3", f"output_dir={out}"])
     run(config, out, log=lambda line: None)
     return out
@@ -394,7 +394,7 @@ LAYER_IDS.update({p: [0, 2, 5, 8] for p in VLLM_TINY})  # (8 layers)
 
 
 def build(preset):
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.pipeline import build_target
 
     extra = VLLM_TINY.get(preset, [])
@@ -409,7 +409,7 @@ def vllm_extraction(serving_python, tmp_path_factory):
     from specforge_lite.pipeline import load_tokenizer
     from specforge_lite.generation import encode_prompt
 
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.pipeline import prepare
 
     tmp = tmp_path_factory.mktemp("vllm_extraction")
@@ -473,7 +473,7 @@ def test_a_live_vllm_extraction_trains_like_online(vllm_extraction, tmp_path, ca
 
     from specforge_lite.offline.__main__ import main as offline_main
 
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
 
     store, files = tmp_path / "store", vllm_extraction[1]
     assert len(list(files.glob("*.safetensors"))) > 8
@@ -498,7 +498,7 @@ def test_the_served_check_says_what_is_missing(tmp_path, monkeypatch):
     sys.path.insert(0, str(ROOT))
     from train import run
 
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.evaluate.served import serve
 
     with pytest.raises(ValueError, match="eval.serve='sglang': use vllm"):

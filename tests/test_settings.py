@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from specforge_lite.config import load_config
+from specforge_lite.compose import load_config
 from specforge_lite.methods import METHODS, draft_method
 from specforge_lite.settings import check_settings, setting_problems
 
@@ -22,15 +22,15 @@ from specforge_lite.settings import check_settings, setting_problems
     (["export.format=sglang", "draft.num_layers=2"], "draft.num_layers=2: SGLang's EAGLE3 draft is one layer"),
     (["export.format=sglang", "draft.parallel_drafting=true"], "the sglang format has no mask slots"),
     (["export.format=sglang", "draft.norm_before_residual=true"], "SGLang's EAGLE3 draft always takes the residual"),
-    (["draft.method=dflash", "draft.ttt_length=3", "draft.norm_before_residual=true"],
+    (["draft=dflash", "draft.ttt_length=3", "draft.norm_before_residual=true"],
      "does not take draft.norm_before_residual"),
     (["export.format=dflash"], "export.format=dflash cannot write a eagle3 draft"),
-    (["draft.method=dflash", "draft.ttt_length=3", "eval.drafting=tree"], "dflash draft is evaluated greedy and as a "
+    (["draft=dflash", "draft.ttt_length=3", "eval.drafting=tree"], "dflash draft is evaluated greedy and as a "
                                                                          "chain"),
     (["draft.parallel_drafting=true", "eval.drafting=tree"], "P-EAGLE) draft proposes one chain"),
     (["eval.drafting=beam"], "eval.drafting='beam': use one of chain, tree"),
     (["eval.serve=sglang"], "eval.serve='sglang': use vllm"),
-    (["draft.method=medusa"], "draft.method='medusa': use one of"),
+    (["draft=medusa"], "draft=medusa: no such method; use one of dflash, dflash2, dspark, eagle3"),
     (["draft.freeze_lm_head=true", "draft.init_lm_head_from_target=false"], "a frozen lm_head would keep its random"),
     (["trainer.optimizer=sgd"], "trainer.optimizer='sgd': use one of adamw, muon"),
     (["trainer.optimizer=muon", "trainer.deepspeed.enabled=true"], "which Muon cannot orthogonalise as matrices"),
@@ -92,7 +92,7 @@ def test_every_problem_is_said_at_once_and_train_py_says_them_before_building_an
 def test_the_defaults_of_every_method_pass():
     for name in METHODS:
         k = ["draft.ttt_length=3"] if name in ("dflash", "dspark", "dflash2") else []  # (a block is the served k)
-        assert setting_problems(load_config(["tracker=none", f"draft.method={name}", *k])) == []
+        assert setting_problems(load_config(["tracker=none", f"draft={name}", *k])) == []
 
 
 def test_no_method_is_named_outside_its_own_module():
@@ -157,7 +157,7 @@ def test_each_method_owns_its_defaults_eagle3s_are_eagle_31s_and_no_documented_c
     assert norms("draft.norm_before_fc=false", "draft.norm_output=false") == (False, False, False)
     assert norms("draft.norm_output=false") == (True, False, False)
     for method in ("dflash", "dspark", "dflash2"):
-        assert norms(f"draft.method={method}", "draft.ttt_length=3", "eval.num_draft_tokens=3",
+        assert norms(f"draft={method}", "draft.ttt_length=3", "eval.num_draft_tokens=3",
                      "draft.mask_token_id=1") == (None, None, None)  # (a block draft's spec has no norms)
     refused = setting_problems(load_config(["tracker=none", "draft.use_aux_norm=true", "draft.norm_before_fc=true"]))
     assert any("not both" in p for p in refused)

@@ -134,7 +134,7 @@ def test_acceptance_by_context_length():
 
 
 def test_smollm2_speculative_equals_greedy(smollm2):
-    from specforge_lite.config import DraftConfig
+    from specforge_lite.methods.eagle3.settings import Eagle3Settings
     from specforge_lite.data.vocab import DraftVocab
     from specforge_lite.methods import draft_spec
     from specforge_lite.methods.eagle3.model import Eagle3Draft
@@ -142,7 +142,7 @@ def test_smollm2_speculative_equals_greedy(smollm2):
 
     config, target, tok = smollm2
     vocab = DraftVocab(torch.arange(0, 8000).long(), target.vocab_size, 1.0)
-    spec = draft_spec(target.config, DraftConfig(), target.aux_layer_ids, target.convention,
+    spec = draft_spec(target.config, Eagle3Settings(), target.aux_layer_ids, target.convention,
                       target.vocab_size, vocab.size, target.hidden_size)
     torch.manual_seed(0)
     draft = Eagle3Draft(spec)

@@ -415,7 +415,7 @@ def test_settings_no_run_can_use_are_refused_before_anything_is_built(tmp_path):
     import pytest
 
     from conftest import ROOT
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
 
     sys.path.insert(0, str(ROOT))
     from train import run

@@ -51,7 +51,7 @@ def test_layers_that_are_not_llama_layers_and_missing_layers_are_refused(tmp_pat
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from conftest import ROOT  # noqa: F401  (the project on the path)
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.data.vocab import DraftVocab
     from specforge_lite.pipeline import build_draft
 

@@ -24,7 +24,7 @@ OVERRIDES = ["model=llama3_tiny", "model.dtype=float32", "recipe=none", "data=ch
 
 def main() -> None:
     a = parse_args(__doc__)
-    from specforge_lite.config import load_config
+    from specforge_lite.compose import load_config
     from specforge_lite.run import Run
 
     run = Run.online(load_config(OVERRIDES), log=lambda message: None)

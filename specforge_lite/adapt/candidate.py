@@ -70,7 +70,7 @@ def candidate_config(home, current: Path, traffic_file: Path, n_traffic: int, ru
     """The base configuration, continued from ``current`` on the traffic and the replay slice."""
     from omegaconf import OmegaConf
 
-    from ..config import to_config
+    from ..compose import to_config
 
     settings = home.settings()
     config = to_config(OmegaConf.load(home.root / "base_config.yaml"))

@@ -58,7 +58,7 @@ def base_config(draft: Path, overrides: list[str]):
     top), or, for an export folder, train.py's composition of the overrides (model=..., data=...)."""
     from omegaconf import OmegaConf
 
-    from ..config import load_config, to_config
+    from ..compose import load_config, to_config
 
     if (draft / "config.yaml").is_file() and (draft / "final" / "config.json").is_file():
         return to_config(OmegaConf.merge(OmegaConf.load(draft / "config.yaml"), OmegaConf.from_dotlist(overrides)))

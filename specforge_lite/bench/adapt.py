@@ -140,7 +140,7 @@ def main(argv=None) -> None:
         if not log_file.is_file():
             from omegaconf import OmegaConf
 
-            from ..config import to_config
+            from ..compose import to_config
             from ..targets.acquire import resolve_model_dir
 
             target = resolve_model_dir(to_config(OmegaConf.load(base / "config.yaml")).model)

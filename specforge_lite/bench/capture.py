@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     p.add_argument("overrides", nargs="*", help="further Hydra overrides")
     a = p.parse_args(argv)
 
-    from ..config import load_config
+    from ..compose import load_config
     from ..draft.objective import Eagle3Objective
     from ..pipeline import build_target
     from ..targets import HFTarget, Teacher

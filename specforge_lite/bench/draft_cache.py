@@ -45,11 +45,11 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args(argv)
 
-    from ..config import DraftConfig
+    from ..methods.eagle3.settings import Eagle3Settings
     from .shapes import SHAPES, synthetic_draft
 
     shape = SHAPES[a.shape]
-    draft = synthetic_draft(shape, DraftConfig(), a.draft_vocab).eval()
+    draft = synthetic_draft(shape, Eagle3Settings(), a.draft_vocab).eval()
     print(f"draft of {a.shape} shape, k={a.k}, {a.commit} rows committed per round, fp32, median of {a.repeats}")
     print("| context | recompute ms/round | cached ms/round | recompute / cached |\n|---|---|---|---|")
     for n in [int(x) for x in a.contexts.split(",")]:

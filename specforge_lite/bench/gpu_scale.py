@@ -88,13 +88,12 @@ def build_target(name: str, device: torch.device, dtype: torch.dtype):
 
 def build_draft(target, method: str, draft_vocab: int, ttt: int, device: torch.device):
     """A draft of ``method`` for ``target`` (fp32 master weights), its vocabulary a fixed random draw."""
-    from ..config import DraftConfig
     from ..methods import build_objective, draft_method, draft_spec
     from ..targets.capture import CONVENTION
     from ..targets.teacher import Teacher
 
     # (mask token 0: read only by the methods with mask slots)
-    cfg = DraftConfig(method=method, draft_vocab_size=draft_vocab, ttt_length=ttt, mask_token_id=0)
+    cfg = draft_method(method).settings(draft_vocab_size=draft_vocab, ttt_length=ttt, mask_token_id=0)
     spec = draft_spec(target.config, cfg, target.aux_layer_ids, CONVENTION, vocab_size=target.vocab_size,
                       draft_vocab_size=draft_vocab, target_hidden_size=target.hidden_size)
     torch.manual_seed(0)

@@ -85,7 +85,7 @@ def _study_candidates(step_counts: list[int]) -> list[Candidate]:
 def step0_accuracy(log=print) -> dict:
     """Teacher-forced accuracy per TTT step on the default's held-out conversations, before any training,
     of the default's freshly built draft and of the warm-started one (same seed)."""
-    from ..config import load_config
+    from ..compose import load_config
     from ..evaluate.heldout import heldout_accuracy
     from ..pipeline import pad_id
     from ..run import Run

@@ -24,7 +24,7 @@ def main(argv=None) -> None:
     p.add_argument("overrides", nargs="*", help="Hydra overrides (default: model=smollm2_135m recipe=none)")
     a = p.parse_args(argv)
 
-    from ..config import load_config
+    from ..compose import load_config
     from ..data.loader import collate, collate_packed
     from ..pipeline import pad_id
     from ..run import Run

@@ -78,7 +78,7 @@ def write_schedule(store: Path, steps: int, path: Path, seed: int = 0) -> Path:
     """The store sample indices of each of our offline run's first ``steps`` micro-batches (at ``seed``)."""
     if path.is_file() and len(json.loads(path.read_text())["batches"]) >= steps:
         return path
-    from ..config import load_config
+    from ..compose import load_config
     from ..offline import store_run
 
     run = store_run(load_config(["tracker=none", "data.source=offline", f"data.store={store}",
@@ -101,7 +101,7 @@ def train_peer(peer: str, python: str, store: Path, schedule: Path, run_dir: Pat
     """One peer's driver (its own model, loss, optimizer and save code) on the schedule; resumable."""
     if (run_dir / "final" / "config.json").is_file():
         return
-    from ..config import load_config
+    from ..compose import load_config
     from ..targets.acquire import resolve_model_dir
 
     target = resolve_model_dir(load_config(["tracker=none"]).model)

@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
 
-    from ..config import load_config
+    from ..compose import load_config
     from ..data.formats import MalformedRow, iter_rows, normalize_conversation
     from ..data.prepare import data_file
     from ..data.regenerate import compute_shares

@@ -76,13 +76,13 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     shard, say = _sequence_shard(a.sequence_parallel)
 
-    from ..config import DraftConfig
+    from ..methods.eagle3.settings import Eagle3Settings
     from ..draft.objective import Eagle3Objective
     from .memory import peak_bytes
     from .shapes import SHAPES, synthetic_draft
 
     shape = SHAPES[a.shape]
-    draft = synthetic_draft(shape, DraftConfig(), a.draft_vocab)
+    draft = synthetic_draft(shape, Eagle3Settings(), a.draft_vocab)
     H, Vd, device = shape["hidden_size"], a.draft_vocab, torch.device("cpu")
     say(f"draft of {a.shape} shape: hidden {H}, {shape['num_attention_heads']} heads, draft vocab {Vd}, "
         f"TTT {a.ttt}, fp32, one row per step"

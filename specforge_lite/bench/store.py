@@ -33,7 +33,7 @@ def main(argv=None) -> None:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
 
-    from ..config import load_config
+    from ..compose import load_config
     from ..offline import StoreReader
     from ..offline.dump import dump
     from ..run import Run

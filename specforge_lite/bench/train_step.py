@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=smollm2_135m draft.ttt_length=7")
     a = p.parse_args(argv)
 
-    from ..config import load_config
+    from ..compose import load_config
     from ..draft.objective import UnrollInputs
     from ..pipeline import pad_id
     from ..run import Run

@@ -51,7 +51,7 @@ def _flatten(obj):
 
 
 def worker(trainer: str, model: str, seq_len: int, out_path: str) -> None:
-    from ..config import load_config
+    from ..compose import load_config
     from ..draft import Eagle3Objective
     from ..draft.objective import UnrollInputs
     from ..training.distributed import init_distributed

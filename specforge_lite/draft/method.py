@@ -14,13 +14,14 @@ from typing import Any, Callable
 
 @dataclass(frozen=True)
 class DraftMethod:
-    name: str  # draft.method=<name>
+    name: str  # draft=<name>
     model: type  # built from its spec
     spec: type  # its spec: draft/model.py DraftSpec's fields and its own (``from_target``)
+    settings: type  # its settings: config.py DraftSettings' fields and its own (draft=<name> selects them)
     objective: type  # its loss over the unrolled steps; ``from_config(draft_config, sequence)``
     # the settings of a composed config it cannot take, each "what and the fix" (settings.py asks before anything)
     refused: Callable[[Any], list[str]]
-    # the evaluation settings (eval.*) it cannot be measured with, given the draft's settings (a DraftConfig
+    # the evaluation settings (eval.*) it cannot be measured with, given the draft's settings (its settings
     # before training, the trained draft's spec after: the same field names)
     refused_evaluation: Callable[[Any, Any], list[str]]
     # what keeps a draft's context across rounds and proposes each round's k tokens (evaluation's drafting);
@@ -42,6 +43,9 @@ class DraftMethod:
     # whether its draft keeps the whole target vocabulary whatever draft.draft_vocab_size says (DFlash 2: its
     # selector indexes codebooks with token ids as vLLM does)
     whole_vocabulary: bool = False
+    # what a new draft takes from its target beyond its lm_head's rows, given its settings (EAGLE3: its layers,
+    # with draft.init_layers_from_target)
+    warm_start: Callable[[Any, Any, Any], None] = lambda draft, draft_settings, target: None
 
 
 def layers_label(spec: dict) -> str:

@@ -96,7 +96,7 @@ def finished_run(run_dir: Path, eval_overrides: dict | None = None, log=print) -
     the store was made from."""
     from omegaconf import OmegaConf
 
-    from ..config import to_config
+    from ..compose import to_config
     from ..export import load_export
 
     run_dir = Path(run_dir)
@@ -135,7 +135,7 @@ def evaluate_published(draft_dir: Path, run_dir: Path, overrides: list[str], eva
     in export.format as this project writes it, with its model card, eval.json)."""
     from omegaconf import OmegaConf
 
-    from ..config import load_config
+    from ..compose import load_config
     from ..export import load_export
 
     draft_dir, run_dir = Path(draft_dir), Path(run_dir)

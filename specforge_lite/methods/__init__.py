@@ -21,7 +21,7 @@ DEFAULT = "eagle3"  # draft.method's default, and the method of a spec written b
 
 def draft_method(name: str) -> DraftMethod:
     if name not in METHODS:
-        raise ValueError(f"draft.method={name!r}: use one of {sorted(METHODS)}")
+        raise ValueError(f"draft={name}: no such method; use one of {', '.join(sorted(METHODS))}")
     return METHODS[name]
 
 

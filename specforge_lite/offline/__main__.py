@@ -37,7 +37,7 @@ def main(argv=None) -> None:
 
 
 def run(a: argparse.Namespace) -> None:
-    from ..config import load_config
+    from ..compose import load_config
     from ..run import Run
     from .dump import store_folder
 

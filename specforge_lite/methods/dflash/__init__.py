@@ -5,24 +5,21 @@ from __future__ import annotations
 
 from ...draft.method import DraftMethod, layers_label
 from .model import DFlashContext, DFlashDraft, DFlashObjective
+from .settings import DFlashSettings
 from .spec import DFlashSpec
 
 
-def refused(config, method: str = "dflash") -> list[str]:
-    """What a block draft (DFlash, and DSpark on its backbone) cannot take."""
-    d, problems = config.draft, []
-    settings = {"draft.use_aux_norm": d.use_aux_norm, "draft.norm_before_fc": d.norm_before_fc,
-                "draft.norm_output": d.norm_output, "draft.norm_before_residual": d.norm_before_residual,
-                "draft.parallel_drafting": d.parallel_drafting,
-                "draft.checkpointing": d.checkpointing, "data.packing": config.data.packing,
-                "draft.init_layers_from_target": d.init_layers_from_target,
-                "trainer.deepspeed.sequence_parallel": config.trainer.deepspeed.sequence_parallel != 1}
-    unsupported = [name for name, on in settings.items() if on]
+def refused(config) -> list[str]:
+    """What a block draft (DFlash, and DSpark and DFlash 2 on its backbone) cannot be trained or served with."""
+    d, method, problems = config.draft, config.draft.method, []
+    unsupported = [name for name, on in (("data.packing", config.data.packing),
+                                         ("trainer.deepspeed.sequence_parallel",
+                                          config.trainer.deepspeed.sequence_parallel != 1)) if on]
     if unsupported:
-        problems.append(f"draft.method={method} does not take {', '.join(unsupported)} (EAGLE3 options, or not "
-                        "implemented for block drafts): turn them off")
+        problems.append(f"draft={method} does not take {', '.join(unsupported)} (not implemented for block drafts): "
+                        "turn them off")
     if d.ttt_length != config.eval.num_draft_tokens:  # (the block attends bidirectionally: its size is input)
-        problems.append(f"draft.method={method} with draft.ttt_length={d.ttt_length} tokens per block but served "
+        problems.append(f"draft={method} with draft.ttt_length={d.ttt_length} tokens per block but served "
                         f"with eval.num_draft_tokens={config.eval.num_draft_tokens}: a block draft sees all its slots, "
                         "so a block of another size is another input; set both to the k you serve with")
     return problems
@@ -39,8 +36,9 @@ def label(spec: dict) -> str:
     return f"DFlash, {layers_label(spec)}"
 
 
-METHOD = DraftMethod("dflash", DFlashDraft, DFlashSpec, DFlashObjective, refused, refused_evaluation, DFlashContext,
-                    ("dflash",), label, has_mask_slots=lambda draft_settings: True,
-                    spec_fields=lambda d: {"block_size": d.ttt_length + 1,  # the next token and k masks
-                                           "mask_token_id": d.mask_token_id},
-                    fixed_draft_tokens=lambda spec: spec["block_size"] - 1)
+METHOD = DraftMethod(
+    "dflash", DFlashDraft, DFlashSpec, DFlashSettings, DFlashObjective, refused, refused_evaluation, DFlashContext,
+    ("dflash",), label, has_mask_slots=lambda draft_settings: True,
+    spec_fields=lambda d: {"block_size": d.ttt_length + 1,  # the next token and k masks
+                           "mask_token_id": d.mask_token_id},
+    fixed_draft_tokens=lambda spec: spec["block_size"] - 1)

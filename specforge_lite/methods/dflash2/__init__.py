@@ -6,14 +6,15 @@ from __future__ import annotations
 from ...draft.method import DraftMethod, layers_label
 from ..dflash import refused as block_draft_refused, refused_evaluation
 from .model import DFlash2Context, DFlash2Draft, DFlash2Objective
+from .settings import DFlash2Settings
 from .spec import DFlash2Spec
 
 
 def refused(config) -> list[str]:
-    problems = block_draft_refused(config, "dflash2")
+    problems = block_draft_refused(config)
     d = config.draft
     if d.selector_top_k < 1 or d.selector_rank < 1 or d.conv_kernel_size < 1:
-        problems.append("draft.method=dflash2 needs draft.selector_top_k, draft.selector_rank and "
+        problems.append("draft=dflash2 needs draft.selector_top_k, draft.selector_rank and "
                         "draft.conv_kernel_size >= 1")
     elif d.conv_kernel_size > d.ttt_length + 1:
         problems.append(f"draft.conv_kernel_size={d.conv_kernel_size} is longer than the block (draft.ttt_length + 1 "
@@ -26,8 +27,8 @@ def label(spec: dict) -> str:
 
 
 METHOD = DraftMethod(
-    "dflash2", DFlash2Draft, DFlash2Spec, DFlash2Objective, refused, refused_evaluation, DFlash2Context, ("dflash2",),
-    label,
+    "dflash2", DFlash2Draft, DFlash2Spec, DFlash2Settings, DFlash2Objective, refused, refused_evaluation,
+    DFlash2Context, ("dflash2",), label,
     has_mask_slots=lambda draft_settings: True,
     spec_fields=lambda d: {"block_size": d.ttt_length + 1, "conv_kernel_size": d.conv_kernel_size,
                            "conv_group_size": d.conv_group_size, "selector_rank": d.selector_rank,

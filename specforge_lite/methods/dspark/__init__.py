@@ -6,17 +6,15 @@ from __future__ import annotations
 from ...draft.method import DraftMethod, layers_label
 from ..dflash import refused as block_draft_refused, refused_evaluation
 from .model import DSparkContext, DSparkDraft, DSparkObjective
+from .settings import DSparkSettings
 from .spec import DSparkSpec
 
 
 def refused(config) -> list[str]:
-    problems = block_draft_refused(config, "dspark")
-    if config.draft.loss != "soft_ce":
-        problems.append(f"draft.method=dspark with draft.loss={config.draft.loss}: DSpark's loss is its own (0.1 x "
-                        "soft_ce + 0.9 x tv, and the confidence head's BCE); leave draft.loss at soft_ce")
+    problems = block_draft_refused(config)
     if config.draft.markov_rank < 1:
         problems.append(f"draft.markov_rank={config.draft.markov_rank}: DSpark's Markov head needs a rank >= 1 "
-                        "(vLLM refuses a DSpark draft without one); draft.method=dflash is the block draft without it")
+                        "(vLLM refuses a DSpark draft without one); draft=dflash is the block draft without it")
     return problems
 
 
@@ -24,8 +22,8 @@ def label(spec: dict) -> str:
     return f"DSpark, {layers_label(spec)}"
 
 
-METHOD = DraftMethod("dspark", DSparkDraft, DSparkSpec, DSparkObjective, refused, refused_evaluation, DSparkContext,
-                    ("dspark",), label, has_mask_slots=lambda draft_settings: True,
-                    spec_fields=lambda d: {"block_size": d.ttt_length, "markov_rank": d.markov_rank,
-                                           "mask_token_id": d.mask_token_id},
-                    fixed_draft_tokens=lambda spec: spec["block_size"])
+METHOD = DraftMethod(
+    "dspark", DSparkDraft, DSparkSpec, DSparkSettings, DSparkObjective, refused, refused_evaluation, DSparkContext,
+    ("dspark",), label, has_mask_slots=lambda draft_settings: True,
+    spec_fields=lambda d: {"block_size": d.ttt_length, "markov_rank": d.markov_rank, "mask_token_id": d.mask_token_id},
+    fixed_draft_tokens=lambda spec: spec["block_size"])

@@ -5,10 +5,14 @@ draft/objective.py, the objective the block drafts' objectives build on."""
 
 from __future__ import annotations
 
+import torch
+
 from ...draft.drafting import DraftContext, ParallelDraftContext
 from ...draft.method import DraftMethod, layers_label
 from ...draft.objective import Eagle3Objective
+from ...draft.ttt import TTT_ATTENTION
 from .model import Eagle3Draft
+from .settings import Eagle3Settings
 from .spec import Eagle3Spec, norm_problems
 
 
@@ -25,7 +29,14 @@ def spec_fields(draft_settings) -> dict:
 
 
 def refused(config) -> list[str]:
-    return norm_problems(config.draft.use_aux_norm, config.draft.norm_before_fc)
+    d = config.draft
+    problems = norm_problems(d.use_aux_norm, d.norm_before_fc)
+    if d.ttt_attention not in TTT_ATTENTION:
+        problems.append(f"draft.ttt_attention={d.ttt_attention!r}: use one of {', '.join(TTT_ATTENTION)}")
+    elif d.ttt_attention == "flex" and not torch.cuda.is_available():
+        problems.append("draft.ttt_attention=flex needs a CUDA device (flex attention has no backward on a CPU); use "
+                        "draft.ttt_attention=blockwise, the same attention in query blocks")
+    return problems
 
 
 def refused_evaluation(draft_settings, ev) -> list[str]:
@@ -33,6 +44,19 @@ def refused_evaluation(draft_settings, ev) -> list[str]:
         return ["a parallel (P-EAGLE) draft proposes one chain in one forward, from mask slots that follow no sampled "
                 "token: use eval.drafting=chain"]
     return []
+
+
+def warm_start(draft, draft_settings, target) -> None:
+    """draft.init_layers_from_target: the draft's layers begin as the target's after the top aux id."""
+    if not draft_settings.init_layers_from_target:
+        return
+    spec = draft.spec
+    top = max(spec.aux_layer_ids)
+    if top + spec.num_layers > target.num_layers:
+        raise ValueError(f"draft.init_layers_from_target: the draft's {spec.num_layers} layer(s) start as target "
+                         f"layers {top}.. after the top aux id {top}, and the target has {target.num_layers}; lower "
+                         "the top of draft.aux_layer_ids or draft.num_layers")
+    draft.start_from_target([target.llama_layer(top + i) for i in range(spec.num_layers)], target.final_norm_weight())
 
 
 def drafting(draft) -> DraftContext:
@@ -49,6 +73,7 @@ def label(spec: dict) -> str:
     return f"{name}, {layers_label(spec)}" + (f" ({', '.join(norms)})" if norms else "")
 
 
-METHOD = DraftMethod("eagle3", Eagle3Draft, Eagle3Spec, Eagle3Objective, refused, refused_evaluation, drafting,
-                     ("vllm", "sglang", "speculators"), label,
-                     has_mask_slots=lambda draft_settings: draft_settings.parallel_drafting, spec_fields=spec_fields)
+METHOD = DraftMethod("eagle3", Eagle3Draft, Eagle3Spec, Eagle3Settings, Eagle3Objective, refused, refused_evaluation,
+                     drafting, ("vllm", "sglang", "speculators"), label,
+                     has_mask_slots=lambda draft_settings: draft_settings.parallel_drafting, spec_fields=spec_fields,
+                     warm_start=warm_start)

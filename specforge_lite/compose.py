@@ -1,0 +1,94 @@
+"""A run's settings composed: conf/ through Hydra into config.py's dataclasses, the draft's as its method's
+settings class (draft=<name> chooses it; methods/<name>/settings.py holds it). Used by train.py, and by whatever
+composes or reads a run's config (tests, evaluation, adaptation, the offline store)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .config import CONF_DIR, Config, with_recipe
+from .methods import DEFAULT, METHODS, draft_method
+
+
+def register_configs() -> None:
+    """The schemas Hydra checks conf/ against: the whole tree, and each method's settings (conf/draft/<name>.yaml
+    starts from ``draft_<name>_schema``)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for name, method in METHODS.items():
+        cs.store(name=f"draft_{name}_schema", node=method.settings)
+
+
+def with_draft_group(overrides: list[str]) -> list[str]:
+    """``draft.method=<name>`` read as ``draft=<name>`` (the method is its settings group); naming two methods
+    is refused."""
+    named = {o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] in ("draft", "draft.method")}
+    if len(named) > 1:
+        raise ValueError(f"draft={' and draft='.join(sorted(named))}: choose one method (draft=<name>)")
+    return [f"draft={o.split('=', 1)[1]}" if o.startswith("draft.method=") else o for o in overrides]
+
+
+def draft_setting_problems(overrides: list[str]) -> list[str]:
+    """Each ``draft.<key>=`` override that the chosen method's settings do not have (or an unknown method), as
+    one line with the fix: what Hydra would otherwise refuse in several lines, proposing ``+draft.<key>``."""
+    chosen = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "draft"), DEFAULT)
+    if "," in chosen:  # (a sweep over methods: each job's own composition checks it)
+        return []
+    try:
+        settings = draft_method(chosen).settings
+    except ValueError as e:
+        return [str(e)]
+    own = {f.name for f in dataclasses.fields(settings)}
+    problems = []
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if key.startswith("draft.") and key.split(".")[1] not in own:
+            problems.append(f"draft={chosen} does not take {key}: it is not one of its settings "
+                            f"({', '.join(sorted(own - {'method'}))}); leave it out, or choose a method that has it")
+    return problems
+
+
+def to_config(cfg: Any) -> Config:
+    """An OmegaConf node (from Hydra or a saved run's config.yaml) as the typed dataclass tree. A run saved
+    before each method had its own settings holds every method's: those of the others at their defaults are
+    dropped; one set otherwise is refused (the file is not what its method says)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    tree = OmegaConf.to_container(cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg), resolve=True)
+    method = draft_method((tree.get("draft") or {}).get("method") or DEFAULT)
+    if "draft" in tree:
+        tree["draft"] = method_settings(method.settings, tree["draft"])
+    merged = OmegaConf.merge(OmegaConf.structured(Config(draft=method.settings())), tree)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def method_settings(settings: type, saved: dict) -> dict:
+    """The saved draft settings that ``settings`` has; another method's at that method's default dropped."""
+    own = {f.name for f in dataclasses.fields(settings)}
+    defaults = {f.name: f.default for m in METHODS.values() for f in dataclasses.fields(m.settings)
+                if f.name not in own}
+    foreign = {key: value for key, value in saved.items()
+               if key not in own and (key not in defaults or defaults[key] != value)}
+    if foreign:
+        raise ValueError(f"the saved draft settings {foreign} are not settings of a {saved.get('method', DEFAULT)} "
+                         "draft: give the config.yaml of a run this version can read, or write its draft settings "
+                         "again")
+    return {key: value for key, value in saved.items() if key in own}
+
+
+def load_config(overrides: list[str] | None = None, config_name: str = "config") -> Config:
+    """Compose the Hydra config from Python (tests, eval, export) exactly as train.py would (the recipe the
+    target calls for included: ``with_recipe``)."""
+    from hydra import compose, initialize_config_dir
+
+    overrides = with_draft_group(with_recipe(list(overrides or [])))
+    problems = draft_setting_problems(overrides)
+    if problems:
+        raise ValueError("; ".join(problems))
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=overrides)
+    return to_config(cfg)
