@@ -15,7 +15,7 @@ from .training.output_dir import OutputDirError, check_output_dir
 
 def check_arguments(argv: list[str], conf_dir: Path) -> None:
     """Exit with one ``error:`` line for an argument Hydra would refuse unhelpfully (``conf_dir``: its groups)."""
-    groups = sorted(p.name for p in conf_dir.iterdir() if p.is_dir())
+    groups = sorted({p.name for p in conf_dir.iterdir() if p.is_dir()} | {"draft"})  # (draft: compose.py)
     keys = [f.name for f in dataclasses.fields(Config)]
     try:
         problems = draft_setting_problems(with_draft_group(argv))

@@ -12,14 +12,14 @@ from .methods import DEFAULT, METHODS, draft_method
 
 
 def register_configs() -> None:
-    """The schemas Hydra checks conf/ against: the whole tree, and each method's settings (conf/draft/<name>.yaml
-    starts from ``draft_<name>_schema``)."""
+    """The schema Hydra checks conf/ against, and the draft group: each registered method's settings class is
+    the option ``draft=<name>`` (no YAML: its defaults are the class's)."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     for name, method in METHODS.items():
-        cs.store(name=f"draft_{name}_schema", node=method.settings)
+        cs.store(group="draft", name=name, node=method.settings)
 
 
 def with_draft_group(overrides: list[str]) -> list[str]:

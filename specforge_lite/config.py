@@ -92,7 +92,7 @@ class TargetConfig:
 @dataclass
 class DraftSettings:
     """The draft settings every method shares. Each method's settings class (methods/<name>/settings.py) adds
-    its own options and is what draft=<name> selects (conf/draft/<name>.yaml): an option a method does not read
+    its own options and is what draft=<name> selects (compose.py): an option a method does not read
     is not one of its settings."""
 
     method: str = ""  # the method these settings are for (methods/<name>/), set by its settings class
