@@ -19,7 +19,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     for name, method in METHODS.items():
-        cs.store(group="draft", name=name, node=method.settings)
+        cs.store(group="draft", name=name, node=method.settings(method=name))
 
 
 def with_draft_group(overrides: list[str]) -> list[str]:

@@ -113,8 +113,8 @@ def test_no_method_is_named_outside_its_own_module():
 
 def test_a_method_registered_elsewhere_is_checked_exported_and_labelled_without_touching_other_modules():
     """What adding a method costs outside its own module: nothing but the registration. A method registered
-    here (EAGLE3's model under another name, its own refusal and label) is asked by the settings check, the
-    export-format choice and the ranking's label, none of which was edited for it."""
+    here (EAGLE3's model under another name, its own refusal and label) is chosen with draft=<name> and asked by
+    the settings check, the export-format choice and the ranking's label, none of which was edited for it."""
     from specforge_lite.methods import register
     from specforge_lite.export import export_format
 
@@ -124,8 +124,8 @@ def test_a_method_registered_elsewhere_is_checked_exported_and_labelled_without_
                                   label=lambda spec: "the plug-in test's draft")
     register(variant)
     try:
-        config = load_config(["tracker=none"])
-        config.draft.method = "eagle3_plugin_test"
+        config = load_config(["tracker=none", "draft=eagle3_plugin_test"])  # (a draft group option by registering)
+        assert config.draft.method == "eagle3_plugin_test"
         assert "eagle3_plugin_test refuses everything" in setting_problems(config)
         assert export_format("vllm", "eagle3_plugin_test").name == "vllm"
         assert draft_method("eagle3_plugin_test").label({}) == "the plug-in test's draft"
