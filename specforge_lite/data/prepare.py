@@ -197,7 +197,11 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     regen_key = None
     if cfg.regenerate:
         regen_key = regeneration_key(source_key, model_fingerprint, cfg.generation)
-    cached = cache_dir() / "prepared" / (source_key + (f"-regen-{regen_key}" if regen_key else ""))
+    # (the regenerated answers' key leaves the cap out, as a larger cap reuses them; the prepared data holds
+    # as many conversations as the cap allows, so its folder names the cap)
+    cap = cfg.generation.max_conversations
+    cached = cache_dir() / "prepared" / (source_key + (f"-regen-{regen_key}" if regen_key else "")
+                                         + (f"-n{cap}" if regen_key and cap is not None else ""))
     if (cached / "stats.json").is_file():
         stats = json.loads((cached / "stats.json").read_text())
         prompts = json.loads((cached / "heldout_prompts.json").read_text())
