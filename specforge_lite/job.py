@@ -90,9 +90,7 @@ def main(argv=None) -> None:
     config.yaml, or one that adapt wrote), in its own process."""
     import argparse
 
-    from omegaconf import OmegaConf
-
-    from .config import to_config
+    from .config import read_config_file
     from .errors import said_in_one_line
 
     p = argparse.ArgumentParser(prog="python -m specforge_lite.job", description=main.__doc__)
@@ -100,7 +98,7 @@ def main(argv=None) -> None:
     p.add_argument("run_dir", type=Path)
     a = p.parse_args(argv)
     with said_in_one_line():
-        config = to_config(OmegaConf.load(a.config))
+        config = read_config_file(a.config)
         config.output_dir = str(a.run_dir)
         a.run_dir.mkdir(parents=True, exist_ok=True)
         run(config, a.run_dir)

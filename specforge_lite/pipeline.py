@@ -208,10 +208,54 @@ def initial_draft(config: Config, log=print) -> tuple[Eagle3Spec, dict[str, torc
     if spec.method != config.draft.method:
         raise ValueError(f"draft.init_from={config.draft.init_from} is a {spec.method} draft and this run trains "
                          f"draft.method={config.draft.method}: set draft.method={spec.method}")
+    _check_fixed_shape(config, spec)
     ids = spec.aux_layer_ids or "the servers' default (it names none)"
     log(f"[draft] continuing the {spec.method} draft of {folder} (its {spec.num_layers} layer(s), aux ids "
         f"{ids} and {spec.draft_vocab_size}-token vocabulary)")
     return spec, weights
+
+
+def shape_settings(draft_settings, spec: Eagle3Spec) -> dict | None:
+    """The draft settings (DraftConfig fields) that differ from ``draft_settings`` and give a draft of ``spec``'s
+    method the shape ``spec`` has where the method's settings fix it (a block draft's block_size comes from
+    draft.ttt_length); {} when they already do, None when no settings give it."""
+    method = draft_method(spec.method)
+    if all(getattr(spec, key) == value for key, value in method.spec_fields(draft_settings).items()):
+        return {}
+    k = method.fixed_draft_tokens(spec.to_dict())
+    fixes = {**({"ttt_length": k} if k is not None else {}),
+             **{key: getattr(spec, key) for key in method.spec_fields(draft_settings) if hasattr(draft_settings, key)}}
+    fixes = {key: value for key, value in fixes.items() if getattr(draft_settings, key) != value}
+    fits = all(getattr(spec, key) == value
+               for key, value in method.spec_fields(dataclasses.replace(draft_settings, **fixes)).items())
+    return fixes if fits else None
+
+
+def _check_fixed_shape(config: Config, spec: Eagle3Spec) -> None:
+    """What the method's settings fix in a draft's shape (a block draft's block_size, from draft.ttt_length) must
+    be the continued draft's: its block is its input, so a run at another length would train one block and
+    export the other (labelled with the old k). Refused with the settings that continue it."""
+    fixes = shape_settings(config.draft, spec)
+    if fixes == {}:
+        return
+    differ = {key: (getattr(spec, key), value)
+              for key, value in draft_method(spec.method).spec_fields(config.draft).items()
+              if getattr(spec, key) != value}
+    how = (" ".join(f"draft.{key}={value}" for key, value in fixes.items()) if fixes is not None else
+           "the draft settings it was trained with (its export's config.json records them)")
+    raise ValueError(f"draft.init_from={config.draft.init_from} is a {spec.method} draft with "
+                     f"{', '.join(f'{key} {old}' for key, (old, _) in differ.items())}, and this run's settings give "
+                     f"{', '.join(f'{key} {new}' for key, (_, new) in differ.items())}: its shape was fixed when it "
+                     f"was trained (a block is the draft's input); continue it with {how}")
+
+
+def target_mismatch(spec: Eagle3Spec, target: Target, draft: str = "the draft", model: str | None = None) -> None:
+    """Refuse a draft made for a target of another width or vocabulary, naming the target setting to change
+    (``draft``: what the draft is, as the user named it; ``model``: the configured target's name)."""
+    if spec.target_hidden_size != target.hidden_size or spec.vocab_size != target.vocab_size:
+        raise ValueError(f"{draft} was trained for a target with hidden size {spec.target_hidden_size} and vocab "
+                         f"{spec.vocab_size}; {f'model={model}' if model else 'this target'} has {target.hidden_size} "
+                         f"and {target.vocab_size}: set model= to the target it drafts for")
 
 
 def draft_from_weights(spec: Eagle3Spec, weights: dict[str, torch.Tensor], target: Target) -> Draft:
@@ -220,9 +264,7 @@ def draft_from_weights(spec: Eagle3Spec, weights: dict[str, torch.Tensor], targe
     from .export import fit_to_target
     from .export.published import weight_mismatch
 
-    if spec.target_hidden_size != target.hidden_size or spec.vocab_size != target.vocab_size:
-        raise ValueError(f"the draft was trained for a target with hidden size {spec.target_hidden_size} and vocab "
-                         f"{spec.vocab_size}; this target has {target.hidden_size} and {target.vocab_size}")
+    target_mismatch(spec, target)
     draft = draft_method(spec.method).model(fit_to_target(spec, target.num_layers))
     # an export may carry the target's embedding (export.include_embeddings); the draft reads the target's own
     weights = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()

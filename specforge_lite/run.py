@@ -49,14 +49,25 @@ class Run:
         """The live target, its tokenizer, the prepared data and the draft vocabulary (``vocab``: one
         given, e.g. an export's; else built from the training data). ``parts_only``: the target's
         embedding, final norm and lm_head only, read from its safetensors (what a store's ingest needs)."""
-        from .pipeline import build_target, build_vocab, describe_precision, initial_draft, load_tokenizer, prepare
+        from .pipeline import (build_target, build_vocab, describe_precision, initial_draft, load_tokenizer, prepare,
+                               target_mismatch)
+        from .targets.capture import AuxIdsOutOfRange
 
         ctx = ctx or DistributedContext()
         initial = initial_draft(config, log) if config.draft.init_from else None
         if initial is not None:  # the draft keeps its own aux ids and vocabulary
             aux_layer_ids, vocab = list(initial[0].aux_layer_ids), DraftVocab.from_d2t(initial[1]["d2t"],
                                                                                      initial[0].vocab_size)
-        target = build_target(config, aux_layer_ids=aux_layer_ids, ctx=ctx, parts_only=parts_only)
+        try:
+            target = build_target(config, aux_layer_ids=aux_layer_ids, ctx=ctx, parts_only=parts_only)
+        except AuxIdsOutOfRange as e:  # (init_from sets the ids: draft.aux_layer_ids would change nothing)
+            if initial is None:
+                raise
+            raise ValueError(f"draft.init_from={config.draft.init_from} reads aux ids {aux_layer_ids} and model="
+                             f"{config.model.name} has {e.num_layers} layers: the draft was made for another target; "
+                             "set model= to the target it drafts for") from None
+        if initial is not None:  # (before any data is read)
+            target_mismatch(initial[0], target, f"draft.init_from={config.draft.init_from}", config.model.name)
         tokenizer = load_tokenizer(target, config.model.chat_template)
         log(f"[target] {config.model.name} from {target.location}: {target.num_layers} layers, hidden "
             f"{target.hidden_size}, vocab {target.vocab_size}, aux ids {target.aux_layer_ids} ({target.convention}) on "

@@ -14,6 +14,7 @@ from .draft import draft_method
 from .draft.ttt import TTT_ATTENTION
 from .evaluate.acceptance import DRAFTING
 from .evaluate.finish import SERVED_CHECKS
+from .evaluate.prompts import prompt_set_problems
 from .export import export_format
 from .training.optim import DECAYS, OPTIMIZERS
 
@@ -45,6 +46,8 @@ def setting_problems(config: Config) -> list[str]:
                         "train in one process")
     if t.schedule not in DECAYS:
         problems.append(f"trainer.schedule={t.schedule!r}: use one of {', '.join(DECAYS)}")
+    if config.eval.enabled:
+        problems += prompt_set_problems(list(config.eval.prompt_sets), dict(config.eval.prompt_files or {}))
     if config.eval.drafting not in DRAFTING:
         problems.append(f"eval.drafting={config.eval.drafting!r}: use one of {', '.join(DRAFTING)}")
     else:

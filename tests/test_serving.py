@@ -361,7 +361,10 @@ def test_drafts_for_one_target_are_ranked_by_what_vllm_measures(served_runs, dsp
     for r in rows:
         ours = json.loads((Path(r["run"]) / "eval.json").read_text())
         assert r["calibration_error"] == ours["calibration"]["ece_per_position"][0] is not None
-        assert r["best_k"] == ours["best_k"] in range(1, r["k"] + 1)
+        # (a block draft's k is fixed at training: no fastest k is estimated for it)
+        fixed_k = r["method"].startswith(("DFlash", "DSpark"))
+        assert r["best_k"] == ours["best_k"] and (ours["best_k"] is None if fixed_k else ours["best_k"] in range(
+            1, r["k"] + 1))
         assert r["training_tokens_per_s"] > 0
         if r["run"] == str(dspark_run):
             assert (r["measured_by"], r["outputs_equal_greedy"]) == ("ours", "n/a")

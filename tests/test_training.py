@@ -37,7 +37,7 @@ def synthetic_dataset(n=24, vocab=256, seed=0, answers=True):
 def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, resume="auto", draft_vocab=None,
                  vocab_offset=0, answers=True, log=lambda m: None, max_minutes=None, save_every=2,
                  stream_cls=BatchStream, data_seed=0, optimizer="adamw", save_every_minutes=None, steps_per_epoch=None,
-                 precision="fp32", **stream_kw):
+                 precision="fp32", muon_lr=None, **stream_kw):
     target = tiny_target()
     draft = tiny_draft(target, draft_vocab_size=draft_vocab or target.vocab_size, seed=seed)
     if vocab_offset:  # another mapping of the same size
@@ -46,7 +46,8 @@ def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, res
         draft.set_vocab(vocab.d2t, vocab.t2d)
     cfg = TrainerConfig(max_steps=max_steps, micro_batch_size=2, grad_accum_steps=accum, lr=lr, save_every=save_every,
                         stop_at_step=stop_at, progress_bar=False, precision=precision, warmup_ratio=0.1, resume=resume,
-                        max_minutes=max_minutes, optimizer=optimizer, save_every_minutes=save_every_minutes)
+                        max_minutes=max_minutes, optimizer=optimizer, save_every_minutes=save_every_minutes,
+                        muon_lr=muon_lr)
     stream = stream_cls(synthetic_dataset(seed=data_seed, answers=answers), cfg.micro_batch_size, pad_id=0, seed=seed,
                         **stream_kw)
     result = train(cfg, Eagle3Objective.from_config(DraftConfig(ttt_length=3)), tiny_teacher(target, draft), draft,
@@ -70,6 +71,34 @@ def test_resume_is_exact(tmp_path, optimizer):
     assert [x["step"] for x in lines] == list(range(1, 9))
     straight_lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [x["loss"] for x in lines] == [x["loss"] for x in straight_lines]
+
+
+def test_under_muon_both_learning_rates_are_logged_each_by_its_settings_name(tmp_path):
+    """H9: ``lr`` in metrics.jsonl is trainer.lr's schedule (AdamW's, over the norms and the lm_head) under
+    either optimizer; under Muon ``muon_lr`` is its matrices' (trainer.muon_lr's), on the same schedule."""
+    run_training(tmp_path / "muon", max_steps=4, accum=1, lr=1e-3, optimizer="muon", muon_lr=4e-3)
+    lines = [json.loads(x) for x in (tmp_path / "muon" / "metrics.jsonl").read_text().splitlines()]
+    assert max(x["lr"] for x in lines) == pytest.approx(1e-3)
+    assert [x["muon_lr"] for x in lines] == pytest.approx([4 * x["lr"] for x in lines])
+    run_training(tmp_path / "adamw", max_steps=2, accum=1, lr=1e-3)
+    lines = [json.loads(x) for x in (tmp_path / "adamw" / "metrics.jsonl").read_text().splitlines()]
+    assert "muon_lr" not in lines[-1] and max(x["lr"] for x in lines) == pytest.approx(1e-3)
+
+
+def test_the_muon_split_is_speculators_rule_widened_to_every_token_indexed_matrix():
+    """H9: speculators leaves the embedding and the lm_head to AdamW; ours leaves every matrix indexed by token
+    id (DSpark's Markov factors, DFlash 2's codebooks) to it too, and is speculators' rule elsewhere."""
+    from specforge_lite.training.optim import TOKEN_INDEXED, for_muon
+    from test_dflash import tiny_block_draft
+
+    def speculators_rule(name, p):  # (their split, as their docs state it)
+        return p.ndim == 2 and min(p.shape) > 1 and "embed_tokens" not in name and "lm_head" not in name
+
+    target = tiny_target(aux_ids=[2, 4, 6])
+    named = dict(tiny_block_draft(target, method="dspark", markov_rank=8).named_parameters())
+    differ = sorted(n for n, p in named.items() if for_muon(n, p) != speculators_rule(n, p))
+    assert differ == ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"]
+    assert all(not for_muon(n, named[n]) and any(hint in n for hint in TOKEN_INDEXED) for n in differ)
 
 
 def test_metrics_fields_and_learning(tmp_path):

@@ -94,15 +94,13 @@ def finished_run(run_dir: Path, eval_overrides: dict | None = None, log=print) -
     """A finished run (its config.yaml and final/ export) rebuilt online for evaluation, with the
     export's aux ids and draft vocabulary. A store-trained run's held-out prompts come from the data
     the store was made from."""
-    from omegaconf import OmegaConf
-
-    from ..config import to_config
+    from ..config import read_config_file, to_config
     from ..export import load_export
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file() or not (run_dir / "final" / "config.json").is_file():
         raise FileNotFoundError(f"{run_dir} is not a finished run (needs config.yaml and final/config.json)")
-    config = to_config(OmegaConf.load(run_dir / "config.yaml"))
+    config = read_config_file(run_dir / "config.yaml")
     if config.data.source == "offline":
         from ..offline import Manifest
 
@@ -137,14 +135,17 @@ def evaluate_published(draft_dir: Path, run_dir: Path, overrides: list[str], eva
 
     from ..config import load_config
     from ..export import load_export
+    from ..pipeline import shape_settings
 
     draft_dir, run_dir = Path(draft_dir), Path(run_dir)
     if (run_dir / "checkpoints").is_dir():
         raise ValueError(f"--run-dir {run_dir} holds a training run; give another folder for the evaluation of "
                          f"{draft_dir}")
-    method = load_export(draft_dir)[0].method  # (read before the target loads: a folder that cannot be is refused)
+    spec = load_export(draft_dir)[0]  # (read before the target loads: a folder that cannot be is refused)
     config = load_config(["tracker=none", *target_overrides(draft_dir, overrides), *overrides])
-    config.draft.method, config.draft.init_from = method, str(draft_dir.resolve())
+    config.draft.method, config.draft.init_from = spec.method, str(draft_dir.resolve())
+    for key, value in (shape_settings(config.draft, spec) or {}).items():  # (a block draft's k is its own)
+        setattr(config.draft, key, value)
     for key, value in (eval_overrides or {}).items():
         setattr(config.eval, key, value)
     run = Run.online(config, log=log)  # (the draft's own aux ids and vocabulary: draft.init_from)

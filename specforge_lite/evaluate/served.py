@@ -94,14 +94,16 @@ def unservable_here(run_dir: Path) -> str | None:
     return None if torch.cuda.is_available() else cpu_serving_refusal(Path(run_dir) / "final")
 
 
-def eval_inputs(run_dir: Path) -> dict:
+def eval_inputs(run_dir: Path, keys: tuple[str, ...] = ()) -> dict:
     """What our evaluation of a run recorded for the served check to replay (eval_inputs.json): the target,
-    the prompts, our greedy outputs, k and the dtype."""
+    the prompts, our greedy outputs, k and the dtype (``keys``: those the caller reads)."""
+    from ..files import read_json
+
     path = Path(run_dir) / "eval_inputs.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: the served check replays our evaluation's prompts; evaluate "
                                 f"the run first (python -m specforge_lite.evaluate --run-dir {run_dir})")
-    return json.loads(path.read_text())
+    return read_json(path, f"evaluate the run again (python -m specforge_lite.evaluate --run-dir {run_dir})", keys)
 
 
 def describe(served: dict, run_dir: Path) -> str:

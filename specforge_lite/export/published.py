@@ -48,7 +48,7 @@ def read_published(folder: Path, config: dict, tensors: dict[str, torch.Tensor])
         spec = _spec(folder, config, _layer_config(folder, config, form), form, weights)
     except ValueError as e:
         raise ValueError(str(e) if str(e).startswith(str(folder)) else f"{folder}/config.json: {e}") from None
-    problem = weight_mismatch(_meta_state(spec), weights)
+    problem = weight_mismatch(meta_state(spec), weights)
     if problem:
         raise ValueError(f"{folder}: its weights do not fit its config.json ({problem}); the folder is damaged or "
                          "its config is not the one it was saved with")
@@ -88,7 +88,7 @@ def weight_mismatch(own: dict[str, torch.Tensor], weights: dict[str, torch.Tenso
     return "; ".join(p for p in parts if p) or None
 
 
-def _meta_state(spec: Eagle3Spec) -> dict[str, torch.Tensor]:
+def meta_state(spec: Eagle3Spec) -> dict[str, torch.Tensor]:
     """The state dict our draft of ``spec`` has (shapes only, nothing allocated); the aux ids, which fix only how
     many states fc reads, stand in as 0..n-1 when the folder names none."""
     from ..draft import draft_method

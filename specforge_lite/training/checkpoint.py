@@ -32,6 +32,7 @@ from ..errors import UserError
 from ..files import WRITE_ERRORS, fsync, safetensors_problem, write_failure, write_then_rename
 from .distributed import use_bf16
 from .optimizer_state import META as OPTIMIZER_META
+from .optimizer_state import TENSORS as OPTIMIZER_TENSORS
 
 WEIGHTS = "draft.safetensors"
 STATE = "trainer_state.json"
@@ -53,6 +54,43 @@ REFUSED_ON_RESUME = {"lr": _SAVED_LR, "muon_lr": _SAVED_LR,
 # the keys a resume reads from each JSON file of a checkpoint
 REQUIRED_KEYS = {STATE: ("step", "tokens_seen", "data"), OPTIMIZER_META: ("step", "lrs", "scheduler"),
                  "rng_rank*.json": ("python", "numpy", "torch")}
+
+
+# the setting that freezes each weight a draft may leave out of training (frozen: no optimizer state)
+FREEZES = {"lm_head.weight": "draft.freeze_lm_head"}
+
+
+def optimizer_state_kinds(path: Path) -> dict[str, set[str]]:
+    """What a checkpoint's optimizer state holds: weight name -> the kinds of tensor kept for it (AdamW's
+    moments, Muon's momentum, a master copy); {} for a checkpoint without that file."""
+    from safetensors import safe_open
+
+    if not (Path(path) / OPTIMIZER_TENSORS).is_file():
+        return {}
+    kinds: dict[str, set[str]] = {}
+    with safe_open(str(Path(path) / OPTIMIZER_TENSORS), "pt") as f:
+        for key in f.keys():
+            kind, name = key.split("/", 1)
+            kinds.setdefault(name, set()).add(kind)
+    return kinds
+
+
+def settings_before_recorded(path: Path) -> dict:
+    """The settings of a checkpoint as far as its optimizer state shows them, for one written before they were
+    recorded (trainer_state.json without ``settings``, or without the optimizer among them): the optimizer (Muon
+    keeps a momentum per matrix, AdamW two moments) and AdamW's peak learning rate (the schedule's base rate), so
+    a resume under the recipe's newer optimizer is refused with the settings that resume it."""
+    from .optimizer_state import MOMENTUM
+
+    path = Path(path)
+    kinds = set().union(*optimizer_state_kinds(path).values())
+    if not kinds or not (path / OPTIMIZER_META).is_file():
+        return {}
+    settings = {"optimizer": "muon" if kinds & set(MOMENTUM) else "adamw"}
+    base = (json.loads((path / OPTIMIZER_META).read_text()).get("scheduler") or {}).get("base_lrs") or []
+    if settings["optimizer"] == "adamw" and len(set(base)) == 1:
+        settings["lr"] = base[0]
+    return settings
 
 
 class CheckpointError(UserError):
@@ -180,7 +218,8 @@ def checkpoint_problem(path: Path) -> str | None:
     if pickled and not is_complete(path):
         return (f"it holds Python pickles ({', '.join(pickled)}) instead of {STATE}: it was written by an earlier "
                 "specforge_lite, or by someone else, and loading a pickle can run any code, so it is not read")
-    missing = [name for name in (WEIGHTS, STATE, SPEC) if not (path / name).is_file()]
+    missing = [name for name in (WEIGHTS, STATE, SPEC, OPTIMIZER_META, OPTIMIZER_TENSORS)
+               if not (path / name).is_file()]
     if missing:
         return f"it is incomplete (missing {', '.join(missing)})"
     for pattern, keys in {**REQUIRED_KEYS, SPEC: ()}.items():
@@ -284,6 +323,7 @@ class CheckpointManager:
                                   "resume with the same model and draft settings, or use a new output_dir")
         self._check_vocabulary(path, weights)
         self._check_settings(path, state, log)
+        self._check_trained_weights(path)
         saved_world = state.get("world_size", 1)
         self.engine.load(path, weights, ctx)
         self.stream.load_state_dict(state["data"])
@@ -305,18 +345,37 @@ class CheckpointManager:
         """A setting changed since the checkpoint is applied from the resumed step with a notice, or refused
         (``REFUSED_ON_RESUME``): never silently ignored."""
         now = self.settings()
-        saved = dict(state.get("settings", {}))
+        # what an earlier version did not record (no settings, or no optimizer among them) is read from the state
+        saved = {**settings_before_recorded(path), **dict(state.get("settings", {}))}
         if saved.get("precision") == "auto":  # (recorded as the word before: what it chose is not known)
             del saved["precision"]
         changed = {k: (v, now[k]) for k, v in saved.items() if k in now and v != now[k]}
-        refused = [f"trainer.{k} {old} -> {new} ({REFUSED_ON_RESUME[k]})" for k, (old, new) in changed.items()
-                   if k in REFUSED_ON_RESUME]
+        refused = {k: (old, new) for k, (old, new) in changed.items() if k in REFUSED_ON_RESUME}
         if refused:
+            changes = "; ".join(f"trainer.{k} {old} -> {new} ({REFUSED_ON_RESUME[k]})"
+                                for k, (old, new) in refused.items())
+            saved_values = " ".join(f"trainer.{k}={old}" for k, (old, _) in refused.items())
             raise CheckpointError(f"checkpoint {path}: changed since it was written, and a resume cannot apply it: "
-                                  f"{'; '.join(refused)}. Resume with the saved value, or start anew (a new "
+                                  f"{changes}. Resume with the saved value ({saved_values}), or start anew (a new "
                                   "output_dir, or trainer.resume=never)")
         for key, (old, new) in changed.items():
             log(f"[train] trainer.{key} changed since {path.name} ({old} -> {new}): applied from step {state['step']}")
+
+    def _check_trained_weights(self, path: Path) -> None:
+        """The weights the saved optimizer stepped must be the ones this run trains: a draft setting that freezes
+        or thaws weights (draft.freeze_lm_head) since the checkpoint changes the optimizer's parameter set, whose
+        saved state would not load (or would be dropped). Refused with the setting to restore."""
+        saved = set(optimizer_state_kinds(path))
+        now = {name for name, p in self.engine.module.named_parameters() if p.requires_grad}
+        if not saved or saved == now:
+            return
+        changed = saved ^ now
+        restore = [f"{FREEZES[name]}={str(name not in saved).lower()}" for name in sorted(changed) if name in FREEZES]
+        how = (f"resume with {' '.join(restore)}" if len(restore) == len(changed) else
+               "resume with the draft settings it was trained with")
+        raise CheckpointError(f"checkpoint {path}: its optimizer stepped other weights than this run trains (saved "
+                              f"only: {sorted(saved - now) or 'none'}; now only: {sorted(now - saved) or 'none'}): "
+                              f"{how}, or start anew (a new output_dir, or trainer.resume=never)")
 
     def _set_aside_old_checkpoints(self, log) -> None:
         """A run told to start anew where checkpoints exist keeps them: its own saves would otherwise prune
