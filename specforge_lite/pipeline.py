@@ -26,7 +26,7 @@ def build_target(config: Config, aux_layer_ids=None, ctx=None, parts_only: bool 
     get_family(config.model.family)  # an unknown family fails before any download
     ids = aux_layer_ids if aux_layer_ids is not None else config.draft.aux_layer_ids
     backend, shard = config.target.backend, config.target.shard
-    backend = "lean" if backend == "custom" else backend  # (the lean backend's name before 2026-11)
+    backend = "lean" if backend == "custom" else backend  # (the lean backend's former name, still read)
     if backend not in BACKENDS:
         raise ValueError(f"target.backend={backend!r}: use hf (transformers modules) or lean (our lean forward)")
     if shard not in ("none", "zero3"):

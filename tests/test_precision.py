@@ -121,6 +121,6 @@ def test_every_benchmark_says_what_auto_precision_runs_on_its_cpu(fresh_choice, 
     monkeypatch.setattr(d, "cpu_probe", lambda cache=None: {**probe_result(0.004, 0.002, ["avx512_bf16"])(),
                                                             "cpu_share": 0.5})
     assert "auto precision bf16" in d.describe_cpu() and "another job was running" in d.describe_cpu()
-    out = subprocess.run([sys.executable, "-m", "specforge_lite.bench", "levers", "--help"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "specforge_lite.bench", "train_step", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120).stdout
     assert out.startswith("[machine] CPU capability") and "auto precision " in out.splitlines()[0]
