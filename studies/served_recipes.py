@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specforge_lite.training.tracking import read_metrics
+from specforge_lite.records import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: train.py, docs/, scripts/
 

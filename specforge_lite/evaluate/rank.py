@@ -22,7 +22,7 @@ from ..draft import draft_method
 from ..draft.methods import DEFAULT
 from ..errors import said_in_one_line
 from ..export.layout import PROVENANCE_KEY
-from ..training.tracking import read_metrics
+from ..records import read_metrics
 from .served import eval_inputs, serve, unservable_here
 
 
