@@ -86,7 +86,7 @@ def step0_accuracy(log=print) -> dict:
     of the default's freshly built draft and of the warm-started one (same seed)."""
     from specforge_lite.config import load_config
     from specforge_lite.evaluate.heldout import heldout_accuracy
-    from specforge_lite.pipeline import pad_id
+    from specforge_lite.data import pad_id
     from specforge_lite.run import Run
 
     out = {}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specforge_lite.config import load_config
-from specforge_lite.pipeline import build_target
+from specforge_lite.targets import build_target
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_a_probe_that_shared_the_cpu_with_another_job_is_used_once_and_never_kep
 
 
 def test_the_run_says_what_auto_chose_and_why(fresh_choice, monkeypatch):
-    from specforge_lite.pipeline import describe_precision
+    from specforge_lite.run import describe_precision
 
     d = fresh_choice
     monkeypatch.setattr(d, "cpu_probe", probe_result(0.004, 0.23, []))

@@ -189,7 +189,7 @@ def test_the_target_comes_from_the_draft_or_is_asked_for(tmp_path):
     to evaluate it first."""
     from specforge_lite.config import load_config
     from specforge_lite.evaluate.__main__ import main
-    from specforge_lite.evaluate.finish import target_overrides
+    from specforge_lite.evaluate.finished import target_overrides
     from specforge_lite.evaluate.served import ServedMismatch, serve
 
     def verifier(name):
