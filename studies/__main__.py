@@ -7,24 +7,13 @@ regenerates it."""
 
 from __future__ import annotations
 
-import importlib
-import sys
+from specforge_lite.bench import run_named
 
-STUDIES = ("levers", "recipe_parity", "recipe_card")
+STUDIES = {name: f"studies.{name}" for name in ("levers", "recipe_parity", "recipe_card")}
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    usage = f"usage: python -m studies {{{','.join(STUDIES)}}} [options]  (--help on each)"
-    if args and args[0] in ("-h", "--help"):
-        print(f"{usage}\n\n{__doc__}")
-        return
-    if not args or args[0] not in STUDIES:
-        sys.exit(usage)
-    from specforge_lite.bench import say_machine
-
-    say_machine()
-    importlib.import_module(f"studies.{args[0]}").main(args[1:])
+    run_named("python -m studies", STUDIES, __doc__, argv)
 
 
 if __name__ == "__main__":

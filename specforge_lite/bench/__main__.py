@@ -6,26 +6,16 @@ python -m studies --help, from a checkout."""
 
 from __future__ import annotations
 
-import importlib
-import sys
+from . import run_named
 
-from . import say_machine
-
-BENCHMARKS = {"train_step": "train_step", "regenerate": "regenerate", "capture": "capture", "memory": "zero_memory",
-              "store": "store", "packing": "packing", "seq_scaling": "seq_scaling", "draft_cache": "draft_cache",
-              "kill_resume": "kill_resume", "adapt": "adapt", "gpu_scale": "gpu_scale"}
+BENCHMARKS = {name: f"specforge_lite.bench.{module}" for name, module in {
+    "train_step": "train_step", "regenerate": "regenerate", "capture": "capture", "memory": "zero_memory",
+    "store": "store", "packing": "packing", "seq_scaling": "seq_scaling", "draft_cache": "draft_cache",
+    "kill_resume": "kill_resume", "adapt": "adapt", "gpu_scale": "gpu_scale"}.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    usage = f"usage: python -m specforge_lite.bench {{{','.join(BENCHMARKS)}}} [options]  (--help on each)"
-    if args and args[0] in ("-h", "--help"):
-        print(f"{usage}\n\n{__doc__}")
-        return
-    if not args or args[0] not in BENCHMARKS:
-        sys.exit(usage)
-    say_machine()
-    importlib.import_module(f"specforge_lite.bench.{BENCHMARKS[args[0]]}").main(args[1:])
+    run_named("python -m specforge_lite.bench", BENCHMARKS, __doc__, argv)
 
 
 if __name__ == "__main__":
