@@ -368,7 +368,7 @@ class TrackerConfig:
 class EvalConfig:
     """The evaluation at the end of a run: speculative decoding of the export on prompt sets, served or not."""
 
-    enabled: bool = True  # evaluate the export at the end of training (evaluate/finish.py)
+    enabled: bool = True  # evaluate the export at the end of training (job.py, finish)
     num_prompts: int = 16  # prompts per prompt set for speculative decoding
     max_new_tokens: int = 64  # tokens generated per prompt
     # Prompt sets measured one by one (evaluate/prompts.py): heldout (the training data's held-out

@@ -13,8 +13,8 @@ from .data.prepare import data_setting_problems
 from .draft import draft_method
 from .draft.ttt import TTT_ATTENTION
 from .evaluate.acceptance import DRAFTING
-from .evaluate.finish import SERVED_CHECKS
 from .evaluate.prompts import prompt_set_problems
+from .evaluate.served import SERVED_CHECKS
 from .export import export_format
 from .training.optim import DECAYS, OPTIMIZERS
 

@@ -10,7 +10,7 @@ from specforge_lite.config import DraftConfig, load_config
 from specforge_lite.data.loader import collate, collate_packed, pack
 from specforge_lite.data.vocab import DraftVocab
 from specforge_lite.draft import Eagle3Draft, Eagle3Objective, Eagle3Spec
-from specforge_lite.pipeline import build_target
+from specforge_lite.targets import build_target
 from specforge_lite.targets import Teacher
 
 CFG = DraftConfig(ttt_length=4)
@@ -87,7 +87,7 @@ def test_packed_and_unpacked_losses_are_equal(preset, backend):
 
 
 def test_packing_is_refused_where_conversations_cannot_be_kept_apart():
-    from specforge_lite.pipeline import packing_length
+    from specforge_lite.run import packing_length
 
     config = load_config(["model=qwen3_next_tiny", "tracker=none", "data.packing=true"])
     target = build_target(config)

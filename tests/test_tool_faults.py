@@ -227,7 +227,7 @@ DAMAGE = {
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_init_from_names_a_damaged_export(export, damage):
     """Refused before the target loads, in one line naming the folder or file and the fix."""
-    from specforge_lite.pipeline import initial_draft
+    from specforge_lite.run import initial_draft
 
     DAMAGE[damage](export)
     with pytest.raises(USER_ERRORS) as refused:
@@ -242,7 +242,7 @@ def test_init_from_a_block_draft_of_another_k_is_refused_with_the_setting_to_con
                                                                                          trained_k):
     """H3: a block draft's block is its input, fixed at its training: a run continuing it at another
     draft.ttt_length would train one block size and export the other (labelled with the old k)."""
-    from specforge_lite.pipeline import initial_draft
+    from specforge_lite.run import initial_draft
     from test_dflash import tiny_block_draft
 
     draft = tiny_block_draft(tiny_target(aux_ids=[2, 4, 6]), method, ttt_length=trained_k)

@@ -17,6 +17,7 @@ from specforge_lite.config import DraftConfig, TrackerConfig, TrainerConfig
 from specforge_lite.data import BatchStream
 from specforge_lite.data.vocab import DraftVocab
 from specforge_lite.draft import Eagle3Objective
+from specforge_lite.records import is_complete
 from specforge_lite.training import checkpoint as ckpt_mod
 from specforge_lite.training.loop import train
 from specforge_lite.training.tracking import Tracker
@@ -385,7 +386,7 @@ def test_a_kill_in_the_middle_of_pruning_leaves_no_half_deleted_checkpoint_liste
         ckpt_mod._prune(tmp_path / "checkpoints", keep=1)
     monkeypatch.setattr(ckpt_mod.shutil, "rmtree", real)
     listed = sorted((tmp_path / "checkpoints").glob("step_*"))
-    assert listed and all(ckpt_mod.is_complete(p) for p in listed), [p.name for p in listed]
+    assert listed and all(is_complete(p) for p in listed), [p.name for p in listed]
     ckpt_mod._prune(tmp_path / "checkpoints", keep=1)  # the next save's prune removes what was left
     assert not list((tmp_path / "checkpoints").glob(".pruned-*"))
 
@@ -410,7 +411,7 @@ def test_metrics_that_cannot_be_written_stop_the_run_in_one_line_and_it_resumes(
     the same way). The run stops naming metrics.jsonl and the fix (the buffered line used to fail again at
     close, a raw OSError traceback); once there is room the same command resumes and the record is whole."""
     from specforge_lite.errors import UserError
-    from specforge_lite.training.tracking import read_metrics
+    from specforge_lite.records import read_metrics
 
     run_training(tmp_path, max_steps=8, stop_at=2)
     with file_size_limit((tmp_path / "metrics.jsonl").stat().st_size + 200), \
@@ -425,7 +426,7 @@ def test_a_metrics_line_cut_short_by_a_kill_is_dropped_and_an_edited_one_is_name
     raised a JSONDecodeError traceback before, and the run could not resume). A damaged line elsewhere is
     named by path and line, here and in the tools that read the record."""
     from specforge_lite.evaluate.sweep import collect
-    from specforge_lite.training.tracking import DamagedRecord
+    from specforge_lite.records import DamagedRecord
 
     run_training(tmp_path, max_steps=6, stop_at=4)
     metrics = tmp_path / "metrics.jsonl"

@@ -26,7 +26,7 @@ from pathlib import Path
 from ..config import MixSource
 from ..data.prepare import opening
 from ..files import write_jsonl
-from ..training.tracking import read_metrics
+from ..records import read_metrics
 from .stopping import TimedOut, run_in_own_group
 
 HELDOUT_FOR_DATA = 8  # the candidate's own held-out split (its data needs one; the judge does not read it)

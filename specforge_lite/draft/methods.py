@@ -77,6 +77,24 @@ def build_objective(draft_cfg, sequence=None):
     return draft_method(draft_cfg.method).objective.from_config(draft_cfg, sequence)
 
 
+def shape_settings(draft_settings, spec) -> dict | None:
+    """The draft settings (DraftConfig fields) that differ from ``draft_settings`` and give a draft of ``spec``'s
+    method the shape ``spec`` has where the method's settings fix it (a block draft's block_size comes from
+    draft.ttt_length); {} when they already do, None when no settings give it."""
+    import dataclasses
+
+    method = draft_method(spec.method)
+    if all(getattr(spec, key) == value for key, value in method.spec_fields(draft_settings).items()):
+        return {}
+    k = method.fixed_draft_tokens(spec.to_dict())
+    fixes = {**({"ttt_length": k} if k is not None else {}),
+             **{key: getattr(spec, key) for key in method.spec_fields(draft_settings) if hasattr(draft_settings, key)}}
+    fixes = {key: value for key, value in fixes.items() if getattr(draft_settings, key) != value}
+    fits = all(getattr(spec, key) == value
+               for key, value in method.spec_fields(dataclasses.replace(draft_settings, **fixes)).items())
+    return fixes if fits else None
+
+
 def draft_vocab_size(draft_cfg, target_vocab_size: int) -> int:
     """The draft vocabulary a run of these settings has: draft.draft_vocab_size capped at the target's, or the
     whole target vocabulary for a method that needs it."""

@@ -223,7 +223,8 @@ def estimate_by_k(per_position_acceptance: list[float], costs: dict) -> dict:
 def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, log=print) -> dict:
     from ..export import check_draft_tokens, load_export
     from ..generation import stop_ids
-    from ..pipeline import draft_from_weights, pad_id
+    from ..data import pad_id
+    from ..export.for_target import draft_from_weights
 
     check_draft_tokens(export_dir, config.eval.num_draft_tokens)
     spec, weights = load_export(export_dir)

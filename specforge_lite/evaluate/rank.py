@@ -23,7 +23,7 @@ from ..draft.methods import DEFAULT
 from ..errors import said_in_one_line
 from ..export.layout import PROVENANCE_KEY
 from ..files import read_json
-from ..training.tracking import read_metrics
+from ..records import read_metrics
 from .served import eval_inputs, serve, unservable_here
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from ..errors import UserError, said_in_one_line
 from ..serving import ROOT, serving_python
 SCRIPT = ROOT / "eval" / "vllm_acceptance.py"
+SERVED_CHECKS = (None, "vllm")  # eval.serve (checked before anything runs: settings.py)
 
 
 class ServedMismatch(UserError):
@@ -83,6 +84,19 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
     if problems:
         raise ServedMismatch("the served check failed:\n" + "\n".join(problems))
     return results
+
+
+def served_check(run_dir: Path, log) -> str:
+    """eval.serve=vllm: vLLM serves the export; 'failed: why' when its outputs differ from greedy."""
+    if serving_python() is None:  # asked for, not possible here: say how, keep the run's results
+        log("[serve] skipped: no serving environment. Build it (bash scripts/setup_serving.sh), then "
+            f"python -m specforge_lite.evaluate.served {run_dir}")
+        return "skipped (no serving environment)"
+    try:
+        serve([run_dir], log=log)
+    except ServedMismatch as e:
+        return f"failed: {e}"
+    return str(run_dir / "vllm_eval.json")
 
 
 def unservable_here(run_dir: Path) -> str | None:

@@ -13,7 +13,7 @@ from ..device import resolve_dtype
 from ..draft import draft_method
 from ..draft.methods import DEFAULT
 from ..draft.model import DRAFT_ACT, Eagle3Spec
-from ..training.checkpoint import latest_checkpoint, load_checkpoint, unusable_checkpoints
+from ..records import latest_checkpoint, load_checkpoint, unusable_checkpoints
 from .card import write_model_card
 from .check import AGAIN
 from .dflash import DFlashFormat

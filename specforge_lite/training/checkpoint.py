@@ -26,20 +26,14 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from ..errors import UserError
-from ..files import WRITE_ERRORS, fsync, safetensors_problem, write_failure, write_then_rename
+from ..files import WRITE_ERRORS, fsync, write_failure, write_then_rename
+from ..records import (REPLACED, SPEC, STATE, WEIGHTS, CheckpointError, checkpoint_folders, checkpoint_root,
+                       latest_checkpoint, load_checkpoint, rng_file, unusable_checkpoints)
+from ..records import OPTIMIZER_META, OPTIMIZER_TENSORS
 from .distributed import use_bf16
-from .optimizer_state import META as OPTIMIZER_META
-from .optimizer_state import TENSORS as OPTIMIZER_TENSORS
 
-WEIGHTS = "draft.safetensors"
-STATE = "trainer_state.json"
-SPEC = "spec.json"
-# files of checkpoints written by earlier versions: Python pickles, never read (they could run code)
-PICKLED = ("trainer_state.pt", "optimizer.pt", "rng_rank0.pt")
-REPLACED = ".replaced-"  # a step's previous folder, kept until its re-save is in place
 PRUNED = ".pruned-"  # an older checkpoint on its way out, out of the listing before any file goes
 VOCAB_MAPS = ("d2t", "t2d")  # the draft's vocabulary mapping, saved with its weights
 # Trainer settings a checkpoint records and a resume compares: those a resumed run applies from its first step
@@ -51,11 +45,6 @@ _SAVED_LR = "the optimizer and schedule come back with the saved peak learning r
 REFUSED_ON_RESUME = {"lr": _SAVED_LR, "muon_lr": _SAVED_LR,
                      "seed": "the data order and every random generator come back as saved",
                      "optimizer": "the saved optimizer state is the other optimizer's"}
-# the keys a resume reads from each JSON file of a checkpoint
-REQUIRED_KEYS = {STATE: ("step", "tokens_seen", "data"), OPTIMIZER_META: ("step", "lrs", "scheduler"),
-                 "rng_rank*.json": ("python", "numpy", "torch")}
-
-
 # the setting that freezes each weight a draft may leave out of training (frozen: no optimizer state)
 FREEZES = {"lm_head.weight": "draft.freeze_lm_head"}
 
@@ -93,14 +82,6 @@ def settings_before_recorded(path: Path) -> dict:
     return settings
 
 
-class CheckpointError(UserError):
-    """A checkpoint folder that cannot be resumed or exported, with the reason and the way out."""
-
-
-def checkpoint_root(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
 def rng_state() -> dict:
     """Every generator's state as JSON: plain numbers and lists."""
     version, keys, gauss = random.getstate()
@@ -132,10 +113,6 @@ def _fsync_tree(folder: Path) -> None:
 
 def _sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.cpu().contiguous().numpy().tobytes()).hexdigest()[:12]
-
-
-def rng_file(rank: int) -> str:
-    return f"rng_rank{rank}.json"
 
 
 def save_checkpoint(run_dir: Path, step: int, weights: dict[str, torch.Tensor], trainer_state: dict[str, Any],
@@ -202,83 +179,6 @@ def _prune(root: Path, keep: int) -> None:
     stale = [*root.glob(".tmp-step_*"), *root.glob(f"{REPLACED}step_*"), *root.glob(f"{PRUNED}step_*")]
     for folder in stale:  # left by a killed save or prune
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def is_complete(path: Path) -> bool:
-    return all((path / name).is_file() for name in (WEIGHTS, STATE, SPEC))
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """What keeps a checkpoint folder from being resumed, in words (which file, what is wrong); None when it
-    reads: its files are all there, every JSON file parses and holds the keys a resume reads, and every
-    safetensors file's header covers the file (a truncated or overwritten one fails here, before a resume
-    has changed anything)."""
-    path = Path(path)
-    pickled = [name for name in PICKLED if (path / name).exists()]
-    if pickled and not is_complete(path):
-        return (f"it holds Python pickles ({', '.join(pickled)}) instead of {STATE}: it was written by an earlier "
-                "specforge_lite, or by someone else, and loading a pickle can run any code, so it is not read")
-    missing = [name for name in (WEIGHTS, STATE, SPEC, OPTIMIZER_META, OPTIMIZER_TENSORS)
-               if not (path / name).is_file()]
-    if missing:
-        return f"it is incomplete (missing {', '.join(missing)})"
-    for pattern, keys in {**REQUIRED_KEYS, SPEC: ()}.items():
-        for f in sorted(path.glob(pattern)):
-            try:
-                data = json.loads(f.read_text())
-            except (ValueError, UnicodeDecodeError, OSError) as e:
-                return f"{f.name} is damaged: not valid JSON ({e})"
-            lacking = [k for k in keys if not isinstance(data, dict) or k not in data]
-            if lacking or not isinstance(data, dict):
-                return f"{f.name} is damaged: it lacks {', '.join(lacking) or 'its fields'}"
-    return next(filter(None, map(safetensors_problem, sorted(path.glob("*.safetensors")))), None)
-
-
-def checkpoint_folders(root: Path) -> dict[str, Path]:
-    """Every checkpoint folder in ``root`` (a run's checkpoints/) by step name, resumable or not; a step's
-    previous folder stands in where a kill during its re-save left that step without its published folder."""
-    found = {p.name.removeprefix(REPLACED): p for p in root.glob(f"{REPLACED}step_*") if p.is_dir()}
-    found.update({p.name: p for p in root.glob("step_*") if p.is_dir() and
-                  (is_complete(p) or p.name not in found)})
-    return found
-
-
-def latest_checkpoint(run_dir: Path, log=None) -> Path | None:
-    """The newest checkpoint that reads (``checkpoint_problem``). A newer damaged one is passed over, and
-    ``log`` says which and why; None when no folder reads (``unusable_checkpoints`` then says why)."""
-    found = checkpoint_folders(checkpoint_root(run_dir))
-    damaged = []
-    for name in sorted(found, reverse=True):
-        problem = checkpoint_problem(found[name])
-        if problem is None:
-            if damaged and log is not None:
-                log(f"[train] passing over damaged checkpoint(s) {'; '.join(damaged)}: resuming from the older "
-                    f"{found[name]}")
-            return found[name]
-        damaged.append(f"{found[name]} ({problem})")
-    return None
-
-
-def unusable_checkpoints(run_dir: Path) -> list[str]:
-    """Each checkpoint folder of the run with what keeps it from being resumed (all of them, when
-    ``latest_checkpoint`` found none)."""
-    problems = {name: checkpoint_problem(p) for name, p in sorted(checkpoint_folders(checkpoint_root(run_dir)).items())}
-    return [f"{name}: {problem}" for name, problem in problems.items() if problem is not None]
-
-
-def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict]:
-    """(weights, trainer state, spec): safetensors and JSON only; nothing is unpickled."""
-    path = Path(path)
-    problem = checkpoint_problem(path)
-    if problem is not None:
-        older = [p for name, p in sorted(checkpoint_folders(path.parent).items())
-                 if name < path.name.removeprefix(REPLACED) and checkpoint_problem(p) is None]
-        way_out = (f"resume from {older[-1]} (trainer.resume={older[-1]})" if older else
-                   "point trainer.resume at another checkpoints/step_* folder")
-        raise CheckpointError(f"checkpoint {path} cannot be read: {problem}. Use another: {way_out}, or start "
-                              "anew (a new output_dir, or trainer.resume=never)")
-    state, spec = json.loads((path / STATE).read_text()), json.loads((path / SPEC).read_text())
-    return load_file(str(path / WEIGHTS)), state, spec
 
 
 class CheckpointManager:
