@@ -3,7 +3,7 @@
 #   bash scripts/gpu_scale.sh --wheels  (here, with network: fill .whl/ for a machine without one)
 #   bash scripts/gpu_scale.sh           (there: results in $OUT, else runs/gpu_scale/: *.json, *.log)
 # 1. installs the wheels carried in .whl/ours (transformers at the tested version) and .whl/peers (SpecForge,
-#    speculators and what the image lacks: scripts/peers/gpu_wheels.sh makes them);
+#    speculators and what the image lacks: studies/peers/gpu_wheels.sh makes them);
 # 2. bench gpu_scale on Llama-3.1-8B's shape: ours (each TTT attention way) against both peers, then DFlash
 #    and DSpark steps;
 # 3. Qwen3-32B's shape online at 8k (64 GB of bf16 weights: one H200, or an H100 with ZeRO-3 offload).
@@ -16,7 +16,7 @@ if [ "${1:-}" = --wheels ]; then  # transformers at the version the project test
   rm -rf .whl/ours && mkdir -p .whl/ours
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 -d .whl/ours "transformers==$(grep -Po '^transformers==\K.*' docker/constraints.txt)"
-  exec bash scripts/peers/gpu_wheels.sh
+  exec bash studies/peers/gpu_wheels.sh
 fi
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

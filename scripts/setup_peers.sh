@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # A throwaway venv with the peers' trainers, SpecForge 0.2.0 and speculators 0.9.0, for the side-by-side
-# step timing of `python -m specforge_lite.bench seq_scaling --peers ...` (scripts/peers/*_step.py). Never
+# step timing of `python -m specforge_lite.bench seq_scaling --peers ...` (studies/peers/*_step.py). Never
 # a project dependency. Both are installed --no-deps: SpecForge pins torch 2.11 and sglang, speculators
 # pulls CUDA builds of torchvision/torchaudio, and neither is needed for one draft training step.
 # Prints the venv's python on its last line. Safe to re-run. (For a GPU machine without network, the drivers'
-# --device cuda path runs from wheels instead: scripts/peers/gpu_wheels.sh, scripts/peers/gpu_check.sh.)
+# --device cuda path runs from wheels instead: studies/peers/gpu_wheels.sh, studies/peers/gpu_check.sh.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

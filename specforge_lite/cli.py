@@ -25,7 +25,7 @@ TOOLS = {
     "sweep": ("specforge_lite.evaluate.sweep", "the table of a --multirun sweep's runs"),
     "offline": ("specforge_lite.offline", "hidden-state stores: dump the target's, or ingest vLLM's or speculators'"),
     "adapt": ("specforge_lite.adapt", "adapt a draft to served traffic: versions, promotion rails, rollback, watch"),
-    "bench": ("specforge_lite.bench", "the benchmarks (speed, memory, acceptance per unit of compute)"),
+    "bench": ("specforge_lite.bench", "the benchmarks (speed, memory, stores, packing, resumes)"),
     "config-reference": ("specforge_lite.config_reference", "write (or --check) the configuration reference page"),
 }
 

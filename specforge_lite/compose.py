@@ -5,9 +5,10 @@ composes or reads a run's config (tests, evaluation, adaptation, the offline sto
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
-from .config import CONF_DIR, Config, with_recipe
+from .config import CONF_DIR, SAVED_CONFIG_FIX, Config, read_config_node, with_recipe
 from .methods import DEFAULT, METHODS, draft_method
 
 
@@ -63,6 +64,24 @@ def to_config(cfg: Any) -> Config:
         tree["draft"] = method_settings(method.settings, tree["draft"])
     merged = OmegaConf.merge(OmegaConf.structured(Config(draft=method.settings())), tree)
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def read_config_file(path: Path) -> Config:
+    """A saved configuration file as the typed tree (config.py ``read_config_node``); a setting that does not
+    exist, a value it cannot take, or a method's settings that are not its method's are refused in one line naming
+    the file and the setting."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .errors import UserError
+
+    node = read_config_node(path)
+    try:
+        return to_config(node)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise UserError(f"{path}: {key + ': ' if key else ''}{str(e).splitlines()[0]}; {SAVED_CONFIG_FIX}") from None
+    except ValueError as e:  # (draft_method: no such method; method_settings: another method's settings)
+        raise UserError(f"{path}: {e}") from None
 
 
 def method_settings(settings: type, saved: dict) -> dict:

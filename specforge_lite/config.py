@@ -270,14 +270,18 @@ class TrainerConfig:
     max_steps: int = 1000  # optimizer steps (the schedule's length)
     micro_batch_size: int = 1  # conversations per forward and backward (per rank)
     grad_accum_steps: int = 1  # micro-batches per optimizer step
-    lr: float = 1e-4  # AdamW's peak learning rate
+    lr: float = 1e-4  # AdamW's peak learning rate (and Muon's, when muon_lr is null); metrics log it as lr
     weight_decay: float = 0.0  # AdamW's decoupled weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's moment decays
     # adamw: AdamW over every trained weight. muon: speculators' default, torch's Muon (the momentum's update
     # orthogonalised, its RMS matched to AdamW's) over the layers' matrices and AdamW over the rest (norms,
-    # the lm_head and other token-indexed matrices); one process only (not under trainer.deepspeed).
+    # the lm_head and other token-indexed matrices: our split, training/optim.py TOKEN_INDEXED); one process
+    # only (not under trainer.deepspeed).
     optimizer: str = "adamw"
-    muon_lr: Optional[float] = None  # muon: the matrices' peak learning rate (null: trainer.lr)
+    # muon: the matrices' peak learning rate, logged as muon_lr. null: trainer.lr, the same rate as AdamW's
+    # (Muon's step is scaled to AdamW's RMS, so AdamW's rates carry over). speculators' unset --muon-lr is 10x
+    # its --lr instead: give trainer.muon_lr=10x trainer.lr for theirs.
+    muon_lr: Optional[float] = None
     muon_weight_decay: float = 0.1  # muon: the matrices' decoupled weight decay (speculators: 0.1)
     # muon: Newton-Schulz iterations per step (torch's and speculators' 5); fewer make a CPU step cheaper
     muon_ns_steps: int = 5
@@ -326,7 +330,7 @@ class TrackerConfig:
 class EvalConfig:
     """The evaluation at the end of a run: speculative decoding of the export on prompt sets, served or not."""
 
-    enabled: bool = True  # evaluate the export at the end of training (evaluate/finish.py)
+    enabled: bool = True  # evaluate the export at the end of training (job.py, finish)
     num_prompts: int = 16  # prompts per prompt set for speculative decoding
     max_new_tokens: int = 64  # tokens generated per prompt
     # Prompt sets measured one by one (evaluate/prompts.py): heldout (the training data's held-out
@@ -391,6 +395,35 @@ class Config:
 
 def available_presets(group: str = "model") -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+SAVED_CONFIG_FIX = "correct it, or give a run's config.yaml"
+
+
+def read_config_node(path: Path):
+    """A saved configuration file (a run's config.yaml, one adapt wrote) as an OmegaConf mapping, untyped. A file
+    that is not YAML or holds no mapping of settings is refused in one line naming it."""
+    import yaml
+    from omegaconf import DictConfig, OmegaConf
+
+    from .errors import UserError
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path} is not a file: give a configuration file (a run's config.yaml)")
+    try:
+        node = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise UserError(f"{path} is not YAML ({getattr(e, 'problem', None) or 'it does not parse'}{at}): "
+                        f"{SAVED_CONFIG_FIX}") from None
+    except OSError as e:  # (OmegaConf's word for a document that is a plain number)
+        raise UserError(f"{path} is not a mapping of settings ({e}): {SAVED_CONFIG_FIX}") from None
+    if not isinstance(node, DictConfig):
+        raise UserError(f"{path} is not a mapping of settings (it holds a list): {SAVED_CONFIG_FIX}")
+    if not node:
+        raise UserError(f"{path} is empty (it holds no settings): {SAVED_CONFIG_FIX}")
+    return node
 
 
 def model_preset(name: str) -> ModelConfig:

@@ -46,6 +46,25 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     write_then_rename(path, lambda tmp: tmp.write_text("".join(json.dumps(row) + "\n" for row in rows)))
 
 
+def read_json(path: Path, fix: str, keys: tuple[str, ...] = ()) -> dict:
+    """The JSON object in ``path`` holding ``keys``. A file missing, cut short, not JSON, not an object, or lacking
+    one of ``keys`` is a user's error (errors.USER_ERRORS) naming the file, what is wrong and ``fix`` (how to write
+    it again)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing: {fix}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON (damaged or cut short: {e}): {fix}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is damaged (a JSON {type(data).__name__}, not an object): {fix}")
+    lacking = [key for key in keys if key not in data]
+    if lacking:
+        raise ValueError(f"{path} is damaged (it lacks {', '.join(lacking)}): {fix}")
+    return data
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:

@@ -18,7 +18,6 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
     from omegaconf import OmegaConf
 
     from .data.prepare import check_data_sources
-    from .evaluate.finish import finish
     from .offline import store_run
     from .run import Run
     from .settings import check_settings
@@ -52,6 +51,55 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
                            lambda step: job.tracker(run_dir, step), draft.spec.to_dict(), log=log, ctx=ctx,
                            steps_per_epoch=per_epoch)
             return finish(job, result, draft, run_dir, log)  # export, evaluation, served check
+
+
+def finish(run, result, draft, run_dir: Path, log=print) -> dict:
+    """Export (rank 0), evaluate, and the served check. Every rank returns the summary after the others
+    are released; a failed served check then exits loudly."""
+    config, ctx = run.config, run.ctx
+    summary = {"run_dir": str(run_dir), "step": result.step, "checkpoint": str(result.checkpoint),
+               "metrics": str(run_dir / "metrics.jsonl")}
+    if not result.finished:
+        log(f"[train] stopped at step {result.step} of {config.trainer.max_steps} (trainer.stop_at_step); "
+            f"run again with the same output_dir to resume")
+        return summary
+    if ctx.is_main:
+        from .export.for_target import export_final
+
+        summary["final"] = str(export_final(config, run.target, result.weights, draft.spec, run_dir, log))
+        _evaluate(run, summary, result, run_dir, log)
+    ctx.barrier()
+    if str(summary.get("served", "")).startswith("failed"):  # loud, after the other ranks were released
+        raise SystemExit(f"error: {summary['served']}")
+    return summary
+
+
+def _evaluate(run, summary: dict, result, run_dir: Path, log) -> None:
+    """Rank 0's evaluation of the export, when it can run here."""
+    again = f"python -m specforge_lite.evaluate --run-dir {run_dir}"
+    if run.config.target.shard == "zero3" and run.ctx.enabled:
+        # A sharded target needs every rank in each of its forwards: evaluated afterwards on one process.
+        log(f"[eval] skipped in a sharded-target run: {again}")
+        return
+    if run.data is None:
+        log(f"[eval] a store-trained draft is evaluated where its target runs: {again}")
+        return
+    if run.config.eval.enabled:
+        from .evaluate.acceptance import evaluate_export, write_eval
+        from .evaluate.served import served_check
+
+        evaluation = evaluate_export(run.config, run.target, run.tokenizer, run.data, Path(summary["final"]), log=log)
+        summary["eval"] = str(write_eval(run_dir, evaluation))
+        # the cheap training-time estimate next to the measured number, where the sweep's runs are compared
+        run.tracker(run_dir, result.step).close(summary={
+            "eval/mean_acceptance_length": evaluation["mean_acceptance_length"],
+            "eval/heldout_sim_accepted_drafts": evaluation["heldout_sim_accepted_drafts"],
+            "train/sim_accepted_drafts": result.last_metrics.get("sim_accepted_drafts")})
+        log(f"[eval] mean acceptance length {evaluation['mean_acceptance_length']:.3f} at "
+            f"k={evaluation['num_draft_tokens']}, held-out acc {[round(a, 3) for a in evaluation['heldout_acc']]}")
+        if run.config.eval.serve:
+            summary["served"] = served_check(run_dir, log)
+    log("[done] " + ", ".join(f"{k}: {v}" for k, v in summary.items()))
 
 
 def steps_per_epoch(config: Config, conversations: int, data_ranks: int) -> float:
@@ -90,9 +138,7 @@ def main(argv=None) -> None:
     config.yaml, or one that adapt wrote), in its own process."""
     import argparse
 
-    from omegaconf import OmegaConf
-
-    from .compose import to_config
+    from .compose import read_config_file
     from .errors import said_in_one_line
 
     p = argparse.ArgumentParser(prog="python -m specforge_lite.job", description=main.__doc__)
@@ -100,7 +146,7 @@ def main(argv=None) -> None:
     p.add_argument("run_dir", type=Path)
     a = p.parse_args(argv)
     with said_in_one_line():
-        config = to_config(OmegaConf.load(a.config))
+        config = read_config_file(a.config)
         config.output_dir = str(a.run_dir)
         a.run_dir.mkdir(parents=True, exist_ok=True)
         run(config, a.run_dir)

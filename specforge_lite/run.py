@@ -1,26 +1,38 @@
-"""One training run, assembled once: config -> target -> tokenizer -> data -> draft vocabulary -> teacher
-and objective.
+"""One training run, assembled once: config -> target -> tokenizer -> data -> draft vocabulary -> teacher and
+objective, and the draft it trains.
 
-``Run.online`` runs the target live (train.py, a store's dump or ingest, evaluation, the benchmarks);
-the store's constructor, ``offline.store_run``, reads the target's states back from a hidden-state store
-into the same object; ``evaluate.finish`` is the end of a run (export, evaluation, served check). Each
-stage's own builder is in pipeline.py; this module only puts them together, in one place.
+``Run.online`` runs the target live (train.py, a store's dump or ingest, the benchmarks); ``offline.store_run``
+reads the target's states back from a hidden-state store into the same object. Each stage builds its own part
+(targets.build_target, generation.prepare_with_target, ...); what only a run needs of them is built here: the
+precision it trains in, the draft vocabulary, the packed row length, the draft (new, or continued from
+draft.init_from). The end of a run (export, evaluation, served check) is job.finish.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .config import Config
-from .data import BatchStream, DraftVocab
+from .data import BatchStream, DraftVocab, build_draft_vocab, pad_id
 from .data.images import image_inputs
-from .draft import Draft, Eagle3Objective
-from .methods import build_objective
-from .targets import Target, Teacher
-from .training.distributed import DistributedContext
+from .data.vocab import choose_mask_token
+from .device import dtype_name, native_bf16, resolve_dtype
+from .draft import Draft, DraftSpec, Eagle3Objective
+from .export import load_export
+from .export.for_target import draft_from_weights, target_mismatch
+from .generation import prepare_with_target
+from .methods import build_objective, draft_method, draft_spec, draft_vocab_size, fixed_fields, shape_settings
+from .targets import Target, Teacher, build_target, describe_target, load_tokenizer
+from .targets.acquire import resolve_model_dir
+from .targets.capture import AuxIdsOutOfRange
+from .training.distributed import DistributedContext, use_bf16
+from .training.tracking import Tracker
 
 
 @dataclass
@@ -50,24 +62,29 @@ class Run:
         """The live target, its tokenizer, the prepared data and the draft vocabulary (``vocab``: one
         given, e.g. an export's; else built from the training data). ``parts_only``: the target's
         embedding, final norm and lm_head only, read from its safetensors (what a store's ingest needs)."""
-        from .pipeline import build_target, build_vocab, describe_precision, initial_draft, load_tokenizer, prepare
-
         ctx = ctx or DistributedContext()
         initial = initial_draft(config, log) if config.draft.init_from else None
         if initial is not None:  # the draft keeps its own aux ids and vocabulary
             aux_layer_ids, vocab = list(initial[0].aux_layer_ids), DraftVocab.from_d2t(initial[1]["d2t"],
                                                                                      initial[0].vocab_size)
-        target = build_target(config, aux_layer_ids=aux_layer_ids, ctx=ctx, parts_only=parts_only)
+        try:
+            target = build_target(config, aux_layer_ids=aux_layer_ids, ctx=ctx, parts_only=parts_only)
+        except AuxIdsOutOfRange as e:  # (init_from sets the ids: draft.aux_layer_ids would change nothing)
+            if initial is None:
+                raise
+            raise ValueError(f"draft.init_from={config.draft.init_from} reads aux ids {aux_layer_ids} and model="
+                             f"{config.model.name} has {e.num_layers} layers: the draft was made for another target; "
+                             "set model= to the target it drafts for") from None
+        if initial is not None:  # (before any data is read)
+            target_mismatch(initial[0], target, f"draft.init_from={config.draft.init_from}", config.model.name)
         tokenizer = load_tokenizer(target, config.model.chat_template)
-        log(f"[target] {config.model.name} from {target.location}: {target.num_layers} layers, hidden "
-            f"{target.hidden_size}, vocab {target.vocab_size}, aux ids {target.aux_layer_ids} ({target.convention}) on "
-            f"{target.device}/{target.dtype}" + (f"; {ctx.world_size} ranks, target "
+        log(f"[target] {describe_target(config, target)}" + (f"; {ctx.world_size} ranks, target "
             f"{'sharded (ZeRO-3)' if config.target.shard == 'zero3' else 'replicated'}" if ctx.enabled else ""))
         log(f"[precision] {describe_precision(config, target)}")
         # rank 0 prepares (and caches) the data first; the other ranks then read the same cache
         if not ctx.is_main:
             ctx.barrier()
-        data = prepare(config, target, tokenizer, log=log)
+        data = prepare_with_target(config, target, tokenizer, log=log)
         if ctx.is_main:
             ctx.barrier()
         if vocab is None:
@@ -77,8 +94,6 @@ class Run:
 
     # ---- what training reads ------------------------------------------------------------------
     def build_draft(self) -> Draft:
-        from .pipeline import build_draft, draft_from_weights, frozen_as_configured
-
         if self.initial is not None:
             return frozen_as_configured(draft_from_weights(*self.initial, self.target), self.config)
         return build_draft(self.config, self.target, self.vocab, self.tokenizer,
@@ -86,8 +101,6 @@ class Run:
 
     def batches(self) -> BatchStream:
         """This rank's share of every global batch (the ranks of a sequence-parallel group read the same rows)."""
-        from .pipeline import packing_length, pad_id
-
         t = self.config.trainer
         pad = pad_id(self.tokenizer) if self.tokenizer is not None else 0  # pads are masked; never read
         return BatchStream(self.train_data, t.micro_batch_size, pad, t.seed, images=image_inputs(self.target),
@@ -106,8 +119,6 @@ class Run:
     def tracker(self, run_dir: Path, step: int):
         from omegaconf import OmegaConf
 
-        from .training.tracking import Tracker
-
         settings = OmegaConf.to_container(OmegaConf.structured(self.config))
         return Tracker(self.config.tracker, run_dir, settings, resume_step=step)
 
@@ -115,3 +126,114 @@ class Run:
         if self.ctx.is_main:
             stats = {**self.stats, "draft_vocab_coverage": self.vocab.coverage}
             (Path(run_dir) / "data_stats.json").write_text(json.dumps(stats, indent=1))
+
+
+def describe_precision(config: Config, target: Target) -> str:
+    """One line for the run's log: the dtypes the target, its answer generator and the draft's training
+    use, and why `auto` chose them on this machine."""
+    support = native_bf16(target.device)
+    gen = config.data.generation.dtype
+    generation = dtype_name(target.dtype if gen == "auto" else resolve_dtype(gen, target.device))
+    training = "bf16 autocast" if use_bf16(config.trainer.precision, target.device) else "fp32"
+    chosen = [f"target {dtype_name(target.dtype)}" + (" (auto)" if config.model.dtype == "auto" else ""),
+              f"generation {generation}" + (" (auto)" if gen == "auto" else ""),
+              f"draft training {training}" + (" (auto)" if config.trainer.precision == "auto" else "")]
+    verdict = "native" if support.native else "not native"
+    return f"{', '.join(chosen)}; bf16 is {verdict} on {target.device.type}: {support.reason}"
+
+
+def packing_length(config: Config, target: Target) -> int | None:
+    """The packed row length when data.packing is on (None: unpacked), after checking the target takes it."""
+    if not config.data.packing:
+        return None
+    if config.data.source == "offline":
+        raise ValueError("data.packing=true with data.source=offline: a store is read one sample per row; use "
+                         "data.packing=false")
+    if not target.family.supports_packing:
+        raise ValueError(f"data.packing=true: the {target.family.name} family cannot keep packed conversations apart "
+                         "(recurrent layers or model-computed positions); use data.packing=false")
+    return config.data.max_length
+
+
+def build_vocab(config: Config, target: Target, train_dataset, tokenizer) -> DraftVocab:
+    return build_draft_vocab(train_dataset, target.vocab_size, draft_vocab_size(config.draft, target.vocab_size),
+                             f"{tokenizer.name_or_path}|{len(tokenizer)}")
+
+
+def mask_slot_token(config: Config, target: Target, tokenizer=None, log=print) -> int | None:
+    """draft.mask_token_id, or for a draft with mask slots and none set, the one ``choose_mask_token`` picks
+    from the target's tokenizer (``tokenizer``; None: loaded from the target's checkpoint folder)."""
+    d = config.draft
+    if d.mask_token_id is not None or not draft_method(d.method).has_mask_slots(d):
+        return d.mask_token_id
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.model))
+    token, why = choose_mask_token(tokenizer, target.vocab_size)
+    log(f"[draft] mask slots embed token {token}: {why} (set draft.mask_token_id to choose another)")
+    return token
+
+
+def build_draft(config: Config, target: Target, vocab: DraftVocab, tokenizer=None, log=print) -> Draft:
+    if config.draft.attn_implementation != "eager":
+        raise ValueError(f"draft.attn_implementation={config.draft.attn_implementation!r}: only 'eager' (the TTT "
+                         "attention pattern in plain PyTorch, draft/ttt.py) is implemented")
+    draft_config = dataclasses.replace(config.draft, mask_token_id=mask_slot_token(config, target, tokenizer, log))
+    spec = draft_spec(target.config, draft_config, target.aux_layer_ids, target.convention,
+                      vocab_size=target.vocab_size, draft_vocab_size=vocab.size, target_hidden_size=target.hidden_size)
+    torch.manual_seed(config.trainer.seed)
+    draft = draft_method(spec.method).model(spec)
+    draft.set_vocab(vocab.d2t, vocab.t2d)
+    if config.draft.init_lm_head_from_target:
+        rows = target.head_rows(vocab.draft_to_target)[0].float()
+        draft.init_lm_head_from_target(rows, torch.arange(vocab.size))
+    draft_method(spec.method).warm_start(draft, config.draft, target)
+    draft.to(target.device)
+    draft.set_embedding(target.embedding_weight())
+    return frozen_as_configured(draft, config)
+
+
+def frozen_as_configured(draft: Draft, config: Config) -> Draft:
+    """draft.freeze_lm_head: the lm_head keeps its rows (the optimizer, checkpoints' optimizer state and ZeRO
+    take trainable weights only; the weights themselves are saved and exported whole)."""
+    if config.draft.freeze_lm_head:
+        draft.lm_head.requires_grad_(False)
+    return draft
+
+
+def _check_fixed_shape(config: Config, spec: DraftSpec) -> None:
+    """What the method's settings fix in a draft's shape (a block draft's block_size, from draft.ttt_length) must
+    be the continued draft's: its block is its input, so a run at another length would train one block and
+    export the other (labelled with the old k). Refused with the settings that continue it."""
+    fixes = shape_settings(config.draft, spec)
+    if fixes == {}:
+        return
+    differ = {key: (getattr(spec, key), value)
+              for key, value in fixed_fields(config.draft, spec).items()
+              if getattr(spec, key) != value}
+    how = (" ".join(f"draft.{key}={value}" for key, value in fixes.items()) if fixes is not None else
+           "the draft settings it was trained with (its export's config.json records them)")
+    raise ValueError(f"draft.init_from={config.draft.init_from} is a {spec.method} draft with "
+                     f"{', '.join(f'{key} {old}' for key, (old, _) in differ.items())}, and this run's settings give "
+                     f"{', '.join(f'{key} {new}' for key, (_, new) in differ.items())}: its shape was fixed when it "
+                     f"was trained (a block is the draft's input); continue it with {how}")
+
+
+def initial_draft(config: Config, log=print) -> tuple[DraftSpec, dict[str, torch.Tensor]]:
+    """draft.init_from: the (spec, weights) of the draft a run continues, from an export folder or a run folder's
+    final/. Its method must be the run's (the objective trains that method)."""
+    source = Path(config.draft.init_from).expanduser()
+    folder = source / "final" if (source / "final" / "config.json").is_file() else source
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"draft.init_from={config.draft.init_from}: no draft there (an export folder with a "
+                                "config.json, or a run folder with final/); give the folder of the draft to continue")
+    spec, weights = load_export(folder)
+    if spec.method != config.draft.method:
+        raise ValueError(f"draft.init_from={config.draft.init_from} is a {spec.method} draft and this run trains "
+                         f"draft={config.draft.method}: use draft={spec.method}")
+    _check_fixed_shape(config, spec)
+    ids = spec.aux_layer_ids or "the servers' default (it names none)"
+    log(f"[draft] continuing the {spec.method} draft of {folder} (its {spec.num_layers} layer(s), aux ids "
+        f"{ids} and {spec.draft_vocab_size}-token vocabulary)")
+    return spec, weights

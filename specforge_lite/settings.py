@@ -11,7 +11,8 @@ import torch
 from .config import Config, out_of_range
 from .data.prepare import data_setting_problems
 from .evaluate.acceptance import DRAFTING
-from .evaluate.finish import SERVED_CHECKS
+from .evaluate.prompts import prompt_set_problems
+from .evaluate.served import SERVED_CHECKS
 from .export import export_format
 from .methods import draft_method
 from .training.optim import DECAYS, OPTIMIZERS
@@ -39,6 +40,8 @@ def setting_problems(config: Config) -> list[str]:
                         "train in one process")
     if t.schedule not in DECAYS:
         problems.append(f"trainer.schedule={t.schedule!r}: use one of {', '.join(DECAYS)}")
+    if config.eval.enabled:
+        problems += prompt_set_problems(list(config.eval.prompt_sets), dict(config.eval.prompt_files or {}))
     if config.eval.drafting not in DRAFTING:
         problems.append(f"eval.drafting={config.eval.drafting!r}: use one of {', '.join(DRAFTING)}")
     else:

@@ -100,7 +100,7 @@ def file_size_limit(limit_bytes: int):
 @pytest.fixture(scope="session")
 def smollm2():
     """(config, target, tokenizer) for the real SmolLM2-135M-Instruct."""
-    from specforge_lite.pipeline import build_target, load_tokenizer
+    from specforge_lite.targets import build_target, load_tokenizer
 
     config = load_config(["tracker=none"])
     target = build_target(config)

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from specforge_lite.compose import load_config  # noqa: E402
 from specforge_lite.data.vocab import DraftVocab  # noqa: E402
-from specforge_lite.pipeline import build_target  # noqa: E402
+from specforge_lite.targets import build_target  # noqa: E402
 from specforge_lite.targets import Teacher  # noqa: E402
 from specforge_lite.training.distributed import init_distributed  # noqa: E402
 

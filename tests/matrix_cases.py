@@ -11,7 +11,7 @@ from conftest import tiny_target, tiny_vocab
 from specforge_lite.compose import load_config
 from specforge_lite.data.loader import collate, collate_packed
 from specforge_lite.methods import build_objective
-from specforge_lite.pipeline import build_draft
+from specforge_lite.run import build_draft
 from specforge_lite.targets import Teacher
 from specforge_lite.training.engine import build_engine
 

@@ -5,7 +5,9 @@ bookkeeping is tested directly, on drafts of two small files: nothing is trained
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -240,6 +242,29 @@ class TestAHomeNeverLosesAVersion:
                 assert outcome == {"current": "v0002"} and state(home)["current"] == "v0002"
 
 
+    def test_a_running_watch_lets_rollback_and_status_through_between_looks(self, tmp_path):
+        """H4: a watch holds the home's lock only while it looks and adapts; between looks (here: a 60 s
+        interval) a rollback takes the lock at once and status reads, both as separate commands."""
+        home, _ = served_home(tmp_path)
+        (home.root / "settings.json").write_text(json.dumps({"judge": "ours", "min_conversations": 64}))
+        inbox = tmp_path / "inbox"
+        inbox.mkdir()
+        watcher = subprocess.Popen([sys.executable, "-m", "specforge_lite.adapt", "watch", str(inbox), "--home",
+                                    str(home.root), "--interval", "60"], cwd=ROOT, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            assert "watching" in watcher.stdout.readline()
+            time.sleep(0.5)  # (its first look, under the lock, is over well within this)
+            rolled = adapt("rollback", "--home", home.root)
+            assert rolled.returncode == 0 and "current -> v0002" in rolled.stdout, rolled.stdout + rolled.stderr
+            assert "waiting for" not in rolled.stdout and state(home)["current"] == "v0002"
+            assert adapt("status", "--home", home.root).returncode == 0
+            assert watcher.poll() is None  # (the watch goes on)
+        finally:
+            watcher.terminate()
+            watcher.communicate(timeout=30)
+
+
 class TestRunAndTheRails:
     def test_run_takes_a_folders_unused_traffic_files_as_watch_does(self, tmp_path, monkeypatch):
         from specforge_lite.adapt import loop
@@ -248,7 +273,7 @@ class TestRunAndTheRails:
         inbox = tmp_path / "inbox"
         (inbox / "day2").mkdir(parents=True)
         for name in ("a.jsonl", "day2/b.log", "notes.md"):
-            (inbox / name).write_text("{}\n")
+            (inbox / name).write_text(f'{{"file": "{name}"}}\n')  # (each its own content: a copy is used once)
         taken = []
         monkeypatch.setattr(loop, "adapt_once", lambda home, files, log: taken.append(files) or {"event": "skip"})
         loop.run(home, [inbox, inbox / "a.jsonl"], **QUIET)
@@ -277,6 +302,105 @@ class TestRunAndTheRails:
             current = candidate
         assert decisions == [True, False] and why.startswith("the regression set fell below the first version's")
         assert "from the first version's 1.400" in why
+
+
+def adapting_home(tmp_path, rows=40, **settings):
+    """A home of one version with the adaptation's settings, and a traffic file (OpenAI exchange rows)."""
+    from specforge_lite.adapt.loop import DEFAULTS
+
+    home, _ = served_home(tmp_path, versions=1)
+    (home.root / "settings.json").write_text(json.dumps({**DEFAULTS, "judge": "ours", "heldout_fraction": 0.25,
+                                                         **settings}))
+    return home, traffic_file(tmp_path / "day1.jsonl", rows)
+
+
+def traffic_file(path, n, start=0):
+    rows = [{"request": {"messages": [{"role": "user", "content": f"Question {i}: how do I sort list {i}?"}]},
+             "response": {"choices": [{"message": {"role": "assistant", "content": f"Answer {i}: sorted()."}}]}}
+            for i in range(start, start + n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+class TestCandidates:
+    def test_a_failed_candidates_work_is_removed_and_its_log_kept(self, tmp_path, monkeypatch):
+        """H10: the work/ folder of a failed candidate (its run, its data) is removed; its training log is kept
+        under reports/NNNN/ (NNNN: the fail decision's line), named by the decision."""
+        from specforge_lite.adapt import loop
+
+        home, traffic = adapting_home(tmp_path)
+
+        def failing(home, current, train, work, log):
+            (work / "run").mkdir()
+            (work / "run" / "weights.bin").write_bytes(b"\0" * 1000)
+            (work / "train.log").write_text("step 1\nOSError: No space left on device\n")
+            raise RuntimeError("the candidate's training failed (exit 1)")
+
+        monkeypatch.setattr(loop, "train_candidate", failing)
+        event = loop.adapt_once(home, [traffic], **QUIET)
+        assert event["event"] == "fail" and not (home.root / "work").exists()
+        kept = home.root / event["log"]
+        assert kept == home.root / "reports" / f"{len(home.events()):04d}" / "train.log"
+        assert kept.read_text().endswith("No space left on device\n")
+        home.repair(**QUIET)  # (the log accounts for the report's folder)
+        assert state(home) == {"versions": ["v0001"], "current": "v0001"}
+
+    def test_a_candidate_past_its_timeout_is_stopped_with_one_line(self, tmp_path, monkeypatch):
+        """H10: the candidate's training has a timeout (timeout_minutes in settings.json, --timeout-minutes at
+        init): past it, its whole process group is stopped and the failure is one line naming the setting."""
+        from specforge_lite.adapt import candidate
+        from specforge_lite.adapt.stopping import TimedOut, run_in_own_group
+
+        sleeper = [sys.executable, "-c", "import os, sys, time; print(os.getpid(), flush=True); time.sleep(60)"]
+        out = tmp_path / "out.txt"
+        started = time.monotonic()
+        with open(out, "w") as f, pytest.raises(TimedOut):
+            run_in_own_group(sleeper, f, grace=1.0, timeout=0.5)
+        assert time.monotonic() - started < 10
+        assert wait_until(lambda: not alive(int(out.read_text().split()[-1])), 5)
+
+        home, _ = adapting_home(tmp_path, timeout_minutes=0.01)
+        monkeypatch.setattr(candidate, "candidate_config", lambda *args: {"trainer": {"max_steps": 1}})
+        monkeypatch.setattr(candidate, "job_command", lambda config_file, run_dir: sleeper)
+        work = home.root / "work"
+        work.mkdir()
+        with pytest.raises(candidate.CandidateTimedOut, match="ran past its timeout of 0.01 min") as e:
+            candidate.train_candidate(home, home.root / "v0001", [[{"role": "user", "content": "hi"}]], work, **QUIET)
+        assert "timeout_minutes" in str(e.value) and "\n" not in str(e.value)
+
+        from specforge_lite.adapt import init  # (init refuses a timeout within the training's own budget)
+
+        for minutes, timeout, said in ((10, 5, "more than its budget \\(--minutes 10\\)"), (None, 0, "more minutes")):
+            with pytest.raises(AdaptHomeError, match=f"--timeout-minutes {timeout}: give the candidate's .* {said}"):
+                init(Home(tmp_path / f"new{minutes}"), tmp_path, [], {"judge": "ours", "minutes": minutes,
+                                                                      "timeout_minutes": timeout}, **QUIET)
+
+    def test_traffic_is_used_once_whatever_its_name(self, tmp_path, monkeypatch):
+        """H10: a traffic file is trained on once. run leaves out a file named again after its decision, and a
+        copy of it under another name or in a folder (the same content: its fingerprint), as watch does."""
+        from specforge_lite.adapt import loop
+
+        home, traffic = adapting_home(tmp_path)
+        taken, said = [], []
+
+        def adapt_once(home, files, log):
+            taken.append(files)
+            return home.log("reject", files=[loop._file_record(f) for f in files], why="judged")
+
+        monkeypatch.setattr(loop, "adapt_once", adapt_once)
+        loop.run(home, [traffic], log=said.append)
+        assert loop.run(home, [traffic], log=said.append) is None  # named again
+        inbox = tmp_path / "inbox"
+        inbox.mkdir()
+        shutil.copy(traffic, inbox / "copy.jsonl")
+        assert loop.run(home, [inbox / "copy.jsonl"], log=said.append) is None  # a copy, named
+        assert loop.run(home, [inbox], log=said.append) is None  # a copy, in a folder
+        loop.look(home, inbox, settle=0, wanted=1, log=said.append)  # watch
+        assert taken == [[traffic]]
+        assert any("used already" in line for line in said)
+        fresh = traffic_file(inbox / "day2.jsonl", 40, start=40)
+        loop.run(home, [inbox, traffic], log=said.append)
+        assert taken == [[traffic], [fresh]]
 
 
 def alive(pid: int) -> bool:

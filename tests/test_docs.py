@@ -3,6 +3,8 @@ reference that cannot drift from the dataclasses, the shell examples that run, a
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -16,8 +18,8 @@ from specforge_lite import config_reference
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 BIN = Path(sys.executable).parent
-# pages a benchmark writes (their commands are the benchmark's own, named in the page)
-WRITTEN_BY_BENCHMARKS = {"recipe_card.md", "recipe_parity.md", "levers.md"}
+# the page a study writes (its commands are the study's own, named in the page)
+WRITTEN_BY_BENCHMARKS = {"recipe_card.md"}
 MARKERS = ("cpu", "gpu", "hub", "long")
 SHELL = re.compile(r"^```(bash|sh|shell|console)\s*$")
 
@@ -48,11 +50,43 @@ def test_the_readme_is_short_and_its_links_lead_somewhere():
 
 
 def test_the_site_builds_in_strict_mode(tmp_path):
-    """Strict: a broken link, a page missing from the nav or a missing reference fails the build."""
-    proc = subprocess.run([str(BIN / "mkdocs"), "build", "--strict", "-q", "-d", str(tmp_path / "site")], cwd=ROOT,
+    """The documented command exactly: a broken link or #anchor, or a page missing from the nav, fails the build
+    (no -q: a quiet build drops the warnings that strict mode counts)."""
+    proc = subprocess.run([str(BIN / "mkdocs"), "build", "--strict", "-d", str(tmp_path / "site")], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "reference" / "config" / "index.html").is_file()
+
+
+def docs_figures():
+    spec = importlib.util.spec_from_file_location("docs_figures", ROOT / "scripts" / "docs_figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_figure_is_written_from_its_result_file():
+    """Each figure between <!-- figure:NAME --> markers is what scripts/docs_figures.py writes from
+    docs/results/: a figure edited by hand, or a result file changed without regenerating, fails here."""
+    figures = docs_figures()
+    stale = [str(p.relative_to(ROOT)) for p in figures.PAGES if figures.rewrite(p.read_text()) != p.read_text()]
+    assert not stale, f"figures differ from docs/results in {stale}: run python scripts/docs_figures.py"
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- figure:default_run/readme -->\n(.*?)<!-- /figure -->", readme, re.S).group(1)
+    assert "2.55" in block
+    edited = readme.replace(block, block.replace("2.55", "2.65"))
+    assert figures.rewrite(edited) == readme  # a hand edit is what the check sees, and what a rewrite undoes
+
+
+def test_every_result_file_names_its_machine_and_date_and_is_shown():
+    figures = docs_figures()
+    shown = {name.split("/")[0] for page in figures.PAGES
+             for name in re.findall(r"<!-- figure:([\w./-]+) -->", page.read_text())}
+    for path in sorted(figures.RESULTS.glob("*.json")):
+        text = path.read_text()
+        json.loads(text)
+        assert path.stem in shown, f"{path.name} is in no page"
+        assert '"date"' in text and ('"machine"' in text or '"device"' in text), f"{path.name}: machine or date"
 
 
 def test_the_configuration_reference_is_the_dataclasses_own():

@@ -80,7 +80,7 @@ def test_dspark_settings_refused_export_checked_and_round_trip(tmp_path):
     from specforge_lite.compose import load_config
     from specforge_lite.export import check_draft_tokens, export_draft, load_export
     from specforge_lite.export.check import check_export
-    from specforge_lite.pipeline import draft_from_weights
+    from specforge_lite.export.for_target import draft_from_weights
     from specforge_lite.settings import check_settings
 
     base = ["draft=dspark", "tracker=none"]

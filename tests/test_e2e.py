@@ -88,7 +88,7 @@ def test_trained_draft_beats_an_untrained_one_on_heldout_acc0(default_run):
 
     from specforge_lite.compose import to_config
     from specforge_lite.evaluate.heldout import heldout_accuracy
-    from specforge_lite.pipeline import pad_id
+    from specforge_lite.data import pad_id
     from specforge_lite.run import Run
 
     out, _ = default_run
@@ -113,7 +113,7 @@ def test_a_run_continues_a_trained_draft_as_it_is(default_run, tmp_path):
     from specforge_lite.compose import to_config
     from specforge_lite.evaluate.heldout import heldout_accuracy
     from specforge_lite.export import load_export
-    from specforge_lite.pipeline import pad_id
+    from specforge_lite.data import pad_id
     from specforge_lite.run import Run
 
     out, _ = default_run

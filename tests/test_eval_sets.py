@@ -73,7 +73,7 @@ def test_multi_turn_items_ask_each_turn_after_the_targets_own_answer():
     from specforge_lite.compose import load_config
     from specforge_lite.evaluate.acceptance import _run_set
     from specforge_lite.evaluate.spec_decode import Generation
-    from specforge_lite.pipeline import build_target, load_tokenizer
+    from specforge_lite.targets import build_target, load_tokenizer
 
     target = build_target(load_config(["model=llama3_tiny", "tracker=none"]))
     tok = load_tokenizer(target)
@@ -105,7 +105,7 @@ def test_no_baseline_prompts_reports_no_speedup_instead_of_dividing_by_zero():
     from specforge_lite.evaluate.acceptance import _run_set
     from specforge_lite.evaluate.report import eval_markdown
     from specforge_lite.evaluate.spec_decode import Generation
-    from specforge_lite.pipeline import build_target, load_tokenizer
+    from specforge_lite.targets import build_target, load_tokenizer
 
     target = build_target(load_config(["model=llama3_tiny", "tracker=none"]))
     tok = load_tokenizer(target)

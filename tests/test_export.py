@@ -16,7 +16,7 @@ from conftest import EAGLE31, ROOT, file_size_limit, tiny_draft, tiny_target
 from specforge_lite.draft.ttt import TTTCache
 from specforge_lite.export import export_draft, load_export
 from specforge_lite.export.format import ExportRefused
-from specforge_lite.pipeline import draft_from_weights
+from specforge_lite.export.for_target import draft_from_weights
 
 SERVER_NAMES = {"fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
                 "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
@@ -344,10 +344,10 @@ def test_every_familys_draft_is_a_silu_llama_layer_and_other_activations_are_ref
     A checkpoint trained with another activation is refused at export, never relabelled."""
     from dataclasses import replace
 
-    from specforge_lite.methods.eagle3.settings import Eagle3Settings
     from specforge_lite.compose import load_config
     from specforge_lite.methods import draft_spec
-    from specforge_lite.pipeline import build_target
+    from specforge_lite.methods.eagle3.settings import Eagle3Settings
+    from specforge_lite.targets import build_target
 
     gemma = build_target(load_config(["model=gemma3_tiny", "tracker=none"]))
     assert gemma.config.get_text_config().hidden_activation == "gelu_pytorch_tanh"
@@ -401,7 +401,7 @@ def test_mask_slots_embed_a_token_no_conversation_uses(smollm2, tmp_path):
     defaults to id 0."""
     from specforge_lite.compose import load_config
     from specforge_lite.data.vocab import DraftVocab, choose_mask_token
-    from specforge_lite.pipeline import build_draft
+    from specforge_lite.run import build_draft
 
     _, target, tokenizer = smollm2
     vocab = DraftVocab(torch.arange(0, target.vocab_size, 64), target.vocab_size, float("nan"))

@@ -13,7 +13,7 @@ from specforge_lite.compose import load_config
 from specforge_lite.data.images import image_inputs
 from specforge_lite.data.vocab import DraftVocab
 from specforge_lite.draft.ttt import shift_left
-from specforge_lite.pipeline import build_target
+from specforge_lite.targets import build_target
 from specforge_lite.targets import HFTarget, Teacher
 
 TINY = [p for p in available_presets("model") if p.endswith("_tiny")]
@@ -115,7 +115,7 @@ def test_hybrid_family_refuses_left_padding():
 
 def test_gemma_draft_takes_the_raw_embedding_table_like_the_servers():
     """Gemma's embedding module multiplies by sqrt(hidden); SGLang/vLLM hand the draft the raw table."""
-    from specforge_lite.pipeline import build_draft
+    from specforge_lite.run import build_draft
 
     for preset in ("gemma3_tiny", "gemma4_tiny"):
         target = hf_target(preset)
@@ -217,7 +217,7 @@ def test_qwen3_vl_image_conversations_are_laid_out_as_the_model_reads_them(tmp_p
     from specforge_lite.data.chat import tokenize_samples
     from specforge_lite.data.formats import normalize_conversation
     from specforge_lite.data.loader import collate
-    from specforge_lite.pipeline import load_tokenizer
+    from specforge_lite.targets import load_tokenizer
 
     target = hf_target("qwen3_vl_tiny")
     cfg, images = target.config, image_inputs(target)
@@ -258,7 +258,7 @@ def test_qwen3_vl_speculative_decoding_on_image_prompts_equals_hf_generate(tmp_p
     from specforge_lite.data.formats import normalize_conversation
     from specforge_lite.evaluate.spec_decode import speculative_generate
     from specforge_lite.generation import stop_ids
-    from specforge_lite.pipeline import load_tokenizer
+    from specforge_lite.targets import load_tokenizer
 
     target = hf_target("qwen3_vl_tiny")
     draft = tiny_draft(target, draft_vocab_size=512)
@@ -345,7 +345,7 @@ def test_trust_remote_code_reaches_every_load_from_the_model_folder(monkeypatch)
     import transformers
 
     from specforge_lite.generation import LazyGenerator
-    from specforge_lite.pipeline import load_tokenizer
+    from specforge_lite.targets import load_tokenizer
     from specforge_lite.targets.families.base import TargetFamily
 
     seen = []

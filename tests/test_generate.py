@@ -8,7 +8,7 @@ import torch
 
 from specforge_lite.compose import load_config
 from specforge_lite.data.regenerate import PromptQueue
-from specforge_lite.pipeline import build_target
+from specforge_lite.targets import build_target
 from specforge_lite.targets.lean import build_lean_forward
 from specforge_lite.targets.lean.decode import LeanDecoder
 

@@ -20,19 +20,6 @@ def test_the_code_passes_ruff():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_the_target_stage_imports_nothing_of_the_data_stage():
-    """Data flows config -> data -> target: targets/ names no module of data/, at import time or inside a
-    function (a vision family states how it takes images, targets.protocol.ImageIntake, and the data stage
-    builds its image handling from that). Fails on an import of data from any file under targets/."""
-    import re
-
-    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
-             for path in sorted((ROOT / "specforge_lite" / "targets").rglob("*.py"))
-             for n, line in enumerate(path.read_text().splitlines(), 1)
-             if re.search(r"^\s*(from\s+(\.\.+|specforge_lite\.)data\b|import\s+specforge_lite\.data\b)", line)]
-    assert not found, "\n".join(found)
-
-
 def test_the_gpu_check_parses_and_says_what_it_needs_without_a_gpu():
     """scripts/gpu_check.sh (the GPU path in one command) is valid bash, documented in the README, and on a
     machine without CUDA prints one FAIL line naming what is missing and exits 1, before building anything."""

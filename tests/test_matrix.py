@@ -83,7 +83,7 @@ def test_a_frozen_lm_head_keeps_the_targets_rows_while_the_rest_learns():
     from specforge_lite.compose import load_config
     from specforge_lite.data.loader import collate
     from specforge_lite.methods import build_objective
-    from specforge_lite.pipeline import build_draft
+    from specforge_lite.run import build_draft
     from specforge_lite.targets import Teacher
     from specforge_lite.training.distributed import DistributedContext
     from specforge_lite.training.engine import build_engine

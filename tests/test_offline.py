@@ -73,7 +73,7 @@ def test_training_from_a_store_equals_training_online(tmp_path, tiny_store):
 
 
 def test_a_killed_dump_resumes_to_the_same_store(tmp_path, tiny_store, monkeypatch):
-    from specforge_lite.offline import store as store_mod
+    from specforge_lite.targets import store as store_mod
 
     folder = tmp_path / "store"
     config = load_config([*TINY, f"store.path={folder}", "store.dtype=float32", "store.samples_per_shard=10"])

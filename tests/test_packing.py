@@ -13,7 +13,7 @@ from specforge_lite.data.vocab import DraftVocab
 from specforge_lite.draft import Eagle3Objective
 from specforge_lite.methods import draft_spec
 from specforge_lite.methods.eagle3.model import Eagle3Draft
-from specforge_lite.pipeline import build_target
+from specforge_lite.targets import build_target
 from specforge_lite.targets import Teacher
 
 CFG = Eagle3Settings(ttt_length=4)
@@ -90,7 +90,7 @@ def test_packed_and_unpacked_losses_are_equal(preset, backend):
 
 
 def test_packing_is_refused_where_conversations_cannot_be_kept_apart():
-    from specforge_lite.pipeline import packing_length
+    from specforge_lite.run import packing_length
 
     config = load_config(["model=qwen3_next_tiny", "tracker=none", "data.packing=true"])
     target = build_target(config)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specforge_lite.compose import load_config
-from specforge_lite.pipeline import build_target
+from specforge_lite.targets import build_target
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_a_probe_that_shared_the_cpu_with_another_job_is_used_once_and_never_kep
 
 
 def test_the_run_says_what_auto_chose_and_why(fresh_choice, monkeypatch):
-    from specforge_lite.pipeline import describe_precision
+    from specforge_lite.run import describe_precision
 
     d = fresh_choice
     monkeypatch.setattr(d, "cpu_probe", probe_result(0.004, 0.23, []))
@@ -121,6 +121,6 @@ def test_every_benchmark_says_what_auto_precision_runs_on_its_cpu(fresh_choice, 
     monkeypatch.setattr(d, "cpu_probe", lambda cache=None: {**probe_result(0.004, 0.002, ["avx512_bf16"])(),
                                                             "cpu_share": 0.5})
     assert "auto precision bf16" in d.describe_cpu() and "another job was running" in d.describe_cpu()
-    out = subprocess.run([sys.executable, "-m", "specforge_lite.bench", "levers", "--help"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "specforge_lite.bench", "train_step", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120).stdout
     assert out.startswith("[machine] CPU capability") and "auto precision " in out.splitlines()[0]

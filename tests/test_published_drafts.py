@@ -1,5 +1,5 @@
 """Published drafts in, ours out. The fixtures (tests/fixtures/published) were written once by SpecForge's and
-speculators' own classes and save code (scripts/peers/save_*_draft.py, in the peers' venv) for the tiny target:
+speculators' own classes and save code (studies/peers/save_*_draft.py, in the peers' venv) for the tiny target:
 a SpecForge draft in its SGLang layout (aux ids in eagle_config, as layer outputs) and a two-layer EAGLE 3.1
 speculators draft. Each loads as the tensors the peer saved, computes the logits the peer's own forward recorded,
 passes --check, is evaluated, and is continued by a run whose export carries the model card."""
@@ -25,7 +25,7 @@ FIXTURES = ROOT / "tests" / "fixtures" / "published"
 PEERS = ("specforge", "speculators")
 VOCAB = json.loads((FIXTURES / "draft_vocab.json").read_text())
 TINY_LAYERS = 8  # conf/model/llama3_tiny.yaml
-# the tiny run of scripts/peers/published_vocab.py (the fixtures' vocabulary holds what its target predicts), short
+# the tiny run of studies/peers/published_vocab.py (the fixtures' vocabulary holds what its target predicts), short
 RUN = [*VOCAB["overrides"], "trainer.max_steps=10", "trainer.save_every=0", "trainer.micro_batch_size=4",
        "trainer.progress_bar=false", "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.heldout_batches=2",
        "eval.prompt_sets=[heldout]"]
@@ -189,7 +189,7 @@ def test_the_target_comes_from_the_draft_or_is_asked_for(tmp_path):
     to evaluate it first."""
     from specforge_lite.compose import load_config
     from specforge_lite.evaluate.__main__ import main
-    from specforge_lite.evaluate.finish import target_overrides
+    from specforge_lite.evaluate.finished import target_overrides
     from specforge_lite.evaluate.served import ServedMismatch, serve
 
     def verifier(name):
@@ -260,7 +260,7 @@ def test_the_fixtures_are_what_the_peers_save_code_writes(tmp_path):
     (what a peer's version stamps aside), and the same recorded forward."""
     shutil.copy(FIXTURES / "draft_vocab.json", tmp_path)
     for peer in PEERS:
-        proc = subprocess.run([str(peers_python()), str(ROOT / "scripts" / "peers" / f"save_{peer}_draft.py"),
+        proc = subprocess.run([str(peers_python()), str(ROOT / "studies" / "peers" / f"save_{peer}_draft.py"),
                                "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         for name in ("model.safetensors", "../" + f"{peer}.forward.safetensors"):

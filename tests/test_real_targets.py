@@ -10,7 +10,7 @@ import torch
 from specforge_lite.compose import load_config
 from specforge_lite.data.vocab import DraftVocab
 from specforge_lite.draft.ttt import shift_left
-from specforge_lite.pipeline import build_target
+from specforge_lite.targets import build_target
 from specforge_lite.targets import HFTarget, Teacher
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def test_gemma3_270m_lean_backend_parity():
 def test_gemma3_270m_has_a_usable_chat_template():
     """A base checkpoint ships no template; the family's Gemma turn format is used and masks only the answer."""
     from specforge_lite.data.chat import tokenize_conversation
-    from specforge_lite.pipeline import load_tokenizer
+    from specforge_lite.targets import load_tokenizer
 
     target = build_target(load_config(["model=gemma3_270m", "tracker=none"]))
     tok = load_tokenizer(target)

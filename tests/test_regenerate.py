@@ -146,3 +146,20 @@ def test_batched_generation_equals_one_by_one_greedy(smollm2):
         alone = greedy_generate(target, prompt, 20, stops)
         assert answer == tok.decode([t for t in alone if t not in stops], skip_special_tokens=True).strip()
     assert gen.tokens_generated > 0
+
+
+def test_a_larger_regeneration_cap_prepares_more_conversations(tmp_path, smollm2):
+    # The regenerated answers are cached by prefix (a larger cap reuses them), but the prepared data holds as
+    # many conversations as the cap: raising data.generation.max_conversations must not reuse the smaller set.
+    _, _, tok = smollm2
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "human"}]}
+            for i in range(12)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sizes = []
+    for cap in (4, 8):
+        cfg = DataConfig(source="path", path=str(tmp_path / "d.jsonl"), heldout_samples=2, regenerate=True,
+                         generation=GenerationConfig(max_conversations=cap))
+        data = prepare_data(cfg, tok, generate=lambda b: ["An answer." for _ in b], model_fingerprint="fake",
+                            log=lambda m: None)
+        sizes.append(len(data.train))
+    assert sizes == [4, 8]

@@ -262,7 +262,7 @@ def check_kill_and_resume(proxy: FlakyProxy, model_dir: str, model: str, cache: 
 @pytest.fixture(scope="module")
 def tiny():
     from specforge_lite.compose import load_config
-    from specforge_lite.pipeline import build_target, load_tokenizer
+    from specforge_lite.targets import build_target, load_tokenizer
 
     config = load_config(["model=llama3_tiny", "tracker=none"])
     target = build_target(config)

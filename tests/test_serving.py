@@ -55,7 +55,7 @@ def test_speculators_loads_our_export_and_its_logits_equal_ours(serving_python, 
     layer's residual taken after hidden_norm as well (norm_before_residual: speculators' own default)."""
     from specforge_lite.compose import load_config
     from specforge_lite.export import export_draft
-    from specforge_lite.pipeline import build_target
+    from specforge_lite.targets import build_target
     from conftest import EAGLE31, tiny_draft
 
     target = build_target(load_config(["model=llama3_tiny", "tracker=none"]))
@@ -100,7 +100,7 @@ def block_draft_export(request, tmp_path_factory):
     exported in vLLM's layout, with the target it was built for."""
     from specforge_lite.compose import load_config
     from specforge_lite.export import export_draft
-    from specforge_lite.pipeline import build_target
+    from specforge_lite.targets import build_target
     from test_dflash import tiny_block_draft
 
     target = build_target(load_config(["model=qwen3_tiny", "model.tiny.config.head_dim=32", "tracker=none"]))
@@ -361,7 +361,10 @@ def test_drafts_for_one_target_are_ranked_by_what_vllm_measures(served_runs, dsp
     for r in rows:
         ours = json.loads((Path(r["run"]) / "eval.json").read_text())
         assert r["calibration_error"] == ours["calibration"]["ece_per_position"][0] is not None
-        assert r["best_k"] == ours["best_k"] in range(1, r["k"] + 1)
+        # (a block draft's k is fixed at training: no fastest k is estimated for it)
+        fixed_k = r["method"].startswith(("DFlash", "DSpark"))
+        assert r["best_k"] == ours["best_k"] and (ours["best_k"] is None if fixed_k else ours["best_k"] in range(
+            1, r["k"] + 1))
         assert r["training_tokens_per_s"] > 0
         if r["run"] == str(dspark_run):
             assert (r["measured_by"], r["outputs_equal_greedy"]) == ("ours", "n/a")
@@ -395,7 +398,7 @@ LAYER_IDS.update({p: [0, 2, 5, 8] for p in VLLM_TINY})  # (8 layers)
 
 def build(preset):
     from specforge_lite.compose import load_config
-    from specforge_lite.pipeline import build_target
+    from specforge_lite.targets import build_target
 
     extra = VLLM_TINY.get(preset, [])
     return build_target(load_config([f"model={preset}", "tracker=none", *extra]), aux_layer_ids=LAYER_IDS[preset])
@@ -406,11 +409,11 @@ def vllm_extraction(serving_python, tmp_path_factory):
     """vLLM's own extract_hidden_states for SmolLM2-135M and each tiny preset, on chat prompts of several
     lengths (longer than the tiny presets' 16-token windows), in one vLLM process: per preset (target,
     prompts, vLLM's states [T, n_ids, H] per prompt) or the error vLLM stopped with."""
-    from specforge_lite.pipeline import load_tokenizer
+    from specforge_lite.targets import load_tokenizer
     from specforge_lite.generation import encode_prompt
 
     from specforge_lite.compose import load_config
-    from specforge_lite.pipeline import prepare
+    from specforge_lite.generation import prepare_with_target
 
     tmp = tmp_path_factory.mktemp("vllm_extraction")
     questions = ["Hi!", "How do I boil an egg so that the yolk stays soft?",
@@ -422,7 +425,8 @@ def vllm_extraction(serving_python, tmp_path_factory):
         jobs[preset] = (target, [encode_prompt(tok, [{"role": "user", "content": q}]) for q in questions])
     # SmolLM2 also extracts LIVE_RUN's prepared training samples, its files kept for the live ingest
     smollm2, tok = jobs["smollm2_135m"][0], load_tokenizer(jobs["smollm2_135m"][0])
-    jobs["smollm2_135m"][1].extend(prepare(load_config(LIVE_RUN), smollm2, tok, log=lambda m: None).train["input_ids"])
+    prepared = prepare_with_target(load_config(LIVE_RUN), smollm2, tok, log=lambda m: None)
+    jobs["smollm2_135m"][1].extend(prepared.train["input_ids"])
     keep = {"smollm2_135m": str(tmp / "vllm_files")}
     (tmp / "jobs.json").write_text(json.dumps({"models": [
         {"model": str(t.location), "layer_ids": LAYER_IDS[p], "prompts": prompts, "keep_dir": keep.get(p)}
@@ -530,7 +534,7 @@ def test_regeneration_through_vllms_own_server_agrees_with_the_hf_engine(serving
 
     from specforge_lite.data.regenerate import regenerate
     from specforge_lite.generation import LazyGenerator
-    from specforge_lite.pipeline import vllm_server
+    from specforge_lite.generation import vllm_server
 
     monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SPECFORGE_LITE_SERVING_PYTHON", str(serving_python))

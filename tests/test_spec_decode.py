@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import EAGLE31, tiny_draft, tiny_target
@@ -408,16 +409,68 @@ def test_the_platt_fit_recovers_how_the_acceptance_was_drawn():
 
 
 def test_the_speed_up_at_each_k_from_the_measured_costs_by_hand():
-    """Measured at k=3: acceptance 0.6, 0.3, 0.1 per position, target decode 10 ms, verification 12 ms, a
-    chain draft's round 6 ms (2 ms a step). At k'=1: 1.6 tokens x 10 / (2 + 12) = 1.143; k'=2: 1.9 x 10 /
-    (4 + 12) = 1.1875; k'=3: 2.0 x 10 / (6 + 12) = 1.111: best k 2. A draft proposing in one forward pays
-    its 6 ms at every k': 1.6 x 10 / 18, 1.9 x 10 / 18, 2.0 x 10 / 18: best k 3."""
+    """Measured at k=3: acceptance 0.6, 0.3, 0.1 per position, target decode 10 ms, a verification of k'+1
+    tokens 11, 11.5 and 12 ms (each timed), a chain draft's round 6 ms (2 ms a step). At k'=1: 1.6 tokens x 10 /
+    (2 + 11) = 1.231; k'=2: 1.9 x 10 / (4 + 11.5) = 1.226; k'=3: 2.0 x 10 / (6 + 12) = 1.111: best k 1. A draft
+    proposing in one forward pays its 6 ms at every k': 1.6 x 10 / 17, 1.9 x 10 / 17.5, 2.0 x 10 / 18."""
     from specforge_lite.evaluate.acceptance import speedup_by_k
 
-    costs = {"target_decode_s": 0.010, "target_verify_s": 0.012, "draft_round_s": 0.006, "draft_steps_per_round": 3}
+    costs = {"target_decode_s": 0.010, "target_verify_s": 0.012, "draft_round_s": 0.006, "draft_steps_per_round": 3,
+             "target_verify_s_by_k": [0.011, 0.0115, 0.012]}
     chain = speedup_by_k([0.6, 0.3, 0.1], costs)
-    assert [round(chain[k], 4) for k in (1, 2, 3)] == [round(1.6 * 10 / 14, 4), round(1.9 * 10 / 16, 4),
+    assert [round(chain[k], 4) for k in (1, 2, 3)] == [round(1.6 * 10 / 13, 4), round(1.9 * 10 / 15.5, 4),
                                                        round(2.0 * 10 / 18, 4)]
-    assert max(chain, key=chain.get) == 2
+    assert max(chain, key=chain.get) == 1
     one = speedup_by_k([0.6, 0.3, 0.1], {**costs, "draft_steps_per_round": 1})
-    assert [round(one[k], 4) for k in (1, 2, 3)] == [round(x * 10 / 18, 4) for x in (1.6, 1.9, 2.0)]
+    assert [round(one[k], 4) for k in (1, 2, 3)] == [round(x * 10 / d, 4) for x, d in ((1.6, 17), (1.9, 17.5),
+                                                                                      (2.0, 18))]
+
+
+def test_a_one_forward_drafts_fastest_k_can_be_below_the_evaluated_one():
+    """H6: each k' is charged the verification of its own k'+1 tokens, so a draft that proposes all k in one
+    forward (whose round costs the same at every k') is not always fastest at the evaluated k. Acceptance
+    0.6, 0.3, 0.02; verification 11, 12, 16 ms: 1.6 x 10 / 17 = 0.94, 1.9 x 10 / 18 = 1.06, 1.92 x 10 / 22 =
+    0.87: best k 2 (charged 16 ms at every k', it would be 3)."""
+    from specforge_lite.evaluate.acceptance import estimate_by_k
+
+    costs = {"target_decode_s": 0.010, "target_verify_s": 0.016, "draft_round_s": 0.006, "draft_steps_per_round": 1,
+             "target_verify_s_by_k": [0.011, 0.012, 0.016]}
+    estimate = estimate_by_k([0.6, 0.3, 0.02], costs)
+    assert estimate["best_k"] == 2
+    assert estimate["estimated_speedup_by_k"][2] == pytest.approx(1.9 * 10 / 18)
+
+
+def test_the_verification_is_timed_at_each_k_and_a_fixed_k_draft_gets_no_table():
+    """H6: a chain draft's step costs time the target's verification of k'+1 tokens for every k' up to the
+    evaluated k (the last is the verification at k); a block draft, whose k is fixed at training, is timed at
+    its k only and gets no by-k estimate (it cannot be served at another k)."""
+    from specforge_lite.config import EvalConfig
+    from specforge_lite.evaluate.acceptance import estimate_by_k, measure_step_costs
+    from test_dflash import tiny_block_draft
+
+    target = tiny_target(aux_ids=[2, 4, 6])
+    prompt = torch.randint(0, target.vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    costs = measure_step_costs(target, tiny_draft(target), prompt, EvalConfig(num_draft_tokens=3), repeats=2)
+    assert len(costs["target_verify_s_by_k"]) == 3 and all(t > 0 for t in costs["target_verify_s_by_k"])
+    assert costs["target_verify_s_by_k"][-1] == costs["target_verify_s"]
+    assert estimate_by_k([0.6, 0.3, 0.1], costs)["best_k"] in (1, 2, 3)
+    block = tiny_block_draft(target, ttt_length=3)
+    costs = measure_step_costs(target, block, prompt, EvalConfig(num_draft_tokens=3), repeats=2)
+    assert costs["target_verify_s_by_k"] is None and costs["target_verify_s"] > 0
+    assert estimate_by_k([0.6, 0.3, 0.1], costs) == {"estimated_speedup_by_k": None, "best_k": None}
+
+
+def test_the_platt_fit_is_judged_on_other_prompts_than_it_was_fit_on():
+    """H10: the held-out half of the Platt fit is split by prompt, not by round: rounds of one prompt share its
+    context (their acceptance goes together), so a prompt's rounds on both sides would judge the fit on what
+    it was fit on. Three prompts of 30, 50 and 40 rounds: fit on the first and third (70 positions), judged on
+    the second (50); by alternate rounds it would be 60 and 60."""
+    g = torch.Generator().manual_seed(0)
+    conf = (0.05 + 0.9 * torch.rand(120, generator=g, dtype=torch.float64)).tolist()
+    accepted = (torch.rand(120, generator=g, dtype=torch.float64) < torch.tensor(conf)).long().tolist()
+    prompts = ["a"] * 30 + ["b"] * 50 + ["c"] * 40
+    fit = confidence.fitted_calibration(accepted, [[c] for c in conf], prompts)
+    assert (fit["fit_positions"], fit["judged_positions"]) == (70, 50)
+    assert (fit["fit_prompts"], fit["judged_prompts"]) == (2, 1)
+    assert confidence.fitted_calibration(accepted, [[c] for c in conf], ["a"] * 120) is None  # one prompt: no judge
+

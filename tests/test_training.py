@@ -18,6 +18,7 @@ from specforge_lite.data import BatchStream
 from specforge_lite.data.vocab import DraftVocab
 from specforge_lite.draft import Eagle3Objective
 from specforge_lite.methods.eagle3.settings import Eagle3Settings
+from specforge_lite.records import is_complete
 from specforge_lite.training import checkpoint as ckpt_mod
 from specforge_lite.training.loop import train
 from specforge_lite.training.tracking import Tracker
@@ -38,7 +39,7 @@ def synthetic_dataset(n=24, vocab=256, seed=0, answers=True):
 def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, resume="auto", draft_vocab=None,
                  vocab_offset=0, answers=True, log=lambda m: None, max_minutes=None, save_every=2,
                  stream_cls=BatchStream, data_seed=0, optimizer="adamw", save_every_minutes=None, steps_per_epoch=None,
-                 precision="fp32", **stream_kw):
+                 precision="fp32", muon_lr=None, **stream_kw):
     target = tiny_target()
     draft = tiny_draft(target, draft_vocab_size=draft_vocab or target.vocab_size, seed=seed)
     if vocab_offset:  # another mapping of the same size
@@ -47,7 +48,8 @@ def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, res
         draft.set_vocab(vocab.d2t, vocab.t2d)
     cfg = TrainerConfig(max_steps=max_steps, micro_batch_size=2, grad_accum_steps=accum, lr=lr, save_every=save_every,
                         stop_at_step=stop_at, progress_bar=False, precision=precision, warmup_ratio=0.1, resume=resume,
-                        max_minutes=max_minutes, optimizer=optimizer, save_every_minutes=save_every_minutes)
+                        max_minutes=max_minutes, optimizer=optimizer, save_every_minutes=save_every_minutes,
+                        muon_lr=muon_lr)
     stream = stream_cls(synthetic_dataset(seed=data_seed, answers=answers), cfg.micro_batch_size, pad_id=0, seed=seed,
                         **stream_kw)
     result = train(cfg, Eagle3Objective.from_config(Eagle3Settings(ttt_length=3)), tiny_teacher(target, draft), draft,
@@ -71,6 +73,34 @@ def test_resume_is_exact(tmp_path, optimizer):
     assert [x["step"] for x in lines] == list(range(1, 9))
     straight_lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [x["loss"] for x in lines] == [x["loss"] for x in straight_lines]
+
+
+def test_under_muon_both_learning_rates_are_logged_each_by_its_settings_name(tmp_path):
+    """H9: ``lr`` in metrics.jsonl is trainer.lr's schedule (AdamW's, over the norms and the lm_head) under
+    either optimizer; under Muon ``muon_lr`` is its matrices' (trainer.muon_lr's), on the same schedule."""
+    run_training(tmp_path / "muon", max_steps=4, accum=1, lr=1e-3, optimizer="muon", muon_lr=4e-3)
+    lines = [json.loads(x) for x in (tmp_path / "muon" / "metrics.jsonl").read_text().splitlines()]
+    assert max(x["lr"] for x in lines) == pytest.approx(1e-3)
+    assert [x["muon_lr"] for x in lines] == pytest.approx([4 * x["lr"] for x in lines])
+    run_training(tmp_path / "adamw", max_steps=2, accum=1, lr=1e-3)
+    lines = [json.loads(x) for x in (tmp_path / "adamw" / "metrics.jsonl").read_text().splitlines()]
+    assert "muon_lr" not in lines[-1] and max(x["lr"] for x in lines) == pytest.approx(1e-3)
+
+
+def test_the_muon_split_is_speculators_rule_widened_to_every_token_indexed_matrix():
+    """H9: speculators leaves the embedding and the lm_head to AdamW; ours leaves every matrix indexed by token
+    id (DSpark's Markov factors, DFlash 2's codebooks) to it too, and is speculators' rule elsewhere."""
+    from specforge_lite.training.optim import TOKEN_INDEXED, for_muon
+    from test_dflash import tiny_block_draft
+
+    def speculators_rule(name, p):  # (their split, as their docs state it)
+        return p.ndim == 2 and min(p.shape) > 1 and "embed_tokens" not in name and "lm_head" not in name
+
+    target = tiny_target(aux_ids=[2, 4, 6])
+    named = dict(tiny_block_draft(target, method="dspark", markov_rank=8).named_parameters())
+    differ = sorted(n for n, p in named.items() if for_muon(n, p) != speculators_rule(n, p))
+    assert differ == ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"]
+    assert all(not for_muon(n, named[n]) and any(hint in n for hint in TOKEN_INDEXED) for n in differ)
 
 
 def test_metrics_fields_and_learning(tmp_path):
@@ -357,7 +387,7 @@ def test_a_kill_in_the_middle_of_pruning_leaves_no_half_deleted_checkpoint_liste
         ckpt_mod._prune(tmp_path / "checkpoints", keep=1)
     monkeypatch.setattr(ckpt_mod.shutil, "rmtree", real)
     listed = sorted((tmp_path / "checkpoints").glob("step_*"))
-    assert listed and all(ckpt_mod.is_complete(p) for p in listed), [p.name for p in listed]
+    assert listed and all(is_complete(p) for p in listed), [p.name for p in listed]
     ckpt_mod._prune(tmp_path / "checkpoints", keep=1)  # the next save's prune removes what was left
     assert not list((tmp_path / "checkpoints").glob(".pruned-*"))
 
@@ -382,7 +412,7 @@ def test_metrics_that_cannot_be_written_stop_the_run_in_one_line_and_it_resumes(
     the same way). The run stops naming metrics.jsonl and the fix (the buffered line used to fail again at
     close, a raw OSError traceback); once there is room the same command resumes and the record is whole."""
     from specforge_lite.errors import UserError
-    from specforge_lite.training.tracking import read_metrics
+    from specforge_lite.records import read_metrics
 
     run_training(tmp_path, max_steps=8, stop_at=2)
     with file_size_limit((tmp_path / "metrics.jsonl").stat().st_size + 200), \
@@ -397,7 +427,7 @@ def test_a_metrics_line_cut_short_by_a_kill_is_dropped_and_an_edited_one_is_name
     raised a JSONDecodeError traceback before, and the run could not resume). A damaged line elsewhere is
     named by path and line, here and in the tools that read the record."""
     from specforge_lite.evaluate.sweep import collect
-    from specforge_lite.training.tracking import DamagedRecord
+    from specforge_lite.records import DamagedRecord
 
     run_training(tmp_path, max_steps=6, stop_at=4)
     metrics = tmp_path / "metrics.jsonl"

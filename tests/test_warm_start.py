@@ -53,7 +53,7 @@ def test_layers_that_are_not_llama_layers_and_missing_layers_are_refused(tmp_pat
     from conftest import ROOT  # noqa: F401  (the project on the path)
     from specforge_lite.compose import load_config
     from specforge_lite.data.vocab import DraftVocab
-    from specforge_lite.pipeline import build_draft
+    from specforge_lite.run import build_draft
 
     qwen3 = Qwen3ForCausalLM(Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256))

@@ -1,4 +1,4 @@
-"""Drafts that learn from the traffic they serve (issue 34): served conversations read as training data
+"""Drafts that learn from the traffic they serve: served conversations read as training data
 (traffic.py), candidates trained from the current draft (candidate.py), judged against it (judge.py), and
 versions with a ``current`` pointer and a decisions log (home.py); ``python -m specforge_lite.adapt``."""
 

@@ -9,8 +9,8 @@
 ``init`` makes the draft version v0001 of a new home (one holding versions is refused) and fixes the rails.
 With a run folder its config.yaml is the base (``key=value`` overrides on top); with an export folder the
 overrides compose it as train.py would (``model=... data=...``). ``run`` adapts once on the traffic files given
-(OpenAI chat-completion logs, ShareGPT or messages JSONL, a vLLM request log) and on the files not used yet in
-the folders given, ``watch`` whenever enough new conversations land in DIR. Each candidate
+(OpenAI chat-completion logs, ShareGPT or messages JSONL, a vLLM request log) and the folders' files, ``watch``
+whenever enough new conversations land in DIR; a file's content is trained on once, whatever its name. Each candidate
 is trained from the current version on the traffic plus a replay slice of the base data, judged against the
 current version on held-out traffic and the frozen regression set (served by vLLM unless --judge ours), and
 promoted only past the rails. ``current`` always names a complete version; every decision is in

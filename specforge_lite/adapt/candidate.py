@@ -13,7 +13,7 @@ candidate's configuration is the home's base configuration with:
 
 It is trained by ``python -m specforge_lite.job`` in its own process group, so a long ``adapt watch`` holds no
 model between adaptations, a failed candidate cannot take the loop down with it, and a signal that stops adapt
-stops all of it (stopping.py).
+stops all of it (stopping.py), as does the home's ``timeout_minutes``.
 """
 
 from __future__ import annotations
@@ -26,10 +26,17 @@ from pathlib import Path
 from ..config import MixSource
 from ..data.prepare import opening
 from ..files import write_jsonl
-from ..training.tracking import read_metrics
-from .stopping import run_in_own_group
+from ..records import read_metrics
+from .stopping import TimedOut, run_in_own_group
 
 HELDOUT_FOR_DATA = 8  # the candidate's own held-out split (its data needs one; the judge does not read it)
+# the candidate's training time past which it is stopped (settings.json timeout_minutes; the default of a home
+# made before the setting): a hung candidate must not hold the home's lock for ever
+TIMEOUT_MINUTES = 240.0
+
+
+class CandidateTimedOut(RuntimeError):
+    """The candidate's training ran past its timeout and was stopped."""
 
 
 def is_heldout(conversation: list[dict], fraction: float) -> bool:
@@ -95,8 +102,14 @@ def candidate_config(home, current: Path, traffic_file: Path, n_traffic: int, ru
     return config
 
 
+def job_command(config_file: Path, run_dir: Path) -> list[str]:
+    """The candidate's training, as a process of its own."""
+    return [sys.executable, "-m", "specforge_lite.job", str(config_file), str(run_dir)]
+
+
 def train_candidate(home, current: Path, train_convs: list, work: Path, log=print) -> Path:
-    """Train the candidate into ``work/run`` (a killed attempt's folder is started over); the run folder."""
+    """Train the candidate into ``work/run`` (a killed attempt's folder is started over); the run folder.
+    Stopped past the home's ``timeout_minutes`` (``CandidateTimedOut``)."""
     from omegaconf import OmegaConf
 
     traffic_file = work / "traffic_train.jsonl"
@@ -108,8 +121,14 @@ def train_candidate(home, current: Path, train_convs: list, work: Path, log=prin
     OmegaConf.save(OmegaConf.structured(config), config_file)
     log(f"[adapt] training a candidate from {current.name} on {len(train_convs)} traffic conversations "
         f"(replay ratio {home.settings()['replay_ratio']}; log: {work / 'train.log'})")
+    minutes = home.settings().get("timeout_minutes", TIMEOUT_MINUTES)
     with open(work / "train.log", "w") as out:
-        code = run_in_own_group([sys.executable, "-m", "specforge_lite.job", str(config_file), str(run_dir)], out)
+        try:
+            code = run_in_own_group(job_command(config_file, run_dir), out,
+                                    timeout=None if minutes is None else 60 * minutes)  # (null: none)
+        except TimedOut:
+            raise CandidateTimedOut(f"the candidate's training ran past its timeout of {minutes:g} min and was "
+                                    f"stopped (timeout_minutes in {home.root / 'settings.json'})") from None
     if code != 0 or not (run_dir / "final" / "config.json").is_file():
         tail = (work / "train.log").read_text(errors="replace").splitlines()[-5:]
         raise RuntimeError(f"the candidate's training failed (exit {code}); its log ends:\n  "

@@ -8,8 +8,9 @@
       base_config.yaml    the configuration every candidate starts from (target, data, draft, trainer)
       regression.jsonl    the frozen regression prompts (MT-bench format)
       heldout.jsonl       held-out traffic (never trained on), newest last
-      reports/NNNN/       the judged drafts' evaluations (ours and vLLM's) behind decision NNNN (its line)
-      work/               the candidate being made; removed once it is decided
+      reports/NNNN/       the judged drafts' evaluations (ours and vLLM's) behind decision NNNN (its line), or
+                          the training log of a candidate that failed
+      work/               the candidate being made; removed once it is decided or has failed
       .lock               held by the command writing the home (a watch holds it only while it looks and adapts)
 
 The decisions log is the truth. ``current`` is the version of its last init, promote or rollback event. A

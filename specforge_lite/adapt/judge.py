@@ -37,7 +37,7 @@ def judge_folder(run_dir: Path, draft: Path, folder: Path) -> Path:
 
 def measure(folders: dict[str, Path], prompt_files: dict[str, Path], settings: dict, log=print) -> dict:
     """Acceptance per set for each folder: {name: {"traffic": x, "regression": y, "measured_by": ...}}."""
-    from ..evaluate.finish import evaluate_finished_run
+    from ..evaluate.finished import evaluate_finished_run
 
     overrides = {"prompt_sets": list(SETS), "prompt_files": {k: str(v) for k, v in prompt_files.items()},
                  "num_prompts": settings["eval_prompts"], "max_new_tokens": settings["max_new_tokens"],

@@ -10,14 +10,15 @@ decision is logged.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
 
 from ..data.prepare import opening
-from .candidate import as_prompts, split_traffic, train_candidate
+from .candidate import TIMEOUT_MINUTES, as_prompts, split_traffic, train_candidate
 from ..files import sha256_file, write_jsonl
-from .home import AdaptHomeError, Home, write_json_atomic
+from .home import REPORTS, AdaptHomeError, Home, write_json_atomic
 from .judge import JUDGES, decide, judge_folder, measure
 from .traffic import read_traffic
 
@@ -34,6 +35,7 @@ DEFAULTS = {
     "min_conversations": 64,  # adapt watch: new conversations that start an adaptation
     "steps": 200,  # the candidate's optimizer steps
     "minutes": None,  # or its training minutes (trainer.max_minutes), whichever ends first
+    "timeout_minutes": TIMEOUT_MINUTES,  # its training is stopped past this (a failed candidate)
     "k": 3,  # draft tokens per verification when judging
     "eval_prompts": 24,  # prompts per judged set
     "max_new_tokens": 48,  # tokens generated per judged prompt
@@ -93,6 +95,10 @@ def _init(home: Home, draft: Path, overrides: list[str], settings: dict, regress
     check_judge(settings["judge"])
     if not 0 <= settings["replay_ratio"] < 1:
         raise AdaptHomeError(f"--replay-ratio {settings['replay_ratio']}: use a share in [0, 1)")
+    if settings["timeout_minutes"] <= (settings["minutes"] or 0):
+        budget = f"than its budget (--minutes {settings['minutes']:g})" if settings["minutes"] else "minutes"
+        raise AdaptHomeError(f"--timeout-minutes {settings['timeout_minutes']:g}: give the candidate's training more "
+                             f"{budget} to start and finish in")
     draft = Path(draft).expanduser().resolve()
     config = base_config(draft, overrides)
     if config.data.source == "offline" and settings["replay_ratio"] > 0:
@@ -162,10 +168,7 @@ def adapt_once(home: Home, files: list[Path], log=print) -> dict:
                    "candidate": judge_folder(run_dir, run_dir, work / "judge-candidate")}
         numbers = measure(folders, prompts, settings, log)
     except Exception as e:  # a failed candidate is a decision too: logged, and the loop goes on
-        event = home.log("fail", parent=current.name, files=records, error=f"{type(e).__name__}: {e}"[:2000],
-                         **skipped)
-        log(f"[adapt] candidate failed: {event['error']}")
-        return event
+        return _failed(home, e, work, parent=current.name, files=records, **skipped, log=log)
     # (the first version's regression acceptance is unmeasured only while it is current: decide() then takes this)
     promote, why = decide(numbers["current"], numbers["candidate"], settings["margin"], settings["tolerance"],
                           home.first_regression())
@@ -183,30 +186,46 @@ def adapt_once(home: Home, files: list[Path], log=print) -> dict:
     return event
 
 
+def _failed(home: Home, error: Exception, work: Path, log=print, **fields) -> dict:
+    """Log a failed candidate, keep its training log under reports/<its decision's number>/ and remove the rest of
+    its work (logged first: a report folder numbered past the log would read as lost lines)."""
+    train_log = work / "train.log"
+    kept = Path(REPORTS) / f"{len(home.events()) + 1:04d}" / "train.log"
+    event = home.log("fail", error=f"{type(error).__name__}: {error}"[:2000],
+                     **({"log": str(kept)} if train_log.is_file() else {}), **fields)
+    if train_log.is_file():
+        (home.root / kept).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(train_log, home.root / kept)
+    shutil.rmtree(work, ignore_errors=True)
+    log(f"[adapt] candidate failed: {event['error']}" + (f" (its log: {home.root / kept})" if "log" in event else ""))
+    return event
+
+
 def run(home: Home, paths: list[Path], log=print) -> dict | None:
     """``adapt run``: one adaptation on the files named and each folder's traffic files not used yet (as
     ``watch`` takes them), under the home's lock; the logged event, or None when there was nothing new."""
     with home.holding(log):
-        files = traffic_files(home, paths)
+        files = traffic_files(home, paths, log)
         if not files:
             log(f"[adapt] nothing new in {', '.join(map(str, paths))}: every traffic file there was used already")
             return None
         return adapt_once(home, files, log)
 
 
-def traffic_files(home: Home, paths: list[Path]) -> list[Path]:
-    """Each file named, and each folder's traffic files not used yet; once each, in order."""
-    out: dict[Path, None] = {}
+def traffic_files(home: Home, paths: list[Path], log=print) -> list[Path]:
+    """The files named and each folder's traffic files, in order, whose content no decision has used yet."""
+    found: dict[Path, None] = {}
     for path in map(lambda p: Path(p).expanduser(), paths):
         if path.is_dir():
-            out.update(dict.fromkeys(new_files(home, path, settle=0)))
+            found.update(dict.fromkeys(settled_files(path, settle=0)))
         elif not path.is_file():
             raise AdaptHomeError(f"adapt run {path}: no such file or folder")
         elif path.suffix not in TRAFFIC_SUFFIXES:
             raise AdaptHomeError(f"adapt run {path}: not a traffic file (name it {', '.join(TRAFFIC_SUFFIXES)})")
         else:
-            out[path] = None
-    return list(out)
+            found[path] = None
+    named = {Path(p).expanduser() for p in paths}
+    return unused(home, list(found), log, say_used=lambda path: path in named)
 
 
 def _keep_reports(home: Home, folders: dict[str, Path], number: int) -> None:
@@ -220,22 +239,53 @@ def _keep_reports(home: Home, folders: dict[str, Path], number: int) -> None:
 
 
 # ---- the loop -------------------------------------------------------------------------------------------
-def new_files(home: Home, folder: Path, settle: float) -> list[Path]:
-    """Traffic files in ``folder`` not yet used and unchanged for ``settle`` seconds (still being written
-    otherwise); a used file that changed since is logged once as skipped (a file is read whole, once)."""
-    consumed, out, now = home.consumed(), [], time.time()
+def settled_files(folder: Path, settle: float) -> list[Path]:
+    """Traffic files in ``folder`` (and its subfolders) unchanged for ``settle`` seconds (still being written
+    otherwise)."""
+    out, now = [], time.time()
     for path in sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.suffix in TRAFFIC_SUFFIXES):
         try:
-            if now - path.stat().st_mtime < settle:
-                continue
-            key = str(path.resolve())
-            if key not in consumed:
+            if now - path.stat().st_mtime >= settle:
                 out.append(path)
-            elif consumed[key] != fingerprint(path):
-                home.log("skip", files=[_file_record(path)], why="the file changed after it was read; a traffic "
-                         "file is read once: write new traffic to new files (rotate the log)")
         except OSError:
             continue  # (gone between listing and reading: a later poll sees what is there)
+    return out
+
+
+def new_files(home: Home, folder: Path, settle: float, log=print) -> list[Path]:
+    """Traffic files in ``folder``, settled, whose content no decision has used yet (``unused``)."""
+    return unused(home, settled_files(folder, settle), log)
+
+
+def unused(home: Home, files: list[Path], log=print, say_used=lambda path: False) -> list[Path]:
+    """Of ``files``, those whose content no decision has used, each content once: a traffic file is trained on
+    once, whatever its name (its fingerprint). A file used already is left out (said when ``say_used``); one
+    that changed since it was read, or that repeats a content under another name, is logged as skipped, so
+    that it counts as used and is said once."""
+    consumed = home.consumed()
+    used = {fp: path for path, fp in consumed.items()}
+    out = []
+    for path in files:
+        try:
+            key, fp = str(path.resolve()), fingerprint(path)
+        except OSError:
+            continue  # (gone between listing and reading: a later poll sees what is there)
+        if consumed.get(key) == fp:
+            if say_used(path):
+                log(f"[adapt] left out {path}: used already (a traffic file is trained on once)")
+            continue
+        if key in consumed:
+            why = ("the file changed after it was read; a traffic file is read once: write new traffic to new files "
+                   "(rotate the log)")
+        elif fp in used:
+            why = f"the same content as {used[fp]}, used already (a traffic file is trained on once)"
+        else:
+            out.append(path)
+            used[fp] = key
+            continue
+        home.log("skip", files=[{"path": key, "fingerprint": fp}], why=why)
+        consumed[key] = fp
+        log(f"[adapt] left out {path}: {why}")
     return out
 
 
@@ -260,7 +310,7 @@ def look(home: Home, folder: Path, settle: float, wanted: int, log=print) -> Non
     """One poll of ``folder``: bad files logged as skipped, and an adaptation once ``wanted`` conversations wait."""
     home.current()  # (a watch stops, with the fix, when the current version is gone)
     ready, count = [], 0
-    for path in new_files(home, folder, settle):
+    for path in new_files(home, folder, settle, log):
         traffic = read_traffic([path])
         if traffic.conversations:
             ready.append(path)

@@ -55,15 +55,23 @@ def stopped_by_signals() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def run_in_own_group(command: list[str], out: IO, grace: float = GRACE_S) -> int:
-    """Run ``command`` in a process group of its own, writing to ``out``; its exit status. Stopped, the signal
-    goes to the whole group first; whatever outlives ``grace`` (or the command itself) is killed."""
+class TimedOut(Exception):
+    """The command ran past its timeout; its group was stopped as a signal to adapt stops it."""
+
+
+def run_in_own_group(command: list[str], out: IO, grace: float = GRACE_S, timeout: float | None = None) -> int:
+    """Run ``command`` in a process group of its own, writing to ``out``; its exit status. Stopped, or past
+    ``timeout`` seconds (``TimedOut``), SIGTERM goes to the whole group first (or the signal that stopped
+    adapt); whatever outlives ``grace`` (or the command itself) is killed."""
     if sys.platform.startswith("linux"):
         command = [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), *command]
     proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     stop_with = signal.SIGKILL
     try:
-        return proc.wait()
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        stop_with = signal.SIGTERM
+        raise TimedOut(f"{timeout:g} s") from None
     except Stopped as e:
         stop_with = e.signum
         raise

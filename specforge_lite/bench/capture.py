@@ -45,7 +45,7 @@ def main(argv=None) -> None:
 
     from ..compose import load_config
     from ..draft.objective import Eagle3Objective
-    from ..pipeline import build_target
+    from ..targets import build_target
     from ..targets import HFTarget, Teacher
     from .memory import peak_bytes
 

@@ -15,7 +15,7 @@ compiled flex-attention kernel per step), sdpa (one SDPA call per step over ever
 explicit mask: memory quadratic in T), dense. Before timing, each way's loss and gradients at the first
 length are compared with blockwise's (bf16 tolerance): an incorrect way is never the chosen one.
 
-Peers: scripts/peers/NAME_step.py run by ``--peer-python`` (with ``--peer-path`` on PYTHONPATH) on the same
+Peers: studies/peers/NAME_step.py run by ``--peer-python`` (with ``--peer-path`` on PYTHONPATH) on the same
 captured states (a safetensors file per length), on the GPU with the attention and loss their trainers use
 there; a peer that runs out of memory is a row that says so. ``--methods dflash,dspark`` times our block
 drafts' steps at ``--method-seq-lens``. ``--budget-s``: rows not started by then are reported as not run.
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .seq_scaling import PEER_DRIVERS
+from .seq_scaling import peer_driver
 from .shapes import SHAPES
 
 def _llama_fields(shape: dict) -> dict:
@@ -214,13 +214,13 @@ def _oom_row(e: BaseException) -> dict:
 
 
 def run_peer(name: str, a, lens: list[int], folder: Path, shape: dict, over) -> list[dict]:
-    """One row per length: the peer's driver (scripts/peers) over ``folder``'s inputs_T.safetensors, in one
+    """One row per length: the peer's driver (studies/peers) over ``folder``'s inputs_T.safetensors, in one
     process; a length it did not reach is a row that says why."""
     if not lens:
         return []
     if over():
         return [{"T": T, "skipped": "past --budget-s"} for T in lens]
-    cmd = [a.peer_python, str(PEER_DRIVERS / f"{name}_step.py"), "--seq-len", ",".join(map(str, lens)),
+    cmd = [a.peer_python, str(peer_driver(name)), "--seq-len", ",".join(map(str, lens)),
            "--ttt", str(a.ttt), "--draft-vocab", str(a.draft_vocab), "--repeats", str(a.repeats),
            "--shape", json.dumps(shape), "--inputs", str(folder / "inputs_{T}.safetensors")]
     if a.device == "cuda":
@@ -279,7 +279,7 @@ def main(argv=None) -> None:
     p.add_argument("--loss-chunks", default="", help="extra draft.loss_chunk_rows values timed at the first length")
     p.add_argument("--methods", default="dflash,dspark", help="block drafts timed too ('' for none)")
     p.add_argument("--method-seq-lens", default="2048,8192")
-    p.add_argument("--peers", default="", help="specforge,speculators: their drivers (scripts/peers)")
+    p.add_argument("--peers", default="", help="specforge,speculators: their drivers (studies/peers)")
     p.add_argument("--peer-python", default="python3")
     p.add_argument("--peer-path", default="", help="prepended to the peers' PYTHONPATH (their wheels)")
     p.add_argument("--peer-seq-lens", default="2048,8192,32768,65536")

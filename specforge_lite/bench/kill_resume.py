@@ -57,7 +57,7 @@ def _finish(cmd: list[str]) -> float:
 
 def check_listing(run_dir: Path) -> list[str]:
     """Load every published checkpoint folder; the names of those that fail, with why."""
-    from ..training.checkpoint import checkpoint_root, load_checkpoint
+    from ..records import checkpoint_root, load_checkpoint
     from ..training.optimizer_state import OptimizerState
 
     bad = []
@@ -166,7 +166,7 @@ def _folder_megabytes(folder: Path) -> int:
 def torture(kills: int, steps: int, seed: int, out: Path, overrides: list[str], log=print,
             full_disk: int = 0) -> dict:
     """The uninterrupted run, then the killed-and-resumed one; the comparison and what the kills hit."""
-    from ..training.checkpoint import latest_checkpoint
+    from ..records import latest_checkpoint
 
     rng = random.Random(seed)
     straight, killed = out / "straight", out / "killed"
@@ -204,7 +204,7 @@ def _compare(straight: Path, resumed: Path) -> tuple[list[str], list[str]]:
     """(the two final checkpoints' names, the tensors of weights and optimizer state that differ)."""
     from safetensors.torch import load_file
 
-    from ..training.checkpoint import latest_checkpoint
+    from ..records import latest_checkpoint
     from ..training.optimizer_state import TENSORS
 
     a, b = latest_checkpoint(straight), latest_checkpoint(resumed)

@@ -26,7 +26,7 @@ def main(argv=None) -> None:
 
     from ..compose import load_config
     from ..data.loader import collate, collate_packed
-    from ..pipeline import pad_id
+    from ..data import pad_id
     from ..run import Run
 
     config = load_config(["tracker=none", "model=smollm2_135m", "recipe=none", *a.overrides])

@@ -84,7 +84,8 @@ def main(argv=None) -> None:
     from ..data.prepare import data_file
     from ..data.regenerate import compute_shares
     from ..generation import LazyGenerator
-    from ..pipeline import build_target, load_tokenizer, vllm_server
+    from ..generation import vllm_server
+    from ..targets import build_target, load_tokenizer
 
     config = load_config(["tracker=none", *a.overrides])
     target = build_target(config)

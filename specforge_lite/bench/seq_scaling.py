@@ -17,7 +17,7 @@ row (draft/sequence_parallel.py, DeepSpeed's all-to-all); the memory printed is 
 the group's.
 
 ``--peers NAME=PYTHON ...``: after the table, one training step of each peer's own EAGLE3 draft
-(scripts/peers/NAME_step.py, run by that interpreter: its own TTT loop and loss) against ours (the
+(studies/peers/NAME_step.py, run by that interpreter: its own TTT loop and loss) against ours (the
 defaults) on the same shapes, at ``--peer-seq-lens``: tokens/s, medians of ``--repeats`` steps after a
 warm-up, side by side, and our ratio to the faster peer. The peers live in a throwaway venv:
 
@@ -36,7 +36,17 @@ from pathlib import Path
 
 import torch
 
-PEER_DRIVERS = Path(__file__).resolve().parents[2] / "scripts" / "peers"
+# the peers' drivers live beside the package, in a checkout's studies/ (an installed wheel has none)
+PEER_DRIVERS = Path(__file__).resolve().parents[2] / "studies" / "peers"
+
+
+def peer_driver(name: str) -> Path:
+    """studies/peers/NAME_step.py of the checkout this package runs from; refused in one line where it is missing."""
+    path = PEER_DRIVERS / f"{name}_step.py"
+    if not path.is_file():
+        raise SystemExit(f"error: {path} is missing: the peers' drivers come with a checkout of the repository "
+                         f"(studies/peers/); run the benchmark from one, or leave --peers out")
+    return path
 
 WAYS = {"dense": dict(attention="dense", loss_chunk_rows=0), "blockwise": dict(attention="blockwise"),
         "blockwise+ckpt": dict(attention="blockwise", checkpointing=True)}
@@ -163,7 +173,7 @@ def _against_peers(draft, shape: dict, a, say) -> None:
         ours = T / _median_step_seconds(step, a.repeats)
         theirs, notes = {}, []
         for name, python in peers.items():
-            cmd = [python, str(PEER_DRIVERS / f"{name}_step.py"), "--seq-len", str(T), "--ttt", str(a.ttt),
+            cmd = [python, str(peer_driver(name)), "--seq-len", str(T), "--ttt", str(a.ttt),
                    "--draft-vocab", str(a.draft_vocab), "--repeats", str(a.repeats), "--shape", json.dumps(shape),
                    "--threads", str(torch.get_num_threads())]
             proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -37,7 +37,7 @@ def main(argv=None) -> None:
     from ..offline import StoreReader
     from ..offline.dump import dump
     from ..run import Run
-    from ..offline.store import PARTS
+    from ..targets.store import PARTS
 
     with tempfile.TemporaryDirectory() as tmp:
         sizes = {}

@@ -45,7 +45,7 @@ def main(argv=None) -> None:
 
     from ..compose import load_config
     from ..draft.objective import UnrollInputs
-    from ..pipeline import pad_id
+    from ..data import pad_id
     from ..run import Run
     from ..training.distributed import use_bf16
     from ..training.optim import build_optimizer

@@ -30,6 +30,11 @@ from .images import ImageInputs
 Sample = tuple[list[int], list[int], list[str]]
 
 
+def pad_id(tokenizer: Any) -> int:
+    """The id batches pad with: the tokenizer's pad token, else its end of sequence (pads are masked, never read)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
            images: ImageInputs | None = None) -> str:
     """The conversation as the target's template writes it, with the tools its first turn carries (formats.py)."""

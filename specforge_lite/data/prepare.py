@@ -178,6 +178,19 @@ def opening(messages: list[dict[str, str]]) -> str:
     return " ".join(first["content"].lower().split()) + "|".join(first.get("images") or [])
 
 
+@dataclass
+class _Read:
+    """The file sources read and split: each one's training pool, the held-out conversations of all, the rows
+    that could not be used (reason -> count, and where each reason first occurred)."""
+    pools: dict[int, list] = field(default_factory=dict)
+    heldout: list = field(default_factory=list)
+    reasons: Counter = field(default_factory=Counter)
+    first_at: dict[str, str] = field(default_factory=dict)
+    rows: int = 0
+    conversations: int = 0
+    as_written: set[int] = field(default_factory=set)  # (ids of the conversations regeneration leaves alone)
+
+
 def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerprint: str = "", log=print,
                  images: ImageInputs | None = None, request_writer=None) -> PreparedData:
     """Read, split, check, optionally regenerate with the target, tokenise; cached by content.
@@ -187,94 +200,162 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     mix holds self_generated. ``images``: how a vision target takes images (None: conversations with images
     are skipped and counted).
     """
-    import datasets
-
     if cfg.loss_turns not in LOSS_TURNS:
         raise DataError(f"data.loss_turns={cfg.loss_turns!r}: use one of {LOSS_TURNS}")
     sources = mix_sources(cfg)
     files = {i: data_file(src) for i, src in enumerate(sources) if src.source != SELF_GENERATED}
     source_key = _fingerprint(list(files.values()), tokenizer, cfg, images)
-    regen_key = None
-    if cfg.regenerate:
-        regen_key = regeneration_key(source_key, model_fingerprint, cfg.generation)
-    cached = cache_dir() / "prepared" / (source_key + (f"-regen-{regen_key}" if regen_key else ""))
+    regen_key = regeneration_key(source_key, model_fingerprint, cfg.generation) if cfg.regenerate else None
+    # (the regenerated answers' key leaves the cap out, as a larger cap reuses them; the prepared data holds
+    # as many conversations as the cap allows, so its folder names the cap)
+    cap = cfg.generation.max_conversations
+    cached = cache_dir() / "prepared" / (source_key + (f"-regen-{regen_key}" if regen_key else "")
+                                         + (f"-n{cap}" if regen_key and cap is not None else ""))
     if (cached / "stats.json").is_file():
-        stats = json.loads((cached / "stats.json").read_text())
-        prompts = json.loads((cached / "heldout_prompts.json").read_text())
-        return PreparedData(datasets.load_from_disk(str(cached / "train")),
-                            datasets.load_from_disk(str(cached / "heldout")), prompts, stats,
-                            json.loads((cached / "heldout_prompt_images.json").read_text()))
+        return _load_prepared(cached)
 
-    # Each file source: its rows, a held-out share (of data.heldout_samples, by weight) and the rest.
+    read = _read_and_split(files, sources, cfg, tokenizer, images)
+    overlap = _drop_heldout_openings(read.pools, read.heldout)
+    train_convs, mix_stats = _mixed(read.pools, sources, cfg, tokenizer, request_writer, model_fingerprint, log)
+    heldout_convs = read.heldout
+    prompts, prompt_images = _heldout_prompts(heldout_convs, tokenizer, images)
+    path = next(iter(files.values()))
+    stats: dict = {"file": str(path), "rows": read.rows, "conversations": read.conversations,
+                   "heldout_overlap_removed": overlap, **mix_stats}
+    if cfg.regenerate:
+        train_convs, heldout_convs, stats["regeneration"] = _regenerate_answers(
+            train_convs, heldout_convs, read.as_written, generate, cfg, regen_key, log)
+    train, train_err = _tokenized(train_convs, cfg, tokenizer, images)
+    heldout, held_err = _tokenized(heldout_convs, cfg, tokenizer, images)
+    read.reasons.update(train_err)
+    read.reasons.update(held_err)
+    # rows lost after parsing (a prompt too long, no answer within max_length, a template that renders the
+    # turns otherwise) count against the same threshold as unparsable ones: a wrong template must not
+    # silently drop most of the data
+    _check_malformed(read.rows, read.reasons, cfg, path, read.first_at, "could not be used")
+    if len(train) == 0:
+        raise DataError(
+            f"no usable training conversations in {path} after filtering ({dict(read.reasons)}; {overlap} shared an "
+            f"opening with a held-out prompt); check the row shapes (docs/data.md) and "
+            f"data.max_length={cfg.max_length}"
+        )
+    stats.update(_split_stats(train, heldout, read))
+    _publish(cached, train, heldout, prompts, prompt_images, stats)
+    skipped = sum(read.reasons.values())
+    names = ", ".join(f"{k}: {v}" for k, v in stats["mix"].items()) if "mix" in stats else source_name(path)
+    log(f"[data] {names}: {len(train)} train / {len(heldout)} held-out conversations, {stats['train_tokens']} "
+        f"train tokens; {overlap} training conversations dropped for sharing an opening with a held-out prompt"
+        + (f"; skipped {skipped}: {dict(read.reasons)}" if skipped else ""))
+    return _load_prepared(cached)
+
+
+def _load_prepared(cached: Path) -> PreparedData:
+    """The prepared data that ``_publish`` wrote into ``cached``."""
+    import datasets
+
+    return PreparedData(datasets.load_from_disk(str(cached / "train")),
+                        datasets.load_from_disk(str(cached / "heldout")),
+                        json.loads((cached / "heldout_prompts.json").read_text()),
+                        json.loads((cached / "stats.json").read_text()),
+                        json.loads((cached / "heldout_prompt_images.json").read_text()))
+
+
+def _read_and_split(files: dict[int, Path | str], sources: list[MixSource], cfg: DataConfig, tokenizer: Any,
+                    images: ImageInputs | None) -> _Read:
+    """Each file source: its conversations whose first prompt leaves room for an answer, a held-out share of
+    data.heldout_samples (by the source's weight, in a fixed order) and the rest as its training pool."""
+    read = _Read()
     file_weight = sum(sources[i].weight for i in files)
-    pools, heldout_convs, reasons, total, n_convs, first_at = {}, [], Counter(), 0, 0, {}
-    as_written: set[int] = set()  # (ids of the conversations whose answers regeneration leaves alone)
     for i, path in files.items():
         conversations, bad, rows, where = _read_conversations(path, cfg, tokenizer, _takes_prompts(cfg, sources[i]))
-        reasons.update(bad)
-        first_at = {**where, **first_at}
-        total += rows
-        n_convs += len(conversations)
+        read.reasons.update(bad)
+        read.first_at = {**where, **read.first_at}
+        read.rows += rows
+        read.conversations += len(conversations)
         # A prompt that fills data.max_length leaves no room for an answer: never a sample, nor an eval prompt.
         fits = [c for c in conversations if _prompt_fits(tokenizer, c, cfg.max_length, images)]
         if len(fits) < len(conversations):
             too_long = f"first prompt of data.max_length={cfg.max_length} tokens or more"
-            reasons[too_long] += len(conversations) - len(fits)
-        conversations = fits
-        order = list(range(len(conversations)))
+            read.reasons[too_long] += len(conversations) - len(fits)
+        order = list(range(len(fits)))
         random.Random(_HELDOUT_SEED).shuffle(order)
         n_held = min(round(cfg.heldout_samples * sources[i].weight / file_weight), len(order) // 2)
-        heldout_convs += [conversations[j] for j in order[:n_held]]
-        pools[i] = [conversations[j] for j in order[n_held:]]
+        read.heldout += [fits[j] for j in order[:n_held]]
+        read.pools[i] = [fits[j] for j in order[n_held:]]
         if sources[i].regenerate is False:
-            as_written.update(map(id, conversations))
-    # Evaluation prompts are held-out openings: no training conversation may start the same way
-    # (chit-chat repeats "hi"-style openings, and a greedy target answers them identically).
-    held_openings = {opening(c) for c in heldout_convs}
+            read.as_written.update(map(id, fits))
+    return read
+
+
+def _drop_heldout_openings(pools: dict[int, list], heldout: list) -> int:
+    """Evaluation prompts are held-out openings: no training conversation may start the same way (chit-chat
+    repeats "hi"-style openings, and a greedy target answers them identically). How many were dropped."""
+    held_openings = {opening(c) for c in heldout}
     overlap = 0
     for i, pool in pools.items():
         pools[i] = [c for c in pool if opening(c) not in held_openings]
         overlap += len(pool) - len(pools[i])
-    self_stats = None
+    return overlap
+
+
+def _mixed(pools: dict[int, list], sources: list[MixSource], cfg: DataConfig, tokenizer: Any, request_writer,
+           model_fingerprint: str, log) -> tuple[list, dict]:
+    """The training conversations: one source's pool, or the mix's sources interleaved by weight (with the
+    self-generated requests written first); at most data.max_samples. And the mix's stats."""
+    stats = {}
     if len(sources) > 1 or sources[0].source == SELF_GENERATED:
         pools, self_stats = _add_self_generated(pools, sources, cfg, tokenizer, request_writer, model_fingerprint, log)
-        train_convs, per_source = _interleave(pools, sources, _mix_total(cfg, pools, sources))
+        train_convs, stats["mix"] = _interleave(pools, sources, _mix_total(cfg, pools, sources))
+        if self_stats is not None:
+            stats["self_generated"] = self_stats
     else:
-        train_convs, per_source = pools[0], None
+        train_convs = pools[0]
     if cfg.max_samples is not None:
         train_convs = train_convs[: cfg.max_samples]
+    return train_convs, stats
+
+
+def _heldout_prompts(heldout: list, tokenizer: Any, images: ImageInputs | None) -> tuple[list, list]:
+    """The token ids (and image files) of each held-out conversation up to its first answer."""
     prompts, prompt_images = [], []
-    for c in heldout_convs:
+    for c in heldout:
         try:
             ids, paths = prompt_ids(tokenizer, c, images)
         except MalformedRow:
-            continue  # an image prompt for a text-only target: counted when its sample is skipped below
+            continue  # an image prompt for a text-only target: counted when its sample is skipped
         prompts.append(ids), prompt_images.append(paths)
+    return prompts, prompt_images
 
-    path = next(iter(files.values()))
-    stats: dict = {"file": str(path), "rows": total, "conversations": n_convs, "heldout_overlap_removed": overlap}
-    if per_source is not None:
-        stats["mix"] = per_source
-    if self_stats is not None:
-        stats["self_generated"] = self_stats
-    if cfg.regenerate:
-        if generate is None:
-            raise ValueError("data.regenerate=true needs the target to generate answers (pass generate=...)")
-        # Answers to image turns keep the dataset's text (the generator takes text prompts only), and a source
-        # with regenerate: false keeps its own.
-        # Pre-tokenized rows have no text to answer: they are kept as given.
-        keep = lambda c: bool(conversation_images(c)) or id(c) in as_written or is_pretokenized(c)  # noqa: E731
-        train_convs, kept = _regenerated_first(train_convs, keep)
-        heldout_convs, held_kept = _regenerated_first(heldout_convs, keep)
-        train_text, regen_stats = regenerate(train_convs[: len(train_convs) - kept], generate, cfg.generation,
-                                             regen_key + "-train", log=log)
-        train_convs = train_text + train_convs[len(train_convs) - kept :]
-        held_text, _ = regenerate(heldout_convs[: len(heldout_convs) - held_kept], generate, cfg.generation,
-                                  regen_key + "-heldout", log=log)
-        heldout_convs = held_text + heldout_convs[len(heldout_convs) - held_kept :]
-        stats["regeneration"] = {**regen_stats, "image_conversations_kept_as_is": sum(
-            bool(conversation_images(c)) for c in train_convs), "answers_kept_as_written": sum(
-            id(c) in as_written for c in train_convs)}
+
+def _regenerate_answers(train_convs: list, heldout_convs: list, as_written: set[int], generate, cfg: DataConfig,
+                        regen_key: str, log) -> tuple[list, list, dict]:
+    """Both splits with the target's own answers, and the regeneration's stats. Answers to image turns keep the
+    dataset's text (the generator takes text prompts only), a source with regenerate: false keeps its own, and
+    pre-tokenized rows (no text to answer) are kept as given."""
+    if generate is None:
+        raise ValueError("data.regenerate=true needs the target to generate answers (pass generate=...)")
+    keep = lambda c: bool(conversation_images(c)) or id(c) in as_written or is_pretokenized(c)  # noqa: E731
+    train_convs, kept = _regenerated_first(train_convs, keep)
+    heldout_convs, held_kept = _regenerated_first(heldout_convs, keep)
+    train_text, regen_stats = regenerate(train_convs[: len(train_convs) - kept], generate, cfg.generation,
+                                         regen_key + "-train", log=log)
+    train_convs = train_text + train_convs[len(train_convs) - kept :]
+    held_text, _ = regenerate(heldout_convs[: len(heldout_convs) - held_kept], generate, cfg.generation,
+                              regen_key + "-heldout", log=log)
+    heldout_convs = held_text + heldout_convs[len(heldout_convs) - held_kept :]
+    stats = {**regen_stats, "image_conversations_kept_as_is": sum(bool(conversation_images(c)) for c in train_convs),
+             "answers_kept_as_written": sum(id(c) in as_written for c in train_convs)}
+    return train_convs, heldout_convs, stats
+
+
+def _tokenized(convs: list, cfg: DataConfig, tokenizer: Any, images: ImageInputs | None) -> tuple[Any, Counter]:
+    """The conversations as training samples (a datasets.Dataset of input_ids, loss_mask, images), and the
+    reasons the ones that could not be tokenised were skipped."""
+    import datasets
+
+    if not convs:  # (typed: an untyped empty dataset cannot be read back from disk)
+        return datasets.Dataset.from_dict({"input_ids": [], "loss_mask": [], "images": []},
+                                          features=_sample_features()), Counter()
 
     def tokenize(batch):
         out = {"input_ids": [], "loss_mask": [], "images": [], "error": []}
@@ -290,38 +371,26 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
                 out["error"].append(str(e))
         return out
 
-    def build(convs):
-        if not convs:  # (typed: an untyped empty dataset cannot be read back from disk)
-            return datasets.Dataset.from_dict({"input_ids": [], "loss_mask": [], "images": []},
-                                              features=_sample_features()), Counter()
-        # as JSON text: Arrow would give every turn the fields of all (tool_calls: null on a user turn), and
-        # templates test whether a field is there
-        ds = datasets.Dataset.from_dict({"conversation": [json.dumps(c) for c in convs]})
-        ds = ds.map(tokenize, batched=True, remove_columns=["conversation"],
-                    num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
-                    desc="tokenising")
-        errors = Counter(e for e in ds["error"] if e)
-        return ds.filter(lambda e: not e, input_columns="error").remove_columns("error"), errors
+    # as JSON text: Arrow would give every turn the fields of all (tool_calls: null on a user turn), and
+    # templates test whether a field is there
+    ds = datasets.Dataset.from_dict({"conversation": [json.dumps(c) for c in convs]})
+    ds = ds.map(tokenize, batched=True, remove_columns=["conversation"],
+                num_proc=cfg.num_proc if cfg.num_proc > 1 else None, desc="tokenising")
+    errors = Counter(e for e in ds["error"] if e)
+    return ds.filter(lambda e: not e, input_columns="error").remove_columns("error"), errors
 
-    train, train_err = build(train_convs)
-    heldout, held_err = build(heldout_convs)
-    reasons.update(train_err)
-    reasons.update(held_err)
-    # rows lost after parsing (a prompt too long, no answer within max_length, a template that renders the
-    # turns otherwise) count against the same threshold as unparsable ones: a wrong template must not
-    # silently drop most of the data
-    _check_malformed(total, reasons, cfg, path, first_at, "could not be used")
-    if len(train) == 0:
-        raise DataError(
-            f"no usable training conversations in {path} after filtering ({dict(reasons)}; {overlap} shared an "
-            f"opening with a held-out prompt); check the row shapes (docs/data.md) and "
-            f"data.max_length={cfg.max_length}"
-        )
-    n_tokens = sum(len(x) for x in train["input_ids"])
-    stats.update({"train": len(train), "heldout": len(heldout), "train_tokens": n_tokens,
-                  "train_loss_tokens": sum(sum(m) for m in train["loss_mask"]),
-                  "train_images": sum(len(x) for x in train["images"]), "skipped": dict(reasons),
-                  "skipped_first_at": {r: first_at[r] for r in reasons if r in first_at}})
+
+def _split_stats(train, heldout, read: _Read) -> dict:
+    return {"train": len(train), "heldout": len(heldout), "train_tokens": sum(len(x) for x in train["input_ids"]),
+            "train_loss_tokens": sum(sum(m) for m in train["loss_mask"]),
+            "train_images": sum(len(x) for x in train["images"]), "skipped": dict(read.reasons),
+            "skipped_first_at": {r: read.first_at[r] for r in read.reasons if r in read.first_at}}
+
+
+def _publish(cached: Path, train, heldout, prompts: list, prompt_images: list, stats: dict) -> None:
+    """Write the prepared data under a temporary name and rename it into the cache once it reads back."""
+    import datasets
+
     tmp = cached.with_name(cached.name + ".tmp")
     for name, split in (("train", train), ("heldout", heldout)):
         # datasets writes an empty split as no shard at all, which it then cannot read back: ask for one
@@ -335,13 +404,6 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
         tmp.rename(cached)
     except OSError:
         pass  # a concurrent run published the same content first
-    skipped = sum(reasons.values())
-    sources = ", ".join(f"{k}: {v}" for k, v in stats["mix"].items()) if "mix" in stats else source_name(path)
-    log(f"[data] {sources}: {len(train)} train / {len(heldout)} held-out conversations, {n_tokens} train tokens; "
-        f"{overlap} training conversations dropped for sharing an opening with a held-out prompt"
-        + (f"; skipped {skipped}: {dict(reasons)}" if skipped else ""))
-    return PreparedData(datasets.load_from_disk(str(cached / "train")),
-                        datasets.load_from_disk(str(cached / "heldout")), prompts, stats, prompt_images)
 
 
 def _sample_features():

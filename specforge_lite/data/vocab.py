@@ -57,7 +57,8 @@ def select_draft_tokens(counts: np.ndarray, size: int) -> np.ndarray:
     return np.sort(order[:size])
 
 
-def build_draft_vocab(train, target_vocab_size: int, size: int, tokenizer_id: str) -> DraftVocab:
+def build_draft_vocab(train, target_vocab_size: int, size: int, tokenizer_id: str, log=print) -> DraftVocab:
+    """The vocabulary of ``train``, cached by the data's hash; a damaged cache file is said (``log``) and rebuilt."""
     size = min(size, target_vocab_size)
     h = hashlib.sha256(f"{tokenizer_id}|{target_vocab_size}|{size}|".encode())
     for ids, mask in zip(train["input_ids"], train["loss_mask"]):
@@ -65,8 +66,10 @@ def build_draft_vocab(train, target_vocab_size: int, size: int, tokenizer_id: st
         h.update(np.asarray(mask, dtype=np.int8).tobytes())
     path = cache_dir() / "vocab" / f"{h.hexdigest()[:20]}.pt"
     if path.is_file():
-        saved = torch.load(path)
-        return DraftVocab(saved["draft_to_target"], target_vocab_size, saved["coverage"])
+        saved, problem = _read_cached(path, target_vocab_size, size)
+        if problem is None:
+            return saved
+        log(f"[vocab] the cached draft vocabulary {path} is damaged ({problem}): rebuilt from the training data")
     counts = count_loss_tokens(train["input_ids"], train["loss_mask"], target_vocab_size)
     used = select_draft_tokens(counts, size)
     coverage = float(counts[used].sum() / max(counts.sum(), 1))
@@ -76,6 +79,23 @@ def build_draft_vocab(train, target_vocab_size: int, size: int, tokenizer_id: st
     torch.save({"draft_to_target": vocab.draft_to_target, "coverage": coverage}, tmp)
     tmp.replace(path)
     return vocab
+
+
+def _read_cached(path, target_vocab_size: int, size: int) -> tuple[DraftVocab | None, str | None]:
+    """(the cached vocabulary, None), or (None, what is wrong with the file): it must load as tensors and hold
+    ``size`` ascending ids of the target vocabulary and a coverage."""
+    try:
+        saved = torch.load(path)
+        ids, coverage = saved["draft_to_target"], float(saved["coverage"])
+    except Exception as e:  # (a cut-short zip, a pickle refused by weights_only, another layout): all rebuilt
+        return None, f"it does not load: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'empty'}"[:300]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() != size or ids.is_floating_point():
+        held = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        return None, f"it holds {held} ids, not {size}"
+    ids = ids.long()
+    if bool((ids[1:] <= ids[:-1]).any()) or int(ids.min()) < 0 or int(ids.max()) >= target_vocab_size:
+        return None, f"its ids are not {size} ascending ids of the target's {target_vocab_size}"
+    return DraftVocab(ids, target_vocab_size, coverage), None
 
 
 # Names of special tokens made to stand for nothing (a mask, reserved or unused slots), preferred in this order.

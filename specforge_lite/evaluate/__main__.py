@@ -25,7 +25,7 @@ from ..errors import said_in_one_line
 
 
 def main(argv=None) -> None:
-    from .finish import evaluate_finished_run, evaluate_published
+    from .finished import evaluate_finished_run, evaluate_published
 
     p = argparse.ArgumentParser(prog="python -m specforge_lite.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

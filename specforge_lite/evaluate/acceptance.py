@@ -47,6 +47,19 @@ def _decoder(target, draft, ev: EvalConfig, stops: set[int]) -> Callable[[list[i
     return lambda p, x: speculative_generate(target, draft, p, n, k, stops, x)
 
 
+def _answer_room(ev: EvalConfig) -> int:
+    """Positions a prompt's decoding takes beyond the prompt: the answer and the last round's drafts."""
+    return ev.max_new_tokens + ev.num_draft_tokens + 1
+
+
+def prompt_room(target, ev: EvalConfig) -> int | None:
+    """The longest prompt the target's positions (max_position_embeddings) leave room to decode; None when the
+    target names no limit."""
+    config = getattr(target.config, "text_config", None) or target.config
+    positions = getattr(config, "max_position_embeddings", None)
+    return positions - _answer_room(ev) if positions else None
+
+
 def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, stops: set[int], log) -> dict:
     """Decode every item of a set (multi-turn items turn by turn, each turn after the target's own answer),
     then the same prompts (or the first eval.baseline_prompts) with the target alone, timed in the same
@@ -54,29 +67,43 @@ def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, s
     images = image_inputs(target)
     prompts, prompt_images, outputs, accepted, contexts, per_prompt = [], [], [], [], [], []
     confidences = []  # per round (greedy chain decoding records them)
+    round_prompts = []  # per round, its conversation (set, item): the Platt fit is judged on other conversations
 
     def inputs_of(paths):
         return {k: v.to(target.device) for k, v in images.pixels(paths).items()} if paths else None
 
+    longest, too_long = prompt_room(target, ev), 0
     t0 = time.perf_counter()
-    for item in prompt_set.items:
+    for number, item in enumerate(prompt_set.items):
         messages = []
-        for turn in (item.turns or [None]):
+        turns = item.turns or [None]
+        for asked, turn in enumerate(turns):
             if turn is None:
                 ids = item.ids
             else:
                 messages.append({"role": "user", "content": turn})
                 ids = generation_prompt_ids(tokenizer, messages)
+            if longest is not None and len(ids) > longest:  # (a conversation's later turns are longer still)
+                too_long += len(turns) - asked
+                break
             gen = decode(ids, inputs_of(item.images))
             prompts.append(ids), prompt_images.append(item.images), outputs.append(gen.tokens)
             accepted += gen.accepted
             contexts += gen.contexts
             confidences += gen.confidences if len(gen.confidences) == len(gen.accepted) else [[]] * len(gen.accepted)
+            round_prompts += [(prompt_set.name, number)] * len(gen.accepted)
             per_prompt.append(1 + sum(gen.accepted) / max(len(gen.accepted), 1))
             if turn is not None:
                 answer = tokenizer.decode(gen.tokens, skip_special_tokens=True)
                 messages.append({"role": "assistant", "content": answer})
     elapsed = time.perf_counter() - t0
+    if too_long:
+        log(f"[eval] {prompt_set.name}: {too_long} prompt(s) longer than {longest} tokens skipped: the target's "
+            f"{longest + _answer_room(ev)} positions must hold the prompt, eval.max_new_tokens and a round's drafts")
+    if not prompts:
+        raise ValueError(f"eval.prompt_sets: every prompt of {prompt_set.name} ({prompt_set.source}) is longer than "
+                         f"the {longest} tokens the target's positions leave with eval.max_new_tokens="
+                         f"{ev.max_new_tokens}; lower eval.max_new_tokens or drop the set")
     # The target alone on the set's first eval.baseline_prompts prompts (all when null): a batch-1 decode
     # step costs the same whatever the prompt, and on a CPU this timing was 40% of the evaluation.
     t0, alone_tokens, alone = time.perf_counter(), 0, list(zip(prompts, prompt_images))[:ev.baseline_prompts]
@@ -91,12 +118,14 @@ def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, s
     summary["calibration"] = calibration(accepted, confidences, ev.num_draft_tokens)
     log(f"[eval] {prompt_set.name}: {len(prompts)} prompts, mean acceptance length "
         f"{summary['mean_acceptance_length']:.3f}")
-    return {"source": prompt_set.source, "skipped_rows": prompt_set.skipped, "conversations": len(prompt_set.items),
+    return {"source": prompt_set.source, "skipped_rows": prompt_set.skipped, "too_long_prompts": too_long,
+            "conversations": len(prompt_set.items),
             "prompts": len(prompts), "generated_tokens": new_tokens, "tokens_per_s": new_tokens / max(elapsed, 1e-9),
             "target_alone_tokens_per_s": alone_tps, "target_alone_prompts": len(alone),
             "speedup_vs_target_alone": new_tokens / max(elapsed, 1e-9) / alone_tps if alone else None,
             **summary, "per_prompt_mean_acceptance_length": per_prompt,
-            "_accepted": accepted, "_contexts": contexts, "_confidences": confidences, "_prompts": prompts,
+            "_accepted": accepted, "_contexts": contexts, "_confidences": confidences,
+            "_round_prompts": round_prompts, "_prompts": prompts,
             "_images": prompt_images, "_outputs": outputs}
 
 
@@ -105,8 +134,11 @@ def measure_step_costs(target, draft, prompt: list[int], ev: EvalConfig, repeats
     """Median seconds of one target decode step (1 token), one verification forward (the chain's k+1 or
     the tree's budget+1 tokens) and one round of drafting (depth steps of the draft, width 1 for a chain,
     tree_topk for a tree), each with the prompt as context and its draft keys cached, as in the decoding
-    (the method's drafting) and in a server."""
+    (the method's drafting) and in a server. ``target_verify_s_by_k``: the verification at each k' up to k
+    (a chain verifies k'+1 tokens, timed at each; a tree its budget's, whatever its depth), for the by-k
+    estimate; None for a draft whose k is fixed at training (a block draft: it serves at no other k)."""
     tree = ev.drafting == "tree"
+    fixed_k = draft_method(draft.spec.method).fixed_draft_tokens(draft.spec.to_dict()) is not None
     width, verify_len = (ev.tree_topk, ev.tree_budget + 1) if tree else (1, ev.num_draft_tokens + 1)
     device = target.device
     cache = _new_cache(target)
@@ -148,7 +180,15 @@ def measure_step_costs(target, draft, prompt: list[int], ev: EvalConfig, repeats
                 draft.compute_logits(x).topk(width, dim=-1)
         return run
 
-    return {"target_decode_s": timed(target_step(1)), "target_verify_s": timed(target_step(verify_len)),
+    verify_s = timed(target_step(verify_len))
+    k = ev.num_draft_tokens
+    if fixed_k:
+        by_k = None
+    elif tree:
+        by_k = [verify_s] * k
+    else:
+        by_k = [timed(target_step(q + 1)) for q in range(1, k)] + [verify_s]
+    return {"target_decode_s": timed(target_step(1)), "target_verify_s": verify_s, "target_verify_s_by_k": by_k,
             "draft_round_s": timed(draft_round), "verify_tokens": verify_len, "draft_width": width,
             "draft_steps_per_round": 1 if one_forward else ev.num_draft_tokens}
 
@@ -160,17 +200,22 @@ def estimated_speedup(mean_acceptance_length: float, costs: dict) -> float:
 
 def speedup_by_k(per_position_acceptance: list[float], costs: dict) -> dict[int, float]:
     """The estimated speed-up of serving with each k up to the measured one: a round at k' yields 1 + the
-    acceptance of its first k' positions (as measured at k), and costs the verification (as measured, at
-    most that of k' + 1 tokens) and k' of the draft's steps (a draft that proposes in one forward: one)."""
+    acceptance of its first k' positions (as measured at k), and costs the verification at k'
+    (``target_verify_s_by_k``: a chain's k'+1 tokens, timed) and k' of the draft's steps (a draft that proposes
+    in one forward: one). Acceptance beyond the evaluated k is not measured, so neither is a k beyond it."""
     steps, out = costs.get("draft_steps_per_round", len(per_position_acceptance)), {}
     for k in range(1, len(per_position_acceptance) + 1):
         draft_s = costs["draft_round_s"] * (k / steps if steps > 1 else 1.0)
         tokens = 1.0 + sum(per_position_acceptance[:k])
-        out[k] = tokens * costs["target_decode_s"] / (draft_s + costs["target_verify_s"])
+        out[k] = tokens * costs["target_decode_s"] / (draft_s + costs["target_verify_s_by_k"][k - 1])
     return out
 
 
-def _best_k(per_position_acceptance: list[float], costs: dict) -> dict:
+def estimate_by_k(per_position_acceptance: list[float], costs: dict) -> dict:
+    """``estimated_speedup_by_k`` and ``best_k``, its largest; both None for a draft whose k is fixed at
+    training (``target_verify_s_by_k`` None: it is served at that k only)."""
+    if costs.get("target_verify_s_by_k") is None:
+        return {"estimated_speedup_by_k": None, "best_k": None}
     by_k = speedup_by_k(per_position_acceptance, costs)
     return {"estimated_speedup_by_k": by_k, "best_k": max(by_k, key=by_k.get) if by_k else None}
 
@@ -178,7 +223,8 @@ def _best_k(per_position_acceptance: list[float], costs: dict) -> dict:
 def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, log=print) -> dict:
     from ..export import check_draft_tokens, load_export
     from ..generation import stop_ids
-    from ..pipeline import draft_from_weights, pad_id
+    from ..data import pad_id
+    from ..export.for_target import draft_from_weights
 
     check_draft_tokens(export_dir, config.eval.num_draft_tokens)
     spec, weights = load_export(export_dir)
@@ -214,7 +260,7 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
     pooled["by_context_length"] = acceptance_by_context_length(every("_accepted"), every("_contexts"),
                                                                ev.num_draft_tokens, ev.context_length_edges)
     pooled["calibration"] = calibration(every("_accepted"), every("_confidences"), ev.num_draft_tokens)
-    pooled["calibration_fit"] = fitted_calibration(every("_accepted"), every("_confidences"))
+    pooled["calibration_fit"] = fitted_calibration(every("_accepted"), every("_confidences"), every("_round_prompts"))
     pooled["adaptive_verification"] = adaptive_verification(every("_accepted"), every("_confidences"),
                                                             ev.num_draft_tokens)
     tokens = sum(s["generated_tokens"] for s in sets.values())
@@ -237,7 +283,7 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
         "speedup_vs_target_alone": alone_time / max(spec_time, 1e-9) if timed_alone else None,
         **pooled,
         "estimated_speedup": estimated_speedup(pooled["mean_acceptance_length"], costs),
-        **_best_k(pooled["per_position_acceptance"], costs),
+        **estimate_by_k(pooled["per_position_acceptance"], costs),
         "step_costs": costs,
         "sets": sets,
         "heldout_acc": held["acc"],
@@ -251,14 +297,16 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
                 "first eval.baseline_prompts when set); estimated_speedup: acceptance length x target decode "
                 "step / (draft round + verification), from step_costs. heldout_acc is teacher-forced accuracy per TTT "
                 "step on held-out conversations. estimated_speedup_by_k: the same estimate for serving with each "
-                "k up to this one (its first k positions' acceptance, k draft steps, or one for a draft that "
-                "proposes in one forward); best_k its largest. calibration: per draft position, the expected "
+                "k up to this one (its first k positions' acceptance, the verification timed at that k, k draft "
+                "steps, or one for a draft that proposes in one forward); best_k its largest; both null for a "
+                "block draft, whose k is fixed at training. calibration: per draft position, the expected "
                 "calibration error of the draft's probability of its token as the probability that it is "
                 "accepted (greedy chain decoding), over the rounds that reached the position; calibration_fit: a "
-                "Platt fit of those confidences (fit on the even rounds, its ECE before and after on the odd ones), "
-                "recorded in the export; adaptive_verification: accepted drafts per verified slot and tokens per "
-                "verification when a budget of the rounds' draft slots is verified by confidence (vLLM's adaptive "
-                "verification, every round one request of a batch) or without (every round its first slots)",
+                "Platt fit of those confidences (fit on every other conversation's rounds, its ECE before and "
+                "after on the rest's), recorded in the export; adaptive_verification: accepted drafts per verified "
+                "slot and tokens per verification when a budget of the rounds' draft slots is verified by "
+                "confidence (vLLM's adaptive verification, every round one request of a batch) or without (every "
+                "round its first slots)",
     }
 
 

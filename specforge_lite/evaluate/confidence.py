@@ -3,8 +3,9 @@ how many draft tokens the target accepted, and the draft's confidence in each to
 probability of the token under the draft, or DSpark's confidence head).
 
 - ``calibration``: per position, how well the confidence predicts acceptance (expected calibration error).
-- ``fitted_calibration``: a Platt fit, sigmoid(a * logit(confidence) + b), learned on half of the rounds and
-  judged on the other half; recorded in the export so that a server, or a user, can read calibrated values.
+- ``fitted_calibration``: a Platt fit, sigmoid(a * logit(confidence) + b), learned on half of the prompts'
+  rounds and judged on the other half's; recorded in the export so that a server, or a user, can read
+  calibrated values.
 - ``adaptive_verification``: what sizing verification from the confidences buys, as vLLM's adaptive
   verification does it (the draft slots of a batch ranked by survival, the running product of a request's
   confidences, and the best ones verified within a budget), with every round a request of one batch.
@@ -59,12 +60,18 @@ def platt(confidence: float, a: float, b: float) -> float:
     return 1.0 / (1.0 + math.exp(-(a * _logit(confidence) + b)))
 
 
-def fitted_calibration(accepted_per_round: list[int], confidences: list[list[float]], steps: int = 500) -> dict | None:
-    """A Platt fit of the confidences to acceptance: (a, b) minimising the binary cross-entropy over the even
-    rounds' reached positions, and the expected calibration error before and after it on the odd rounds (held
-    out of the fit). None without enough rounds on both sides."""
+def fitted_calibration(accepted_per_round: list[int], confidences: list[list[float]], prompts: list | None = None,
+                       steps: int = 500) -> dict | None:
+    """A Platt fit of the confidences to acceptance: (a, b) minimising the binary cross-entropy over the reached
+    positions of half the prompts, and the expected calibration error before and after it on the other half
+    (held out of the fit). ``prompts``: each round's prompt (any hashable); the prompts are taken in turn, in
+    the order they first appear, so a prompt's rounds, which share its context, are all on one side (None:
+    each round its own). None without enough positions on both sides."""
     recorded = [r for r in range(len(accepted_per_round)) if confidences[r]]
-    fit, judge = (_reached_pairs(accepted_per_round, confidences, recorded[parity::2]) for parity in (0, 1))
+    prompts = list(range(len(accepted_per_round))) if prompts is None else list(prompts)
+    order = {p: i for i, p in enumerate(dict.fromkeys(prompts[r] for r in recorded))}
+    sides = [[r for r in recorded if order[prompts[r]] % 2 == side] for side in (0, 1)]
+    fit, judge = (_reached_pairs(accepted_per_round, confidences, rounds) for rounds in sides)
     if len(fit) < 20 or len(judge) < 20 or len({h for _, h in fit}) < 2:
         return None
     x = torch.tensor([_logit(c) for c, _ in fit], dtype=torch.float64)
@@ -81,6 +88,7 @@ def fitted_calibration(accepted_per_round: list[int], confidences: list[list[flo
     optimizer.step(closure)
     a, b = (float(v) for v in ab.detach())
     return {"kind": "platt", "a": a, "b": b, "fit_positions": len(fit), "judged_positions": len(judge),
+            "fit_prompts": (len(order) + 1) // 2, "judged_prompts": len(order) // 2,
             "ece_before": _ece(judge), "ece_after": _ece([(platt(c, a, b), h) for c, h in judge])}
 
 

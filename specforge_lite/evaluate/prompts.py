@@ -160,10 +160,30 @@ def heldout_set(data, limit: int | None = None) -> PromptSet:
     return PromptSet("heldout", "held-out conversations of the training data", items)
 
 
-def load_prompt_sets(names: list[str], files: dict[str, str], data, limit: int | None) -> list[PromptSet]:
-    unknown = sorted(set(files) - set(FORMATS))
+def prompt_set_problems(names: list[str], files: dict[str, str]) -> list[str]:
+    """What keeps eval.prompt_sets and eval.prompt_files from being measured, each with the fix (settings.py asks
+    before a run trains: the evaluation is its last stage)."""
+    problems = []
+    if not names:
+        problems.append("eval.prompt_sets is empty: the evaluation would measure nothing; name the sets to measure "
+                        f"(e.g. eval.prompt_sets=[heldout,assistant]; sets: {', '.join(PROMPT_SETS)}), or set "
+                        "eval.enabled=false")
+    unknown = [name for name in names if name not in PROMPT_SETS]
     if unknown:
-        raise PromptSetError(f"eval.prompt_files names unknown sets {unknown}; file-backed sets: {sorted(FORMATS)}")
+        problems.append(f"eval.prompt_sets names unknown sets {unknown}: use {', '.join(PROMPT_SETS)}")
+    unnamed = [name for name in ("traffic", "regression") if name in names and not files.get(name)]
+    problems += [f"eval.prompt_sets has {name}, which has no file of its own: name one with "
+                 f"eval.prompt_files.{name}=PATH" for name in unnamed]
+    unknown_files = sorted(set(files) - set(FORMATS))
+    if unknown_files:
+        problems.append(f"eval.prompt_files names unknown sets {unknown_files}; file-backed sets: {sorted(FORMATS)}")
+    return problems
+
+
+def load_prompt_sets(names: list[str], files: dict[str, str], data, limit: int | None) -> list[PromptSet]:
+    problems = prompt_set_problems(names, files)
+    if problems:
+        raise PromptSetError("; ".join(problems))
     if not data.heldout_prompts and len(names) > 1:  # no held-out split (data.heldout_samples=0): the other sets
         names = [name for name in names if name != "heldout"]
     return [heldout_set(data, limit) if name == "heldout" else load_file_set(name, files.get(name), limit)

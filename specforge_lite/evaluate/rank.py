@@ -21,13 +21,30 @@ from pathlib import Path
 from ..methods import DEFAULT, draft_method
 from ..errors import said_in_one_line
 from ..export.layout import PROVENANCE_KEY
-from ..training.tracking import read_metrics
+from ..files import read_json
+from ..records import read_metrics
 from .served import eval_inputs, serve, unservable_here
+
+
+# what the table reads of each file, and how each is written again
+OURS_KEYS = ("num_draft_tokens", "mean_acceptance_length", "per_position_acceptance", "speedup_vs_target_alone",
+             "tokens_per_s")
+SERVED_KEYS = ("num_draft_tokens", "mean_acceptance_length", "per_position_acceptance", "speedup_vs_target_alone",
+               "served_tokens_per_s", "outputs_equal_our_greedy", "outputs_compared")
+
+
+def how_to_evaluate_again(run: Path) -> str:
+    return f"evaluate the run again (python -m specforge_lite.evaluate --run-dir {run})"
+
+
+def how_to_serve_again(run: Path) -> str:
+    return f"serve it again (python -m specforge_lite.evaluate.rank --serve-again {run} ...)"
 
 
 def method(run: Path) -> str:
     """The draft's kind (its method's label, from the spec its export records): what distinguishes it."""
-    config = json.loads((run / "final" / "config.json").read_text())
+    config = read_json(run / "final" / "config.json", f"export the run again (python -m specforge_lite.export "
+                       f"--run-dir {run} --out {run / 'final'}), then {how_to_evaluate_again(run)}")
     if PROVENANCE_KEY not in config:
         raise ValueError(f"{run / 'final'} was not written by specforge_lite (no {PROVENANCE_KEY!r} block): rank "
                          "runs trained here, or export the run again (python -m specforge_lite.export)")
@@ -48,7 +65,7 @@ def training_tokens_per_s(run: Path) -> float | None:
 def check_comparable(runs: list[Path]) -> None:
     """Ranked drafts must have been evaluated for one target on the same prompt sets and prompts."""
     fields = ("target", "prompt_sets", "prompts", "max_new_tokens")
-    seen = {run: {f: eval_inputs(run).get(f) for f in fields} for run in runs}
+    seen = {run: {f: eval_inputs(run, ("target", "prompts")).get(f) for f in fields} for run in runs}
     first = runs[0]
     for run in runs[1:]:
         differ = [f for f in fields if seen[run][f] != seen[first][f]]
@@ -86,7 +103,7 @@ def rank(runs: list[Path], k: int | None = None, serve_again: bool = False, log=
 
     def timed(run: Path) -> bool:
         path = run / "vllm_eval.json"
-        served = json.loads(path.read_text()) if path.is_file() else {}
+        served = read_json(path, f"{how_to_serve_again(run)}, or delete it") if path.is_file() else {}
         return "speedup_vs_target_alone" in served and (k is None or served.get("num_draft_tokens") == k)
 
     ours_only = {r: reason for r in runs if (reason := unservable_here(r))}
@@ -97,8 +114,10 @@ def rank(runs: list[Path], k: int | None = None, serve_again: bool = False, log=
         log(f"[rank] {run}: ranked by our own evaluation: {reason}")
     rows = []
     for run in runs:
-        ours = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else {}
-        served = our_measure(run, ours) if run in ours_only else json.loads((run / "vllm_eval.json").read_text())
+        keys = OURS_KEYS if run in ours_only else ()  # (else only its calibration and fastest k, where recorded)
+        ours = read_json(run / "eval.json", how_to_evaluate_again(run), keys) if (run / "eval.json").is_file() else {}
+        served = (our_measure(run, ours) if run in ours_only else
+                  read_json(run / "vllm_eval.json", how_to_serve_again(run), SERVED_KEYS))
         rows.append({"run": str(run), "method": method(run), "k": served["num_draft_tokens"],
                      "measured_by": "ours" if run in ours_only else "vLLM",
                      # our evaluation's: the draft's calibration at position 1, and the k it estimates fastest

@@ -20,6 +20,7 @@ from pathlib import Path
 from ..errors import UserError, said_in_one_line
 from ..serving import ROOT, serving_python
 SCRIPT = ROOT / "eval" / "vllm_acceptance.py"
+SERVED_CHECKS = (None, "vllm")  # eval.serve (checked before anything runs: settings.py)
 
 
 class ServedMismatch(UserError):
@@ -85,6 +86,19 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
     return results
 
 
+def served_check(run_dir: Path, log) -> str:
+    """eval.serve=vllm: vLLM serves the export; 'failed: why' when its outputs differ from greedy."""
+    if serving_python() is None:  # asked for, not possible here: say how, keep the run's results
+        log("[serve] skipped: no serving environment. Build it (bash scripts/setup_serving.sh), then "
+            f"python -m specforge_lite.evaluate.served {run_dir}")
+        return "skipped (no serving environment)"
+    try:
+        serve([run_dir], log=log)
+    except ServedMismatch as e:
+        return f"failed: {e}"
+    return str(run_dir / "vllm_eval.json")
+
+
 def unservable_here(run_dir: Path) -> str | None:
     """Why this machine's vLLM cannot serve the run's export (a CPU build and a layout it cannot run), or None."""
     import torch
@@ -94,14 +108,16 @@ def unservable_here(run_dir: Path) -> str | None:
     return None if torch.cuda.is_available() else cpu_serving_refusal(Path(run_dir) / "final")
 
 
-def eval_inputs(run_dir: Path) -> dict:
+def eval_inputs(run_dir: Path, keys: tuple[str, ...] = ()) -> dict:
     """What our evaluation of a run recorded for the served check to replay (eval_inputs.json): the target,
-    the prompts, our greedy outputs, k and the dtype."""
+    the prompts, our greedy outputs, k and the dtype (``keys``: those the caller reads)."""
+    from ..files import read_json
+
     path = Path(run_dir) / "eval_inputs.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: the served check replays our evaluation's prompts; evaluate "
                                 f"the run first (python -m specforge_lite.evaluate --run-dir {run_dir})")
-    return json.loads(path.read_text())
+    return read_json(path, f"evaluate the run again (python -m specforge_lite.evaluate --run-dir {run_dir})", keys)
 
 
 def describe(served: dict, run_dir: Path) -> str:

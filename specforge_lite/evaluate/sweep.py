@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..draft.objective import sim_accepted_drafts
 from ..errors import said_in_one_line
-from ..training.tracking import read_metrics
+from ..records import read_metrics
 
 
 def _overrides(run: Path) -> list[str]:

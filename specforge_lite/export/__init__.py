@@ -11,15 +11,16 @@ import torch
 
 from ..device import resolve_dtype
 from ..draft.model import DRAFT_ACT, DraftSpec
-from ..methods import DEFAULT, draft_method, read_spec
-from ..training.checkpoint import latest_checkpoint, load_checkpoint, unusable_checkpoints
+from ..methods import DEFAULT, METHODS, draft_method, read_spec
+from ..records import latest_checkpoint, load_checkpoint, unusable_checkpoints
 from .card import write_model_card
+from .check import AGAIN
 from .dflash import DFlashFormat
 from .dflash2 import DFlash2Format
 from .dspark import DSparkFormat
 from .format import ExportFormat
 from .layout import PROVENANCE_KEY, draft_weights, write_export
-from .published import fit_to_target, read_published
+from .published import fit_to_target, meta_state, read_published, weight_mismatch
 from .sglang import SGLangFormat
 from .speculators import SpeculatorsFormat
 from .vllm import VLLMFormat
@@ -58,9 +59,9 @@ def export_run(run_dir: Path, fmt: str, out_dir: Path, checkpoint: Path | None =
     weights, spec = _run_draft(Path(run_dir), checkpoint)
     verifier, k = {}, 3
     if (Path(run_dir) / "config.yaml").is_file():  # the target the run trained against, for speculators
-        from omegaconf import OmegaConf
+        from ..config import read_config_node
 
-        saved = OmegaConf.load(Path(run_dir) / "config.yaml")
+        saved = read_config_node(Path(run_dir) / "config.yaml")
         verifier = {"name_or_path": saved.model.get("path") or saved.model.get("name")}
         k = int(saved.eval.get("num_draft_tokens", 3))
     out = export_draft(weights, spec, fmt, out_dir, dtype, verifier=verifier, num_speculative_tokens=k)
@@ -90,7 +91,7 @@ def load_export(export_dir: Path) -> tuple[DraftSpec, dict[str, torch.Tensor]]:
     export_dir = Path(export_dir)
     config, tensors = _read_folder(export_dir)
     if PROVENANCE_KEY in config:
-        spec = read_spec(config[PROVENANCE_KEY]["spec"])
+        spec = _recorded_spec(export_dir, config[PROVENANCE_KEY])
         form = FORMATS.get(config[PROVENANCE_KEY].get("format", "vllm"), FORMATS["vllm"])
         weights = {form.our_weight_name(k): v for k, v in tensors.items()}
     else:
@@ -98,6 +99,10 @@ def load_export(export_dir: Path) -> tuple[DraftSpec, dict[str, torch.Tensor]]:
     if "d2t" not in weights:  # full draft vocabulary: identity maps
         weights["d2t"] = torch.zeros(spec.draft_vocab_size, dtype=torch.long)
         weights["t2d"] = torch.ones(spec.vocab_size, dtype=torch.bool)
+    problem = weight_mismatch(meta_state(spec), weights)
+    if problem:
+        raise ValueError(f"{export_dir}: its weights do not fit the draft its config.json records ({problem}): the "
+                         f"folder is damaged; {AGAIN}")
     return spec, weights
 
 
@@ -105,21 +110,51 @@ def _read_folder(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """config.json and every *.safetensors file of a draft folder (a published draft may come in shards)."""
     from safetensors.torch import load_file
 
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except FileNotFoundError:
+    from ..files import read_json, safetensors_problem
+
+    if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} has no config.json: give the folder of a draft (config.json and "
-                                "*.safetensors)") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{folder}/config.json is not valid JSON ({e}); fetch or copy the draft again") from None
+                                "*.safetensors)")
+    config = read_json(folder / "config.json", AGAIN)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder} has no *.safetensors weights (a pytorch_model.bin is not read: convert it "
-                                "to safetensors)")
+                                f"to safetensors); if it had them, {AGAIN}")
+    damaged = [problem for path in files if (problem := safetensors_problem(path))]
+    if damaged:
+        raise ValueError(f"{folder}: {'; '.join(damaged)}; {AGAIN}")
     tensors = {}
     for path in files:
         tensors.update(load_file(str(path)))
     return config, tensors
+
+
+def _recorded_spec(folder: Path, provenance: dict) -> DraftSpec:
+    """The spec our export records (its provenance block), as its method's (``read_spec``). A method or a field
+    this version does not know is a newer version's; a missing field without a default, damage."""
+    import dataclasses
+
+    spec = provenance.get("spec") if isinstance(provenance, dict) else None
+    if not isinstance(spec, dict):
+        raise ValueError(f"{folder}/config.json is damaged (its {PROVENANCE_KEY!r} block records no draft spec); "
+                         f"{AGAIN}")
+    known = {f.name for m in METHODS.values() for f in dataclasses.fields(m.spec)}
+    unknown = sorted(set(spec) - known)
+    if (spec.get("method") or DEFAULT) not in METHODS:
+        unknown = [f"method={spec['method']}", *unknown]
+    if unknown:
+        raise ValueError(f"{folder}/config.json records draft settings this version does not know "
+                         f"({', '.join(unknown)}): it was written by a newer specforge_lite; read it with that "
+                         "version, or export it again with this one")
+    fields = dataclasses.fields(draft_method(spec.get("method") or DEFAULT).spec)
+    lacking = [f.name for f in fields if f.name not in spec and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if lacking:
+        raise ValueError(f"{folder}/config.json is damaged (its draft spec lacks {', '.join(lacking)}); {AGAIN}")
+    try:
+        return read_spec(spec)
+    except ValueError as e:
+        raise ValueError(f"{folder}/config.json: {e}") from None
 
 
 def record_confidence_calibration(export_dir: Path, fit: dict) -> None:
@@ -140,10 +175,12 @@ def record_confidence_calibration(export_dir: Path, fit: dict) -> None:
 def cpu_serving_refusal(export_dir: Path) -> str | None:
     """Why vLLM's CPU build cannot serve this export (its format's reason), or None when it can (or when there is
     no export to read: what is missing is then said by whoever needs it)."""
+    from ..files import read_json
+
     path = Path(export_dir) / "config.json"
     if not path.is_file():
         return None
-    config = json.loads(path.read_text())
+    config = read_json(path, AGAIN)
     form = next((f for f in FORMATS.values() if f.cpu_serving_refusal and f.reads(config)), None)
     return form.cpu_serving_refusal if form else None
 

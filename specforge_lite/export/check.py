@@ -13,8 +13,15 @@ import json
 import re
 from pathlib import Path
 
+from ..files import safetensors_problem
 from .layout import PROVENANCE_KEY, PUBLISHED_READERS, eagle_flag
 from .report import Report
+
+# the decoder sizes every layout's weights are checked against
+SIZES = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+# how a damaged draft folder is written again
+AGAIN = ("export it again (python -m specforge_lite.export --run-dir RUN --out DIR), or fetch or copy the folder "
+         "again")
 
 
 def _shapes(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -35,10 +42,13 @@ def check_export(folder: str | Path, server: str | None = None) -> Report:
     if not (folder / "config.json").is_file():
         report.errors.append("no config.json")
         return report
-    config = json.loads((folder / "config.json").read_text())
+    config = _read_config(folder / "config.json", report)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         report.errors.append("no *.safetensors weights (servers read safetensors; a .bin is not checked here)")
+    damaged = [problem for f in files if (problem := safetensors_problem(f))]
+    report.errors += [f"{problem}: {AGAIN}" for problem in damaged]
+    if config is None or not files or damaged:
         return report
     shapes: dict = {}
     for f in files:
@@ -50,13 +60,49 @@ def check_export(folder: str | Path, server: str | None = None) -> Report:
         return report
     report.format = f"{readers[0].layout} ({', '.join(fmt.server for fmt in readers)})"
     layer = readers[0].layer_config(config, report)
-    if layer is None:
+    if layer is None or not _sizes_read(layer, report):
         return report
     readers[0].check_shared(layer, config, shapes, report)
     for fmt in readers:
         fmt.check(config, shapes, report)
     _check_trained_ids(config, readers, server, report)
     return report
+
+
+def _read_config(path: Path, report: Report) -> dict | None:
+    """config.json as a JSON object; None after reporting why it is not one."""
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        report.errors.append(f"{path} is not a JSON object (it does not parse: {e}): {AGAIN}")
+        return None
+    if not isinstance(config, dict):
+        report.errors.append(f"{path} is not a JSON object (it holds a {type(config).__name__}): {AGAIN}")
+        return None
+    return config
+
+
+def _sizes_read(layer: dict, report: Report) -> bool:
+    """The decoder's sizes as the servers read them: one the config leaves out is transformers' default for its
+    model type (servers read the file through that class: warned, and the weights are checked against it); one
+    that is not a whole number is an error (False: nothing else can be checked)."""
+    from transformers import AutoConfig
+
+    for key in SIZES:
+        if key not in layer:
+            try:
+                layer[key] = AutoConfig.for_model(layer.get("model_type") or "llama").to_dict()[key]
+            except (ValueError, KeyError):
+                report.errors.append(f"config.json lacks {key}, and its model_type {layer.get('model_type')!r} has "
+                                     "no default a server could take; write the draft's own (export the run again)")
+                return False
+            report.warnings.append(f"config.json lacks {key}: servers take transformers' default {key}={layer[key]}; "
+                                   f"write the draft's own (export the run again)")
+        elif not isinstance(layer[key], int) or isinstance(layer[key], bool) or layer[key] < 1:
+            report.errors.append(f"config.json: {key}={layer[key]!r} is not a size (a whole number); write the "
+                                 "draft's own (export the run again)")
+            return False
+    return True
 
 
 def _check_trained_ids(config: dict, readers: list, server: str | None, report: Report) -> None:
@@ -128,6 +174,9 @@ def check_layout(layer: dict, top: dict, shapes: dict, prefix: str, report: Repo
             continue
         if shapes[name][0] != shape:
             report.errors.append(f"{name} has shape {shapes[name][0]}, the config implies {shape}")
+    if "t2d" in shapes and vocab is not None and shapes["t2d"][0] != (vocab,):
+        report.errors.append(f"t2d has shape {shapes['t2d'][0]}, vocab_size {vocab} implies ({vocab},): the config "
+                             "and the weights describe different target vocabularies")
     if draft_vocab is not None and vocab is not None and draft_vocab < vocab:
         if "d2t" not in shapes:
             report.errors.append(f"draft_vocab_size {draft_vocab} < vocab_size {vocab} but no d2t: servers would map "

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..draft.model import _LLAMA_ROPE_TYPES as LLAMA_ROPE_TYPES
-from ..draft.model import DRAFT_ACT
+from ..draft.model import DRAFT_ACT, DraftSpec
 from ..methods.eagle3.spec import Eagle3Spec
 from ..targets.capture import CONVENTION, default_aux_layer_ids
 from .format import ExportFormat
@@ -49,7 +49,7 @@ def read_published(folder: Path, config: dict, tensors: dict[str, torch.Tensor])
         spec = _spec(folder, config, _layer_config(folder, config, form), form, weights)
     except ValueError as e:
         raise ValueError(str(e) if str(e).startswith(str(folder)) else f"{folder}/config.json: {e}") from None
-    problem = weight_mismatch(_meta_state(spec), weights)
+    problem = weight_mismatch(meta_state(spec), weights)
     if problem:
         raise ValueError(f"{folder}: its weights do not fit its config.json ({problem}); the folder is damaged or "
                          "its config is not the one it was saved with")
@@ -89,7 +89,7 @@ def weight_mismatch(own: dict[str, torch.Tensor], weights: dict[str, torch.Tenso
     return "; ".join(p for p in parts if p) or None
 
 
-def _meta_state(spec: Eagle3Spec) -> dict[str, torch.Tensor]:
+def meta_state(spec: DraftSpec) -> dict[str, torch.Tensor]:
     """The state dict our draft of ``spec`` has (shapes only, nothing allocated); the aux ids, which fix only how
     many states fc reads, stand in as 0..n-1 when the folder names none."""
     from ..methods import draft_method
@@ -107,7 +107,7 @@ def named_target(folder: Path) -> str | None:
     return verifier.get("name_or_path") or None
 
 
-def fit_to_target(spec: Eagle3Spec, num_layers: int) -> Eagle3Spec:
+def fit_to_target(spec: DraftSpec, num_layers: int) -> DraftSpec:
     """A draft's spec for a target of ``num_layers`` layers: the servers' default aux ids when the draft names
     none; ids past the target's layers are refused (the draft was made for a deeper target)."""
     if spec.target_num_layers != UNKNOWN_LAYERS:

@@ -60,6 +60,31 @@ def build_objective(draft_cfg, sequence=None):
     return draft_method(draft_cfg.method).objective.from_config(draft_cfg, sequence)
 
 
+def fixed_fields(draft_settings, spec) -> dict:
+    """The spec fields of a block draft that the settings fix (``spec_fields``): its block is its input, so a run
+    continuing ``spec`` trains the shape its settings give. None for a draft of any k (EAGLE3: a continued draft
+    keeps its own shape), and none that the settings leave null (a mask token chosen from the data)."""
+    method = draft_method(spec.method)
+    if method.fixed_draft_tokens(spec.to_dict()) is None:
+        return {}
+    return {key: value for key, value in method.spec_fields(draft_settings).items() if value is not None}
+
+
+def shape_settings(draft_settings, spec) -> dict | None:
+    """The draft settings that differ from ``draft_settings`` and give a draft of ``spec``'s method the shape
+    ``spec`` has where the method's settings fix it (a block draft's block_size comes from draft.ttt_length); {}
+    when they already do, None when no settings give it."""
+    if all(getattr(spec, key) == value for key, value in fixed_fields(draft_settings, spec).items()):
+        return {}
+    k = draft_method(spec.method).fixed_draft_tokens(spec.to_dict())
+    fixes = {**({"ttt_length": k} if k is not None else {}),
+             **{key: getattr(spec, key) for key in fixed_fields(draft_settings, spec) if hasattr(draft_settings, key)}}
+    fixes = {key: value for key, value in fixes.items() if getattr(draft_settings, key) != value}
+    fits = all(getattr(spec, key) == value
+               for key, value in fixed_fields(dataclasses.replace(draft_settings, **fixes), spec).items())
+    return fixes if fits else None
+
+
 def draft_vocab_size(draft_cfg, target_vocab_size: int) -> int:
     """The draft vocabulary a run of these settings has: draft.draft_vocab_size capped at the target's, or the
     whole target vocabulary for a method that needs it."""
@@ -68,5 +93,5 @@ def draft_vocab_size(draft_cfg, target_vocab_size: int) -> int:
     return min(draft_cfg.draft_vocab_size, target_vocab_size)
 
 
-__all__ = ["DEFAULT", "METHODS", "build_objective", "draft_method", "draft_spec", "draft_vocab_size", "read_spec",
-           "register"]
+__all__ = ["DEFAULT", "METHODS", "build_objective", "draft_method", "draft_spec", "draft_vocab_size", "fixed_fields",
+           "read_spec", "register", "shape_settings"]

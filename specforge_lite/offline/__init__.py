@@ -1,6 +1,7 @@
-"""Offline training: a compact, resumable hidden-state store (dump, ingest) and the target read from it."""
+"""Offline training: a compact, resumable hidden-state store (dump, ingest; its layout: targets/store.py) and the
+target read from it."""
 
-from .store import Manifest, StoreError, StoreReader
+from ..targets.store import Manifest, StoreError, StoreReader
 from .target import StoreTarget, store_run
 
 __all__ = ["Manifest", "StoreError", "StoreReader", "StoreTarget", "store_run"]

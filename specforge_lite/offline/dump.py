@@ -18,7 +18,7 @@ from ..data.images import image_inputs
 from ..data.loader import collate
 from ..targets.capture import CONVENTION
 from ..targets.hf import HFTarget
-from .store import Manifest, ShardWriter, StoreError, save_parts, teacher_record
+from ..targets.store import Manifest, ShardWriter, StoreError, save_parts, teacher_record
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -145,7 +145,7 @@ def merge(run, target: HFTarget, folder: Path, world_size: int, log=print) -> Ma
 
 def _write(run, target: HFTarget, folder: Path, samples: range, log, parts: bool = True) -> Path:
     """The store of ``run``'s training ``samples``, captured by ``target`` (the run's aux ids plus id L)."""
-    from ..pipeline import pad_id
+    from ..data import pad_id
 
     config, data, teacher, aux_ids = run.config, run.data, run.teacher, list(run.target.aux_layer_ids)
     sc = config.store

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .store import ShardWriter, StoreError, teacher_record
+from ..targets.store import ShardWriter, StoreError, teacher_record
 
 
 def extraction_files(kind: str, src: Path) -> list[Path]:

@@ -22,7 +22,7 @@ from ..targets.capture import CONVENTION, resolve_aux_layer_ids
 from ..targets.families import get_family
 from ..targets.protocol import Captured
 from ..training.distributed import DistributedContext
-from .store import StoreError, StoreReader, teacher_fields
+from ..targets.store import StoreError, StoreReader, teacher_fields
 
 
 def _meta_model(target_config: dict) -> torch.nn.Module:

@@ -25,6 +25,14 @@ CONVENTION = "input_of_layer"  # recorded in exports, checkpoints and stores
 CONVENTION_DOC = "aux id i = residual stream entering decoder layer i; id num_layers = pre-final-norm output"
 
 
+class AuxIdsOutOfRange(ValueError):
+    """Aux ids past the target's layers (``num_layers``): set for another target, or a draft made for one."""
+
+    def __init__(self, num_layers: int, message: str):
+        super().__init__(message)
+        self.num_layers = num_layers
+
+
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """The EAGLE3 reference's choice, which vLLM and SGLang also fall back to: [2, L//2, L-3]."""
     if num_layers < 4:
@@ -42,7 +50,7 @@ def resolve_aux_layer_ids(ids: Sequence[int] | None, num_layers: int) -> list[in
     ids = [int(i) for i in ids]
     bad = [i for i in ids if not 0 <= i <= num_layers]
     if bad:
-        raise ValueError(
+        raise AuxIdsOutOfRange(num_layers,
             f"draft.aux_layer_ids {ids}: {bad} out of range for a target with {num_layers} layers. "
             f"Valid ids are 0..{num_layers} ({CONVENTION_DOC}); e.g. draft.aux_layer_ids="
             f"{default_aux_layer_ids(num_layers) if num_layers >= 4 else [0, num_layers]}"

@@ -50,6 +50,8 @@ class Teacher:
         self.draft_head = LogitHead(rows, bias, target.family, target.config)
         self.t2d = t2d.to(rows.device)
         self.draft_vocab_size = rows.shape[0]
+        # read once, as a value: no device sync per batch (and a sizing run on fake tensors can build it)
+        self.whole_vocabulary = bool(t2d.all())
 
     @property
     def device(self) -> torch.device:
@@ -61,7 +63,7 @@ class Teacher:
 
     def in_vocab(self, rows: torch.Tensor) -> torch.Tensor:
         """Whether the target's full-vocabulary argmax lies in the draft vocabulary, for states [N, H]."""
-        if bool(self.t2d.all()):  # the whole vocabulary: no head to read (nor, when sharded, to gather)
+        if self.whole_vocabulary:  # the whole vocabulary: no head to read (nor, when sharded, to gather)
             return torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
         whole = self.target.full_head()  # on every rank, rows or not: gathering a sharded head is collective
         if whole is None:

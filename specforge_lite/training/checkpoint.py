@@ -26,19 +26,14 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from ..errors import UserError
-from ..files import WRITE_ERRORS, fsync, safetensors_problem, write_failure, write_then_rename
+from ..files import WRITE_ERRORS, fsync, write_failure, write_then_rename
+from ..records import (REPLACED, SPEC, STATE, WEIGHTS, CheckpointError, checkpoint_folders, checkpoint_root,
+                       latest_checkpoint, load_checkpoint, rng_file, unusable_checkpoints)
+from ..records import OPTIMIZER_META, OPTIMIZER_TENSORS
 from .distributed import use_bf16
-from .optimizer_state import META as OPTIMIZER_META
 
-WEIGHTS = "draft.safetensors"
-STATE = "trainer_state.json"
-SPEC = "spec.json"
-# files of checkpoints written by earlier versions: Python pickles, never read (they could run code)
-PICKLED = ("trainer_state.pt", "optimizer.pt", "rng_rank0.pt")
-REPLACED = ".replaced-"  # a step's previous folder, kept until its re-save is in place
 PRUNED = ".pruned-"  # an older checkpoint on its way out, out of the listing before any file goes
 VOCAB_MAPS = ("d2t", "t2d")  # the draft's vocabulary mapping, saved with its weights
 # Trainer settings a checkpoint records and a resume compares: those a resumed run applies from its first step
@@ -50,17 +45,41 @@ _SAVED_LR = "the optimizer and schedule come back with the saved peak learning r
 REFUSED_ON_RESUME = {"lr": _SAVED_LR, "muon_lr": _SAVED_LR,
                      "seed": "the data order and every random generator come back as saved",
                      "optimizer": "the saved optimizer state is the other optimizer's"}
-# the keys a resume reads from each JSON file of a checkpoint
-REQUIRED_KEYS = {STATE: ("step", "tokens_seen", "data"), OPTIMIZER_META: ("step", "lrs", "scheduler"),
-                 "rng_rank*.json": ("python", "numpy", "torch")}
+# the setting that freezes each weight a draft may leave out of training (frozen: no optimizer state)
+FREEZES = {"lm_head.weight": "draft.freeze_lm_head"}
 
 
-class CheckpointError(UserError):
-    """A checkpoint folder that cannot be resumed or exported, with the reason and the way out."""
+def optimizer_state_kinds(path: Path) -> dict[str, set[str]]:
+    """What a checkpoint's optimizer state holds: weight name -> the kinds of tensor kept for it (AdamW's
+    moments, Muon's momentum, a master copy); {} for a checkpoint without that file."""
+    from safetensors import safe_open
+
+    if not (Path(path) / OPTIMIZER_TENSORS).is_file():
+        return {}
+    kinds: dict[str, set[str]] = {}
+    with safe_open(str(Path(path) / OPTIMIZER_TENSORS), "pt") as f:
+        for key in f.keys():
+            kind, name = key.split("/", 1)
+            kinds.setdefault(name, set()).add(kind)
+    return kinds
 
 
-def checkpoint_root(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+def settings_before_recorded(path: Path) -> dict:
+    """The settings of a checkpoint as far as its optimizer state shows them, for one written before they were
+    recorded (trainer_state.json without ``settings``, or without the optimizer among them): the optimizer (Muon
+    keeps a momentum per matrix, AdamW two moments) and AdamW's peak learning rate (the schedule's base rate), so
+    a resume under the recipe's newer optimizer is refused with the settings that resume it."""
+    from .optimizer_state import MOMENTUM
+
+    path = Path(path)
+    kinds = set().union(*optimizer_state_kinds(path).values())
+    if not kinds or not (path / OPTIMIZER_META).is_file():
+        return {}
+    settings = {"optimizer": "muon" if kinds & set(MOMENTUM) else "adamw"}
+    base = (json.loads((path / OPTIMIZER_META).read_text()).get("scheduler") or {}).get("base_lrs") or []
+    if settings["optimizer"] == "adamw" and len(set(base)) == 1:
+        settings["lr"] = base[0]
+    return settings
 
 
 def rng_state() -> dict:
@@ -94,10 +113,6 @@ def _fsync_tree(folder: Path) -> None:
 
 def _sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.cpu().contiguous().numpy().tobytes()).hexdigest()[:12]
-
-
-def rng_file(rank: int) -> str:
-    return f"rng_rank{rank}.json"
 
 
 def save_checkpoint(run_dir: Path, step: int, weights: dict[str, torch.Tensor], trainer_state: dict[str, Any],
@@ -166,82 +181,6 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def is_complete(path: Path) -> bool:
-    return all((path / name).is_file() for name in (WEIGHTS, STATE, SPEC))
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """What keeps a checkpoint folder from being resumed, in words (which file, what is wrong); None when it
-    reads: its files are all there, every JSON file parses and holds the keys a resume reads, and every
-    safetensors file's header covers the file (a truncated or overwritten one fails here, before a resume
-    has changed anything)."""
-    path = Path(path)
-    pickled = [name for name in PICKLED if (path / name).exists()]
-    if pickled and not is_complete(path):
-        return (f"it holds Python pickles ({', '.join(pickled)}) instead of {STATE}: it was written by an earlier "
-                "specforge_lite, or by someone else, and loading a pickle can run any code, so it is not read")
-    missing = [name for name in (WEIGHTS, STATE, SPEC) if not (path / name).is_file()]
-    if missing:
-        return f"it is incomplete (missing {', '.join(missing)})"
-    for pattern, keys in {**REQUIRED_KEYS, SPEC: ()}.items():
-        for f in sorted(path.glob(pattern)):
-            try:
-                data = json.loads(f.read_text())
-            except (ValueError, UnicodeDecodeError, OSError) as e:
-                return f"{f.name} is damaged: not valid JSON ({e})"
-            lacking = [k for k in keys if not isinstance(data, dict) or k not in data]
-            if lacking or not isinstance(data, dict):
-                return f"{f.name} is damaged: it lacks {', '.join(lacking) or 'its fields'}"
-    return next(filter(None, map(safetensors_problem, sorted(path.glob("*.safetensors")))), None)
-
-
-def checkpoint_folders(root: Path) -> dict[str, Path]:
-    """Every checkpoint folder in ``root`` (a run's checkpoints/) by step name, resumable or not; a step's
-    previous folder stands in where a kill during its re-save left that step without its published folder."""
-    found = {p.name.removeprefix(REPLACED): p for p in root.glob(f"{REPLACED}step_*") if p.is_dir()}
-    found.update({p.name: p for p in root.glob("step_*") if p.is_dir() and
-                  (is_complete(p) or p.name not in found)})
-    return found
-
-
-def latest_checkpoint(run_dir: Path, log=None) -> Path | None:
-    """The newest checkpoint that reads (``checkpoint_problem``). A newer damaged one is passed over, and
-    ``log`` says which and why; None when no folder reads (``unusable_checkpoints`` then says why)."""
-    found = checkpoint_folders(checkpoint_root(run_dir))
-    damaged = []
-    for name in sorted(found, reverse=True):
-        problem = checkpoint_problem(found[name])
-        if problem is None:
-            if damaged and log is not None:
-                log(f"[train] passing over damaged checkpoint(s) {'; '.join(damaged)}: resuming from the older "
-                    f"{found[name]}")
-            return found[name]
-        damaged.append(f"{found[name]} ({problem})")
-    return None
-
-
-def unusable_checkpoints(run_dir: Path) -> list[str]:
-    """Each checkpoint folder of the run with what keeps it from being resumed (all of them, when
-    ``latest_checkpoint`` found none)."""
-    problems = {name: checkpoint_problem(p) for name, p in sorted(checkpoint_folders(checkpoint_root(run_dir)).items())}
-    return [f"{name}: {problem}" for name, problem in problems.items() if problem is not None]
-
-
-def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict]:
-    """(weights, trainer state, spec): safetensors and JSON only; nothing is unpickled."""
-    path = Path(path)
-    problem = checkpoint_problem(path)
-    if problem is not None:
-        older = [p for name, p in sorted(checkpoint_folders(path.parent).items())
-                 if name < path.name.removeprefix(REPLACED) and checkpoint_problem(p) is None]
-        way_out = (f"resume from {older[-1]} (trainer.resume={older[-1]})" if older else
-                   "point trainer.resume at another checkpoints/step_* folder")
-        raise CheckpointError(f"checkpoint {path} cannot be read: {problem}. Use another: {way_out}, or start "
-                              "anew (a new output_dir, or trainer.resume=never)")
-    state, spec = json.loads((path / STATE).read_text()), json.loads((path / SPEC).read_text())
-    return load_file(str(path / WEIGHTS)), state, spec
-
-
 class CheckpointManager:
     """The run's stateful parts, saved and restored as one: the training engine (weights, optimizer,
     schedule), the batch stream's position, every rank's RNG and the step counters. ``trainer.resume``
@@ -284,6 +223,7 @@ class CheckpointManager:
                                   "resume with the same model and draft settings, or use a new output_dir")
         self._check_vocabulary(path, weights)
         self._check_settings(path, state, log)
+        self._check_trained_weights(path)
         saved_world = state.get("world_size", 1)
         self.engine.load(path, weights, ctx)
         self.stream.load_state_dict(state["data"])
@@ -305,18 +245,37 @@ class CheckpointManager:
         """A setting changed since the checkpoint is applied from the resumed step with a notice, or refused
         (``REFUSED_ON_RESUME``): never silently ignored."""
         now = self.settings()
-        saved = dict(state.get("settings", {}))
+        # what an earlier version did not record (no settings, or no optimizer among them) is read from the state
+        saved = {**settings_before_recorded(path), **dict(state.get("settings", {}))}
         if saved.get("precision") == "auto":  # (recorded as the word before: what it chose is not known)
             del saved["precision"]
         changed = {k: (v, now[k]) for k, v in saved.items() if k in now and v != now[k]}
-        refused = [f"trainer.{k} {old} -> {new} ({REFUSED_ON_RESUME[k]})" for k, (old, new) in changed.items()
-                   if k in REFUSED_ON_RESUME]
+        refused = {k: (old, new) for k, (old, new) in changed.items() if k in REFUSED_ON_RESUME}
         if refused:
+            changes = "; ".join(f"trainer.{k} {old} -> {new} ({REFUSED_ON_RESUME[k]})"
+                                for k, (old, new) in refused.items())
+            saved_values = " ".join(f"trainer.{k}={old}" for k, (old, _) in refused.items())
             raise CheckpointError(f"checkpoint {path}: changed since it was written, and a resume cannot apply it: "
-                                  f"{'; '.join(refused)}. Resume with the saved value, or start anew (a new "
+                                  f"{changes}. Resume with the saved value ({saved_values}), or start anew (a new "
                                   "output_dir, or trainer.resume=never)")
         for key, (old, new) in changed.items():
             log(f"[train] trainer.{key} changed since {path.name} ({old} -> {new}): applied from step {state['step']}")
+
+    def _check_trained_weights(self, path: Path) -> None:
+        """The weights the saved optimizer stepped must be the ones this run trains: a draft setting that freezes
+        or thaws weights (draft.freeze_lm_head) since the checkpoint changes the optimizer's parameter set, whose
+        saved state would not load (or would be dropped). Refused with the setting to restore."""
+        saved = set(optimizer_state_kinds(path))
+        now = {name for name, p in self.engine.module.named_parameters() if p.requires_grad}
+        if not saved or saved == now:
+            return
+        changed = saved ^ now
+        restore = [f"{FREEZES[name]}={str(name not in saved).lower()}" for name in sorted(changed) if name in FREEZES]
+        how = (f"resume with {' '.join(restore)}" if len(restore) == len(changed) else
+               "resume with the draft settings it was trained with")
+        raise CheckpointError(f"checkpoint {path}: its optimizer stepped other weights than this run trains (saved "
+                              f"only: {sorted(saved - now) or 'none'}; now only: {sorted(now - saved) or 'none'}): "
+                              f"{how}, or start anew (a new output_dir, or trainer.resume=never)")
 
     def _set_aside_old_checkpoints(self, log) -> None:
         """A run told to start anew where checkpoints exist keeps them: its own saves would otherwise prune

@@ -18,7 +18,7 @@ import torch
 
 from ..config import TrainerConfig
 from .distributed import DistributedContext, deepspeed_config, sequence_parallel_mpu, use_bf16
-from .optim import Budget, build_optimizer, build_scheduler
+from .optim import Budget, build_optimizer, build_scheduler, named_lrs
 from .optimizer_state import (MASTER, MOMENTS, OptimizerState, adam_step, ensure_adam_state,
                               saved_state, set_adam_step, set_lrs, state_kinds)
 
@@ -59,8 +59,9 @@ class PlainEngine:
         return float(norm)
 
     @property
-    def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+    def lrs(self) -> dict[str, float]:
+        """The learning rates now, named by their settings (``lr``; with Muon also ``muon_lr``)."""
+        return named_lrs(self.optimizer)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self.module.trainable_state_dict()
@@ -122,8 +123,8 @@ class DeepSpeedEngine:
         return float(norm) if norm is not None else self._norm
 
     @property
-    def lr(self) -> float:
-        return self.engine.get_lr()[0]
+    def lrs(self) -> dict[str, float]:
+        return {"lr": self.engine.get_lr()[0]}  # (AdamW only: Muon is refused under DeepSpeed)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every rank takes part; under ZeRO-3 the shards are gathered (fp32 copies on every rank)."""

@@ -161,7 +161,7 @@ def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draf
             if ctx.is_main and (step % cfg.log_every == 0 or step == stop_at or budget.spent(step)):
                 elapsed = time.perf_counter() - t_window
                 scores = tally.metrics(ranks=ctx.data_world_size)
-                metrics = {"step": step, "loss": scores.pop("loss"), "lr": engine.lr, "grad_norm": grad_norm,
+                metrics = {"step": step, "loss": scores.pop("loss"), **engine.lrs, "grad_norm": grad_norm,
                            "tokens_seen": tokens_seen, "tokens_per_s": tok_window / max(elapsed, 1e-9),
                            "elapsed_s": time.perf_counter() - started, **scores}
                 if steps_per_epoch:

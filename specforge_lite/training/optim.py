@@ -16,9 +16,13 @@ OPTIMIZERS = ("adamw", "muon")
 # cosine (SpecForge's, EAGLE's) or linear (speculators' default, transformers' get_linear_schedule_with_warmup)
 DECAYS = {"cosine": lambda progress: 0.5 * (1 + math.cos(math.pi * progress)),
           "linear": lambda progress: 1 - progress}
-# 2-D weights indexed by token, which Muon leaves to AdamW (speculators' rule, Muon's author's convention):
-# the embedding, the lm_head, DSpark's Markov factors, DFlash 2's codebooks
-VOCABULARY_MATRICES = ("embed_tokens", "lm_head", "markov_w1", "markov_w2", "codebook")
+# 2-D weights indexed by token id, which Muon leaves to AdamW. Our rule: speculators' (and Muon's author's) leaves
+# the embedding and the lm_head to AdamW; ours also every other matrix with a row or column per token, DSpark's
+# Markov factors (markov_w1 is an embedding of the previous token, markov_w2 a head onto the draft vocabulary) and
+# DFlash 2's codebooks. A step orthogonalised over the whole matrix moves the rows of tokens a batch never saw
+# as much as the others; AdamW's per-weight step moves a token's row by the tokens that use it, as for the
+# embedding and the lm_head. speculators applies Muon to the Markov factors.
+TOKEN_INDEXED = ("embed_tokens", "lm_head", "markov_w1", "markov_w2", "codebook")
 
 
 def build_optimizer(named_params, cfg: TrainerConfig) -> torch.optim.Optimizer:
@@ -36,8 +40,15 @@ def build_optimizer(named_params, cfg: TrainerConfig) -> torch.optim.Optimizer:
 
 
 def for_muon(name: str, p: torch.Tensor) -> bool:
-    """A matrix Muon orthogonalises: 2-D, not a vector, not indexed by token."""
-    return p.ndim == 2 and min(p.shape) > 1 and not any(hint in name for hint in VOCABULARY_MATRICES)
+    """A matrix Muon orthogonalises: 2-D, not a vector, not indexed by token (``TOKEN_INDEXED``)."""
+    return p.ndim == 2 and min(p.shape) > 1 and not any(hint in name for hint in TOKEN_INDEXED)
+
+
+def named_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """The learning rates now, each under the setting that sets it: ``lr`` (trainer.lr: AdamW's) and, with
+    Muon, ``muon_lr`` (trainer.muon_lr: its matrices')."""
+    parts = optimizer.parts if isinstance(optimizer, MuonWithAdamW) else [optimizer]
+    return {"muon_lr" if isinstance(part, Muon) else "lr": part.param_groups[0]["lr"] for part in parts}
 
 
 def orthogonalised(update: torch.Tensor, dtype: torch.dtype, steps: int, eps: float = 1e-7) -> torch.Tensor:
@@ -81,7 +92,8 @@ class Muon(torch.optim.Optimizer):
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """speculators' optimizer: Muon over the layers' matrices, torch's AdamW over the rest. One optimizer to
+    """speculators' optimizer: Muon over the layers' matrices, torch's AdamW over the rest (``for_muon``: our
+    split, speculators' widened to every token-indexed matrix). One optimizer to
     the schedule, the clipping and the checkpoint: its parameter groups (and per-weight state) are the two
     optimizers' own, shared, so each steps exactly as it would alone."""
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-TENSORS = "optimizer.safetensors"
-META = "optimizer.json"
+from ..records import OPTIMIZER_META as META
+from ..records import OPTIMIZER_TENSORS as TENSORS
+
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's, per weight
 MOMENTUM = ("momentum_buffer",)  # Muon's, per matrix
 MASTER = "master"

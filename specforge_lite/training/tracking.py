@@ -10,10 +10,7 @@ from typing import Any
 from ..config import TrackerConfig
 from ..errors import UserError
 from ..files import WRITE_ERRORS, write_failure
-
-
-class DamagedRecord(UserError):
-    """A run's record (metrics.jsonl) holding a line that is not a JSON object."""
+from ..records import read_metrics
 
 
 class RecordWriteError(UserError):
@@ -24,25 +21,6 @@ def _cannot_write(path: Path, e: BaseException) -> RecordWriteError:
     return RecordWriteError(f"{path} could not be written ({write_failure(e)}): the run stopped. Free space or make "
                             "the folder writable, then run the same command: it resumes from the newest checkpoint "
                             "(the metrics of the steps after it are written again)")
-
-
-def read_metrics(path: Path, cut_short_last: bool = False) -> list[dict[str, Any]]:
-    """Each line of a metrics.jsonl as a dict. A line that does not parse is named by path and line;
-    ``cut_short_last``: a last line that does not parse is dropped instead (a kill in the middle of its write)."""
-    lines = [(n, line) for n, line in enumerate(Path(path).read_text(errors="replace").splitlines(), 1) if line.strip()]
-    rows = []
-    for i, (n, line) in enumerate(lines):
-        try:
-            row = json.loads(line)
-            if not isinstance(row, dict):
-                raise ValueError("not an object")
-        except ValueError as e:
-            if cut_short_last and i == len(lines) - 1:
-                break
-            raise DamagedRecord(f"{path}:{n} is not a JSON object ({e}): the file was edited or damaged; delete "
-                                "that line (metrics of one step) and run again") from None
-        rows.append(row)
-    return rows
 
 
 class Tracker:

@@ -169,12 +169,19 @@ class TargetFamily:
 
 def _architecture(location: str, trust_remote_code: bool) -> tuple[type, Any]:
     """(the checkpoint's own architecture class, else AutoModelForCausalLM; its config)."""
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
+    return architecture_class(config), config
+
+
+def architecture_class(config: Any) -> type:
+    """The model class a config names (multimodal wrappers included), else AutoModelForCausalLM."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
     for arch in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, arch, None)
         if cls is not None:
-            return cls, config
-    return AutoModelForCausalLM, config
+            return cls
+    return AutoModelForCausalLM

@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..serving import ROOT
-from ..training.tracking import read_metrics
+from specforge_lite.records import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: train.py, docs/, scripts/
 
 # The held-out chit-chat (the training data's own held-out conversations) against prompts of kinds the
 # default never trains on: the two figures the embedded default is judged by.
@@ -33,10 +34,9 @@ EVAL_SETS = ("heldout", "assistant", "mtbench", "gsm8k", "summarization", "human
 SPECULATORS_TTT = ["draft.ttt_length=3", "draft.step_loss_decay=1.0"]
 SPECULATORS_HEAD = ["draft.freeze_lm_head=true"]
 SPECULATORS_MUON = ["trainer.optimizer=muon", "trainer.lr=1e-3", "trainer.muon_lr=null"]  # (1e-3, both groups)
-# the embedded default's optimizer since 2026-11-26 (fourth session): speculators' with the matrices' step at 2e-3,
-# and the AdamW it replaced, which the tables dated before it measured as the default
+# the embedded default's optimizer (speculators' with the matrices' step at 2e-3), and AdamW in its place
 MUON_MATRICES_2E3 = ["trainer.optimizer=muon", "trainer.lr=1e-3", "trainer.muon_lr=2e-3"]
-ADAMW_DEFAULT = ["trainer.optimizer=adamw", "trainer.lr=6e-4"]
+ADAMW_6E4 = ["trainer.optimizer=adamw", "trainer.lr=6e-4"]
 SPECULATORS_RESIDUAL = ["draft.norm_before_residual=true"]
 SPECULATORS_SCHEDULE = ["trainer.schedule=linear"]
 
@@ -103,7 +103,7 @@ def share_prompts(reference: Path, runs: list[Path]) -> None:
 
 def serve_candidates(runs: list[Path], k: int | None = None, log=print) -> None:
     """vLLM serves every candidate not yet served at this k (one process); a greedy mismatch fails loudly."""
-    from ..evaluate.served import serve
+    from specforge_lite.evaluate.served import serve
 
     def served(run: Path) -> bool:
         path = run / "vllm_eval.json"

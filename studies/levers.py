@@ -1,7 +1,7 @@
 """What raises served acceptance per unit of compute: each lever against the embedded default, judged by vLLM.
 
-    python -m specforge_lite.bench levers [--minutes 10] [--only warm_start,eagle31] [--seed N] [--out DIR]
-    python -m specforge_lite.bench levers --warm-start-study [--study-steps 100,400] [--out DIR]
+    python -m studies levers [--minutes 10] [--only warm_start,eagle31] [--seed N] [--out DIR]
+    python -m studies levers --warm-start-study [--study-steps 100,400] [--out DIR]
 
 Every candidate is the embedded default (``python train.py``: SmolLM2-135M-Instruct, the cpu_20min recipe)
 with one lever changed, trained online by train.py for the same wall time of its training loop
@@ -23,7 +23,7 @@ import json
 import shutil
 from pathlib import Path
 
-from .served_recipes import (ADAMW_DEFAULT, MUON_MATRICES_2E3, SPECULATORS_HEAD, SPECULATORS_MUON, SPECULATORS_SCHEDULE,
+from .served_recipes import (ADAMW_6E4, MUON_MATRICES_2E3, SPECULATORS_HEAD, SPECULATORS_MUON, SPECULATORS_SCHEDULE,
                              SPECULATORS_TTT, Candidate, evaluate_reference, serve_candidates, served_row,
                              share_prompts, train_candidate, write_report)
 
@@ -32,14 +32,13 @@ from .served_recipes import (ADAMW_DEFAULT, MUON_MATRICES_2E3, SPECULATORS_HEAD,
 LEVERS = [
     Candidate("default", [], "the embedded default (EAGLE 3.1, 1 layer, TTT 4, soft CE, draft vocabulary 8192, "
                              "Muon with AdamW: matrices at 2e-3, the rest at 1e-3)"),
-    Candidate("adamw", ADAMW_DEFAULT, "AdamW at 6e-4 over every weight (the default before 2026-11-26, fourth "
-                                      "session; the levers below it were measured against it)"),
+    Candidate("adamw", ADAMW_6E4, "AdamW at 6e-4 over every weight, in place of the default's Muon"),
     Candidate("eagle3_plain", ["draft.norm_before_fc=false", "draft.norm_output=false"],
-              "EAGLE3 without the EAGLE 3.1 norms (the default before 2026-11-26)"),
+              "EAGLE3 without the EAGLE 3.1 norms (the default keeps them)"),
     Candidate("warm_start", ["draft.init_layers_from_target=true"],
               "the draft's layer starts as the target's layer after the top aux id"),
     Candidate("eagle31", ["draft.norm_before_fc=true", "draft.norm_output=true"],
-              "EAGLE 3.1 norms (since 2026-11-26 the same run as default; eagle3_plain measures them)"),
+              "EAGLE 3.1 norms (the default's own: the same run as default; eagle3_plain measures them)"),
     Candidate("eagle31_ttt3_vocab4k", ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.ttt_length=3",
                                        "draft.draft_vocab_size=4096"],
               "the three levers that won on chat together: EAGLE 3.1 norms, TTT 3, draft vocabulary 4096"),
@@ -85,10 +84,10 @@ def _study_candidates(step_counts: list[int]) -> list[Candidate]:
 def step0_accuracy(log=print) -> dict:
     """Teacher-forced accuracy per TTT step on the default's held-out conversations, before any training,
     of the default's freshly built draft and of the warm-started one (same seed)."""
-    from ..compose import load_config
-    from ..evaluate.heldout import heldout_accuracy
-    from ..pipeline import pad_id
-    from ..run import Run
+    from specforge_lite.compose import load_config
+    from specforge_lite.evaluate.heldout import heldout_accuracy
+    from specforge_lite.data import pad_id
+    from specforge_lite.run import Run
 
     out = {}
     for name, overrides in (("default", []), ("warm_start", ["draft.init_layers_from_target=true"])):
@@ -110,7 +109,7 @@ def saved_step0_accuracy(saved: Path) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m specforge_lite.bench levers", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m studies levers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=10.0, help="training-loop wall time of every candidate")
     p.add_argument("--only", default=None, help="comma-separated lever names (the default is always included)")
@@ -163,13 +162,13 @@ def main(argv=None) -> None:
     serve_candidates(list(runs.values()), a.k)
     rows = [{**served_row(c.name, runs[c.name]), "overrides": c.overrides, "note": c.note} for c in chosen]
     saved.write_text(json.dumps(extra, indent=2) + "\n")
-    from ..device import describe_cpu
+    from specforge_lite.device import describe_cpu
 
     machine = describe_cpu()
     preamble = (f"SmolLM2-135M-Instruct, the embedded default with one lever changed each; {budget}; served by vLLM "
                 f"at k={a.k}, {a.prompts} prompts per set, {a.max_new_tokens} new tokens, greedy; {machine}. "
                 "general = every set but the held-out chit-chat, pooled by drafts; chat = the held-out chit-chat. "
-                "Regenerate: python -m specforge_lite.bench levers "
+                "Regenerate: python -m studies levers "
                 + (f"--warm-start-study --study-steps {a.study_steps}" if a.warm_start_study
                    else f"--minutes {a.minutes:g}" + (f" --only {a.only}" if a.only else ""))
                 + (f" --seed {a.seed}" if a.seed else "") + (f" --prompts {a.prompts}" if a.prompts != 8 else ""))

@@ -1,5 +1,5 @@
 """Save a tiny speculators 0.9.0 EAGLE3 draft the way speculators' trainer saves one (run with the peer venv:
-``$(bash scripts/setup_peers.sh | tail -1) scripts/peers/save_speculators_draft.py``).
+``$(bash scripts/setup_peers.sh | tail -1) studies/peers/save_speculators_draft.py``).
 
 Its own classes and save code throughout: Eagle3SpeculatorConfig (a Llama transformer_layer_config of two
 layers, EAGLE 3.1 as its trainer defaults to for Llama drafts: norm_before_residual, norm_before_fc,

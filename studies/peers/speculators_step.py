@@ -1,5 +1,5 @@
 """One speculators 0.9.0 EAGLE3 draft training step (run with the peer venv, setup_peers.sh, or on a GPU machine
-with .whl/peers installed: scripts/peers/gpu_wheels.sh).
+with .whl/peers installed: studies/peers/gpu_wheels.sh).
 
 The call its Trainer.train_epoch makes: Eagle3DraftModel(...)(hidden_states, input_ids, document_ids,
 loss_mask, position_ids, verifier_last_hidden_states, ttt_steps, ttt_step_loss_decay, loss_config), then

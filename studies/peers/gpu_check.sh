@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Smoke test of the peer drivers' CUDA path on a GPU machine without network: installs .whl/peers
-# (scripts/peers/gpu_wheels.sh) into /tmp/peers-site, then times bf16 steps of each peer's own code on tiny
+# (studies/peers/gpu_wheels.sh) into /tmp/peers-site, then times bf16 steps of each peer's own code on tiny
 # --inputs files (H 256, 4 heads, 2 KV heads, vocab 4096, draft vocab 1024, ttt 3) at T 128 and 256, both
 # lengths in one process (--seq-len 128,256, {T} in --inputs): one JSON line per length.
-# Usage: [PEERS="specforge speculators"] scripts/peers/gpu_check.sh [PYTHON]   (default python3)
+# Usage: [PEERS="specforge speculators"] studies/peers/gpu_check.sh [PYTHON]   (default python3)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${1:-python3}
@@ -28,7 +28,7 @@ EOF
 SHAPE='{"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}'
 rc=0
 for peer in ${PEERS:-specforge speculators}; do
-  "$PY" scripts/peers/${peer}_step.py --device cuda --dtype bfloat16 --inputs "$IN" --seq-len 128,256 \
+  "$PY" studies/peers/${peer}_step.py --device cuda --dtype bfloat16 --inputs "$IN" --seq-len 128,256 \
     --shape "$SHAPE" --draft-vocab 1024 --ttt 3 --repeats 2 | tail -2 || rc=1
 done
 exit $rc

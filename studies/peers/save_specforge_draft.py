@@ -1,5 +1,5 @@
 """Save a tiny SpecForge 0.2.0 EAGLE3 draft the way SpecForge publishes one (run with the peer venv:
-``$(bash scripts/setup_peers.sh | tail -1) scripts/peers/save_specforge_draft.py``).
+``$(bash scripts/setup_peers.sh | tail -1) studies/peers/save_specforge_draft.py``).
 
 Its own classes and save code throughout: the draft config file is read by AutoDraftModelConfig.from_file, the
 draft (LlamaForCausalLMEagle3, one layer) built by AutoDraftModel.from_config, its weights put in a training

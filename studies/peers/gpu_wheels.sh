@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Re-creates .whl/peers/ (git-ignored): the wheels that the peer drivers' CUDA path (scripts/peers/*_step.py
+# Re-creates .whl/peers/ (git-ignored): the wheels that the peer drivers' CUDA path (studies/peers/*_step.py
 # --device cuda) needs on the lent GPU machine (no network; Python 3.12, torch 2.11+cu130, triton 3.6,
 # transformers 5.17, hub, numpy, pandas, pyarrow, xxhash, fsspec, httpx, aiohttp, ... already there).
 # There: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peers-site .whl/peers/*.whl
-# then:  PYTHONPATH=/tmp/peers-site python3 scripts/peers/specforge_step.py --device cuda --dtype bfloat16 ...
+# then:  PYTHONPATH=/tmp/peers-site python3 studies/peers/specforge_step.py --device cuda --dtype bfloat16 ...
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dest=.whl/peers

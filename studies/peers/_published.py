@@ -42,7 +42,7 @@ def draft_vocab(out: Path, vocab_size: int):
 
     path = out / "draft_vocab.json"
     if not path.is_file():
-        raise SystemExit(f"{path} is missing: run .venv/bin/python scripts/peers/published_vocab.py --out {out} first")
+        raise SystemExit(f"{path} is missing: run .venv/bin/python studies/peers/published_vocab.py --out {out} first")
     ids = torch.tensor(json.loads(path.read_text())["ids"])
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[ids] = True

@@ -1,5 +1,5 @@
 """The draft vocabulary of the published-draft fixtures (run with the project's venv, before the peers'
-save_*_draft.py scripts: ``.venv/bin/python scripts/peers/published_vocab.py``).
+save_*_draft.py scripts: ``.venv/bin/python studies/peers/published_vocab.py``).
 
 A published draft's vocabulary holds the tokens its target says most; a random 256 of the tiny target's 49152
 would hold almost none of them, and a run continuing the draft would find no token to learn. So the fixtures'

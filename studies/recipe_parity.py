@@ -1,6 +1,6 @@
 """Our recipe against SpecForge's and speculators' own, on identical inputs, judged by vLLM.
 
-    python -m specforge_lite.bench recipe_parity [--steps 400] [--minutes 10] [--out DIR]
+    python -m studies recipe_parity [--steps 400] [--minutes 10] [--out DIR]
         [--budgets steps time] [--peers specforge speculators] [--variants muon] [--seed N]
 
 1. The embedded default's data (SmolLM2-135M-Instruct, the cpu_20min recipe: its regenerated answers and
@@ -10,7 +10,7 @@
 3. Three drafts train on them: ours (train.py data.source=offline: our default recipe), SpecForge 0.2.0's
    EAGLE3 draft, loss, optimizer and schedule with its training script's defaults, and speculators
    0.9.0's (its CLI defaults: EAGLE 3.1 norms, kl_div, TTT 3, Muon), the peers' model and loss code run
-   by their own packages in their own venv (``scripts/setup_peers.sh``; drivers in ``scripts/peers/``),
+   by their own packages in their own venv (``scripts/setup_peers.sh``; drivers in ``studies/peers/``),
    each exported by the peer's own save code.
 4. Once at equal optimizer steps (``--steps``) and once at equal wall time (``--minutes``: ours through
    trainer.max_minutes, the peers with the steps that fit the budget after a timing of their own step).
@@ -32,19 +32,18 @@ import sys
 import time
 from pathlib import Path
 
-from ..serving import ROOT
-from .served_recipes import (ADAMW_DEFAULT, MUON_MATRICES_2E3, SPECULATORS_HEAD, SPECULATORS_MUON, SPECULATORS_RESIDUAL,
-                             SPECULATORS_SCHEDULE, SPECULATORS_TTT, evaluate_reference, serve_candidates, served_row,
-                             share_prompts, train_candidate, write_report)
+from .served_recipes import (ADAMW_6E4, MUON_MATRICES_2E3, ROOT, SPECULATORS_HEAD, SPECULATORS_MUON,
+                             SPECULATORS_RESIDUAL, SPECULATORS_SCHEDULE, SPECULATORS_TTT, evaluate_reference,
+                             serve_candidates, served_row, share_prompts, train_candidate, write_report)
 
 PEERS = ("specforge", "speculators")
 # our recipe with one change, as train.py overrides
-VARIANTS = {"adamw": ADAMW_DEFAULT,  # (the default before Muon: `ours` in the tables dated before it)
+VARIANTS = {"adamw": ADAMW_6E4,  # (AdamW in place of the default's Muon)
             "muon": ["trainer.optimizer=muon", "trainer.lr=6e-4", "trainer.muon_lr=null"],
             "muon_lr1e3": SPECULATORS_MUON,  # (speculators' learning rate, both groups)
             "muon_lr1e3_ns2": [*SPECULATORS_MUON, "trainer.muon_ns_steps=2"],  # (its cheaper step on a CPU)
             "muon_lr1e3_ns3": [*SPECULATORS_MUON, "trainer.muon_ns_steps=3"],
-            "muon_mlr2e3": MUON_MATRICES_2E3,  # (the matrices' step twice speculators': the default since)
+            "muon_mlr2e3": MUON_MATRICES_2E3,  # (the matrices' step twice speculators': the default's)
             "muon_mlr3e3": ["trainer.optimizer=muon", "trainer.lr=1e-3", "trainer.muon_lr=3e-3"],
             "lr1e3": ["trainer.optimizer=adamw", "trainer.lr=1e-3"],  # (the same learning rate with our AdamW)
             "lr2e3": ["trainer.optimizer=adamw", "trainer.lr=2e-3"],  # (is what Muon buys a larger step? no)
@@ -78,8 +77,8 @@ def write_schedule(store: Path, steps: int, path: Path, seed: int = 0) -> Path:
     """The store sample indices of each of our offline run's first ``steps`` micro-batches (at ``seed``)."""
     if path.is_file() and len(json.loads(path.read_text())["batches"]) >= steps:
         return path
-    from ..compose import load_config
-    from ..offline import store_run
+    from specforge_lite.compose import load_config
+    from specforge_lite.offline import store_run
 
     run = store_run(load_config(["tracker=none", "data.source=offline", f"data.store={store}",
                                  f"trainer.seed={seed}"]), log=lambda m: None)
@@ -101,13 +100,13 @@ def train_peer(peer: str, python: str, store: Path, schedule: Path, run_dir: Pat
     """One peer's driver (its own model, loss, optimizer and save code) on the schedule; resumable."""
     if (run_dir / "final" / "config.json").is_file():
         return
-    from ..compose import load_config
-    from ..targets.acquire import resolve_model_dir
+    from specforge_lite.compose import load_config
+    from specforge_lite.targets.acquire import resolve_model_dir
 
     target = resolve_model_dir(load_config(["tracker=none"]).model)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    cmd = [python, str(ROOT / "scripts" / "peers" / f"{peer}_train.py"), "--store", str(store), "--schedule",
+    cmd = [python, str(ROOT / "studies" / "peers" / f"{peer}_train.py"), "--store", str(store), "--schedule",
            str(schedule), "--target", str(target), "--out", str(run_dir / "final"), "--metrics",
            str(run_dir / "metrics.jsonl"), "--threads", "2", "--seed", str(seed), *budget]
     log(f"[bench] training {run_dir.name} with {peer}'s own code ({' '.join(budget)})")
@@ -120,7 +119,7 @@ def train_peer(peer: str, python: str, store: Path, schedule: Path, run_dir: Pat
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m specforge_lite.bench recipe_parity", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m studies recipe_parity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=400, help="optimizer steps of the equal-steps comparison")
     p.add_argument("--minutes", type=float, default=5.0, help="training wall time of the equal-time comparison")
@@ -171,7 +170,7 @@ def main(argv=None) -> None:
     share_prompts(prompts_from, list(runs.values()))
     serve_candidates(list(runs.values()), a.k)
     rows = [served_row(name, run) for name, run in runs.items()]
-    from ..device import describe_cpu
+    from specforge_lite.device import describe_cpu
 
     machine = (f"{describe_cpu()}; our runs at trainer.precision=auto, the peers' drivers in fp32 (their CPU "
                "adaptation), and ours_time_fp32 is our equal-time run in fp32")
@@ -181,7 +180,7 @@ def main(argv=None) -> None:
     preamble = (f"One capture of the embedded default's data (float32 store, {store}); the same batches in the same "
                 f"order for every trainer; equal steps: {a.steps} optimizer steps each; equal time: {a.minutes:g} "
                 f"minutes of training each. Served by vLLM at k={a.k} on {a.prompts} prompts per set. Ratios are to "
-                f"{reference.name}. Regenerate: python -m specforge_lite.bench recipe_parity {command}. What each "
+                f"{reference.name}. Regenerate: python -m studies recipe_parity {command}. What each "
                 "peer driver adapted to run on CPU is in its train.log. " + machine + ".")
     print(write_report(a.out, "Recipe parity: ours, SpecForge 0.2.0, speculators 0.9.0 on identical inputs", rows,
                        reference.name, preamble))

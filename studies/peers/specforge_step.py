@@ -1,5 +1,5 @@
 """One SpecForge 0.2.0 EAGLE3 draft training step (run with the peer venv, setup_peers.sh, or on a GPU machine
-with .whl/peers installed: scripts/peers/gpu_wheels.sh).
+with .whl/peers installed: studies/peers/gpu_wheels.sh).
 
 Its own classes throughout: LlamaForCausalLMEagle3 (one layer, embedding frozen as build_eagle3_draft
 does), OnlineEagle3Model (its TTT loop) and Eagle3TrainStrategy.forward_loss (steps weighted 0.8**k),

@@ -5,7 +5,7 @@ A driver trains an EAGLE3 draft with a peer's own code (SpecForge 0.2.0 or specu
 classes, loss, optimizer and scheduler at its defaults) on OUR batches, so that every recipe sees the same
 samples in the same order, and exports the draft with the peer's own save code. It runs in the peers' venv
 (scripts/setup_peers.sh), where specforge_lite is not installed: the store is read here with safetensors and
-json only (its layout: specforge_lite/offline/store.py).
+json only (its layout: specforge_lite/targets/store.py).
 
     --store DIR        a hidden-state store (manifest.json, target_parts.safetensors, shard_XXXXX.safetensors)
     --schedule FILE    {"batches": [[i, j, ...], ...]}: store sample indices, one list per optimizer step

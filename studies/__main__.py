@@ -1,0 +1,20 @@
+"""python -m studies <study> [options]   (from a checkout's root; --help on each)
+
+Studies: levers (what raises served acceptance per unit of compute, each lever against the embedded default),
+recipe_parity (our recipe against SpecForge's and speculators' own on identical inputs), recipe_card (every
+draft method on small real targets at k = 1, 3 and 5). Each writes its report and names the command that
+regenerates it."""
+
+from __future__ import annotations
+
+from specforge_lite.bench import run_named
+
+STUDIES = {name: f"studies.{name}" for name in ("levers", "recipe_parity", "recipe_card")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_named("python -m studies", STUDIES, __doc__, argv)
+
+
+if __name__ == "__main__":
+    main()
