@@ -6,7 +6,9 @@
 #    speculators and what the image lacks: studies/peers/gpu_wheels.sh makes them);
 # 2. bench gpu_scale on Llama-3.1-8B's shape: ours (each TTT attention way) against both peers, then DFlash
 #    and DSpark steps;
-# 3. Qwen3-32B's shape online at 8k (64 GB of bf16 weights: one H200, or an H100 with ZeRO-3 offload).
+# 3. Qwen3-32B's shape online at 8k (64 GB of bf16 weights: one H200, or an H100 with ZeRO-3 offload);
+# 4. the sizing command's prediction for that run (python -m specforge_lite.plan, fake tensors on the host), to
+#    hold against 3's measured peak (blockwise attention: its peak was within 3% of flex's at Llama-3.1-8B's shape).
 # Each part has a time limit so the whole fits one 10-minute call; a part cut short keeps its finished rows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,3 +36,5 @@ timeout -k 10 "${GPU_SCALE_8B_S:-400}" "$PY" -m specforge_lite.bench gpu_scale "
 timeout -k 10 "${GPU_SCALE_32B_S:-120}" "$PY" -m specforge_lite.bench gpu_scale --target qwen3_32b --seq-lens 8192 \
   --ways "${GPU_SCALE_32B_WAY:-flex}" --online-only --methods "" --out "$OUT/gpu_scale_qwen3_32b.json" 2>&1 |
   tee "$OUT/gpu_scale_qwen3_32b.log"
+timeout -k 10 "${PLAN_32B_S:-120}" "$PY" -m specforge_lite.plan model=qwen3_32b data.max_length=8192 \
+  draft.ttt_attention=blockwise --gpus 1 --gpu-gib 141 --out "$OUT/plan_qwen3_32b.json" 2>&1 | tee "$OUT/plan_qwen3_32b.log"
