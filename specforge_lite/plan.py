@@ -211,7 +211,8 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
     compare the two on a small target)."""
     import contextlib
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                               FakeTensorMode)
 
     from .draft.objective import Eagle3Objective, UnrollInputs
     from .methods import build_objective, draft_method, draft_spec, draft_vocab_size
@@ -270,7 +271,14 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
             out.loss.backward()
             draft.zero_grad(set_to_none=True)
 
-        _, step_peak = peak(lambda: step(False))
+        try:
+            _, step_peak = peak(lambda: step(False))
+        except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            from .errors import UserError
+
+            raise UserError(f"draft={config.draft.method}: its training step depends on values a run on fake tensors "
+                            f"does not have ({type(e).__name__}); the plan sizes the EAGLE3 drafts (draft=eagle3, "
+                            "EAGLE 3.1, P-EAGLE)") from None
         # (a method without draft.checkpointing keeps its activations: its one step is its only one)
         _, step_ckpt = peak(lambda: step(True)) if recomputes(config) else (None, step_peak)
     return Traced(target_weights, target_layer, trainable, frozen, capture_peak,
