@@ -1,6 +1,6 @@
 """``specforge-lite``: one command for every tool, installed with the package.
 
-    specforge-lite train [overrides ...]      = python train.py [overrides ...]   (the same Hydra config and --help)
+    specforge-lite train [overrides ...]      = python train.py [overrides ...]   (python -m specforge_lite.train)
     specforge-lite export --run-dir RUN ...   = python -m specforge_lite.export --run-dir RUN ...
     specforge-lite <tool> --help              each tool's own help
 
@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import runpy
 import sys
-from pathlib import Path
 
-TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "train.py"
 # tool -> (the module python -m runs, what it does)
 TOOLS = {
-    "train": (None, "train a draft (python train.py): target, data, draft, training, export, evaluation"),
+    "train": ("specforge_lite.train", "train a draft (python train.py): target, data, draft, training, export, eval"),
     "export": ("specforge_lite.export", "rewrite a run's draft for vLLM, SGLang or speculators; --check an export"),
     "evaluate": ("specforge_lite.evaluate", "speculative decoding of an export on prompt sets"),
     "served": ("specforge_lite.evaluate.served", "vLLM serves an export on the run's prompts"),
@@ -46,13 +44,6 @@ def main(argv: list[str] | None = None) -> None:
     if tool not in TOOLS:
         sys.exit(f"error: no tool {tool!r}.\n{usage()}")
     module, _ = TOOLS[tool]
-    if module is None:
-        if not TRAIN_SCRIPT.is_file():
-            sys.exit(f"error: specforge-lite train runs {TRAIN_SCRIPT} and its conf/ folder, which this installation "
-                     "lacks; install from a checkout of the repository (pip install -e .)")
-        sys.argv = [str(TRAIN_SCRIPT), *rest]
-        runpy.run_path(str(TRAIN_SCRIPT), run_name="__main__")
-        return
     sys.argv = [f"specforge-lite {tool}", *rest]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

@@ -4,10 +4,11 @@
     python -m specforge_lite.config_reference --check  # exit 1 when the page differs from the dataclasses
 
 Every key of ``config.Config`` with its type, its default, the value ``python train.py`` runs with (the
-composed default: conf/config.yaml and its groups), the range a number may take (``config.RANGES``) and what
-it does: the comments written at the field in config.py (the lines right above it and the one beside it),
-so the page and the code cannot drift apart; tests/test_docs.py regenerates it and compares. Each draft
-method's own settings (methods/<name>/settings.py, chosen with draft=<name>) follow in a section each.
+composed default: specforge_lite/conf/config.yaml and its groups), the range a number may take
+(``config.RANGES``) and what it does: the comments written at the field in config.py (the lines right above
+it and the one beside it), so the page and the code cannot drift apart; tests/test_docs.py regenerates it and
+compares. Each draft method's own settings (methods/<name>/settings.py, chosen with draft=<name>) follow in a
+section each.
 """
 
 from __future__ import annotations
@@ -157,8 +158,9 @@ def render() -> str:
              "`python -m specforge_lite.config_reference`; tests/test_docs.py regenerates it and fails when it "
              "differs, so it cannot drift. Set any key on the command line: `python train.py draft.ttt_length=5`.",
              "", "*default* is the dataclass default; *train.py* is what `python train.py` runs with, from "
-             "conf/config.yaml and its groups (the embedded default: SmolLM2-135M and the cpu_20min recipe), where "
-             "that differs. *allowed* is the range a number is checked against before anything is built."]
+             "specforge_lite/conf/config.yaml and its groups (the embedded default: SmolLM2-135M and the cpu_20min "
+             "recipe), where that differs. *allowed* is the range a number is checked against before anything is "
+             "built."]
     sections = {f.name: f for f in dataclasses.fields(Config)}
     for key in keys:
         if key.name in sections and key.default == "(section)":  # a top-level section: its heading

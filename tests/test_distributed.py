@@ -253,7 +253,7 @@ def test_a_run_ends_its_process_group_and_takes_back_the_launcher_variables(tmp_
     released the last collective: ``terminate called without an active exception``), and the variables
     leaked into every process the caller started later. Fails on the code before ``process_group``."""
     sys.path.insert(0, str(ROOT))
-    from train import run
+    from specforge_lite.job import run
 
     from specforge_lite.compose import load_config
 

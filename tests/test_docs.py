@@ -111,7 +111,7 @@ def test_the_cpu_examples_run(tmp_path):
     """Every example marked cpu, as a user would paste it, in a fresh folder with the checkout's train.py."""
     examples = [(page, line, text) for page, line, marker, text in shell_examples() if marker == "cpu"]
     assert examples, "no example is marked cpu"
-    for name in ("train.py", "conf"):
+    for name in ("train.py",):
         (tmp_path / name).symlink_to(ROOT / name)
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "2",
            "WANDB_MODE": "offline"}

@@ -38,6 +38,7 @@ STANDS_ON = {
     "config_reference": ("compose",),
     "job": ("offline", "settings", "evaluate"),  # train, export and evaluate one draft
     "adapt": ("evaluate", "training", "serving"),  # a draft adapted to served traffic
+    "train": ("job", "arguments"),  # the training command (specforge-lite train; train.py calls it)
     "plan": ("job",),  # a run sized before it runs: its capture and step on fake tensors
     "bench": ("job", "adapt"),  # the benchmarks
     "cli": (),  # the console entry point (it runs each tool's module by name)

@@ -27,10 +27,8 @@ def test_a_second_run_on_a_held_folder_names_the_holder_and_a_kill_9_frees_it(tm
         with pytest.raises(OutputDirError, match=f"being written by another run .pid {holder.pid} on "):
             with hold_output_dir(folder):
                 pass
-        sys.path.insert(0, str(ROOT))
-        from train import run
-
         from specforge_lite.compose import load_config
+        from specforge_lite.job import run
 
         with pytest.raises(OutputDirError, match=f"pid {holder.pid}"):
             run(load_config(["model=llama3_tiny", "tracker=none"]), folder, log=lambda m: None)

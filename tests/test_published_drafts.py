@@ -24,7 +24,7 @@ from specforge_lite.export import fit_to_target, load_export
 FIXTURES = ROOT / "tests" / "fixtures" / "published"
 PEERS = ("specforge", "speculators")
 VOCAB = json.loads((FIXTURES / "draft_vocab.json").read_text())
-TINY_LAYERS = 8  # conf/model/llama3_tiny.yaml
+TINY_LAYERS = 8  # specforge_lite/conf/model/llama3_tiny.yaml
 # the tiny run of studies/peers/published_vocab.py (the fixtures' vocabulary holds what its target predicts), short
 RUN = [*VOCAB["overrides"], "trainer.max_steps=10", "trainer.save_every=0", "trainer.micro_batch_size=4",
        "trainer.progress_bar=false", "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.heldout_batches=2",

@@ -248,7 +248,7 @@ def served_runs(serving_python, tmp_path_factory):
     of training, the others by ``python -m specforge_lite.evaluate.served`` (both runs in one vLLM process).
     Per preset: (run dir, what the served check raised or None)."""
     sys.path.insert(0, str(ROOT))
-    from train import run
+    from specforge_lite.job import run
 
     from specforge_lite.compose import load_config
     from specforge_lite.evaluate.served import ServedMismatch, serve
@@ -325,7 +325,7 @@ def test_the_adapt_judge_decides_by_what_vllm_serves(served_runs, tmp_path):
 def dspark_run(tmp_path_factory) -> Path:
     """A DSpark draft trained by train.py for the Qwen3 target with the served presets' data and evaluation."""
     sys.path.insert(0, str(ROOT))
-    from train import run
+    from specforge_lite.job import run
 
     from specforge_lite.compose import load_config
 
@@ -473,7 +473,7 @@ def test_a_live_vllm_extraction_trains_like_online(vllm_extraction, tmp_path, ca
     states differ from ours by at most ~5e-7 of their scale (the parity test above); measured 2.8e-7 on
     the losses. The extraction also holds files of other prompts: they are skipped and counted."""
     sys.path.insert(0, str(ROOT))
-    from train import run
+    from specforge_lite.job import run
 
     from specforge_lite.offline.__main__ import main as offline_main
 
@@ -500,7 +500,7 @@ def test_the_served_check_says_what_is_missing(tmp_path, monkeypatch):
     """eval.serve takes vllm or nothing, said before any training; the command names what a run lacks
     and how to build the serving environment."""
     sys.path.insert(0, str(ROOT))
-    from train import run
+    from specforge_lite.job import run
 
     from specforge_lite.compose import load_config
     from specforge_lite.evaluate.served import serve

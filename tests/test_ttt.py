@@ -418,7 +418,7 @@ def test_settings_no_run_can_use_are_refused_before_anything_is_built(tmp_path):
     from specforge_lite.compose import load_config
 
     sys.path.insert(0, str(ROOT))
-    from train import run
+    from specforge_lite.job import run
 
     for overrides, message in ((["draft.ttt_length=0"], r"draft.ttt_length=0: allowed \[1, inf\)"),
                                (["trainer.max_steps=-1"], r"trainer.max_steps=-1: allowed \[1, inf\)"),

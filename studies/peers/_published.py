@@ -1,11 +1,12 @@
 """What the published-draft fixture scripts share: the tiny target's shape, the draft vocabulary, the recorded
 forward inputs and where the fixture goes.
 
-Each script builds a tiny EAGLE3 draft with a peer's own classes for the shape of ``conf/model/llama3_tiny.yaml``
-(the tiny target the tests train against), gives it weights that a wrong mapping cannot hide (every norm
-perturbed, not left at ones), saves it with the peer's own save code into ``OUT/<peer>/`` and records, in
-``OUT/<peer>.forward.safetensors``, the inputs of one draft step and the logits the peer's own forward gives
-for them. The tests (tests/test_published_drafts.py) load the folder with specforge_lite and compare.
+Each script builds a tiny EAGLE3 draft with a peer's own classes for the shape of
+``specforge_lite/conf/model/llama3_tiny.yaml`` (the tiny target the tests train against), gives it weights that a
+wrong mapping cannot hide (every norm perturbed, not left at ones), saves it with the peer's own save code into
+``OUT/<peer>/`` and records, in ``OUT/<peer>.forward.safetensors``, the inputs of one draft step and the logits the
+peer's own forward gives for them. The tests (tests/test_published_drafts.py) load the folder with specforge_lite
+and compare.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PRESET = ROOT / "conf" / "model" / "llama3_tiny.yaml"
+PRESET = ROOT / "specforge_lite" / "conf" / "model" / "llama3_tiny.yaml"
 DRAFT_VOCAB = 256
 SEQ_LEN = 8
 SEED = 0
