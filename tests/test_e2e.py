@@ -242,6 +242,8 @@ def test_the_stage_tools_say_a_users_mistake_in_one_line_like_train_py(tmp_path)
     (damaged / "draft.safetensors").write_bytes(b"not a safetensors file")
     (damaged / "trainer_state.json").write_text("{}")
     (damaged / "spec.json").write_text("{}")
+    (damaged / "optimizer.json").write_text("{}")
+    (damaged / "optimizer.safetensors").write_bytes(b"not a safetensors file")
     tools = {
         "export": ["-m", "specforge_lite.export", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "x")],
         "export --check": ["-m", "specforge_lite.export", "--check", str(tmp_path / "missing")],
