@@ -300,7 +300,7 @@ def test_every_family_trains_exports_and_evaluates(preset, extra, tmp_path):
     from conftest import ROOT
 
     sys.path.insert(0, str(ROOT))
-    from train import run
+    from specforge_lite.job import run
 
     # chit-chat only: the recipe's self-generated requests would make a random model write 4x the requests
     # it needs at 64 tokens each, never finishing one (tests/test_self_generated.py covers that source)

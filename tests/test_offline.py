@@ -34,7 +34,7 @@ def dump(config, log):
 
 
 def _train(overrides, run_dir):
-    from train import run
+    from specforge_lite.job import run
 
     run(load_config([*overrides, f"output_dir={run_dir}"]), run_dir, log=lambda m: None)
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
