@@ -36,24 +36,21 @@ from pathlib import Path
 
 import torch
 
+from ..targets.shapes import CONFIG_FIELDS
 from .seq_scaling import peer_driver
-from .shapes import SHAPES
 
-def _llama_fields(shape: dict) -> dict:
-    """A bench/shapes.py shape as a transformers config's fields (rope theta as rope parameters)."""
-    fields = {k: v for k, v in shape.items() if k != "rope_theta"}
-    return {**fields, "rope_parameters": {"rope_type": "default", "rope_theta": shape["rope_theta"]}}
+
+def _preset(path: str) -> tuple[str, str, dict]:
+    """A listed hub preset's shape (targets/shapes.py) as (model type, family, config fields)."""
+    model_type, fields = CONFIG_FIELDS[path]
+    return model_type, model_type, fields
 
 
 # Target presets by shape: (transformers model type, family, config fields). Random weights of this shape.
 TARGETS = {
-    "llama3_8b": ("llama", "llama", _llama_fields(SHAPES["llama3_8b"])),
-    "llama3_70b": ("llama", "llama", _llama_fields(SHAPES["llama3_70b"])),
-    "qwen3_32b": ("qwen3", "qwen3", dict(hidden_size=5120, intermediate_size=25600, num_attention_heads=64,
-                                         num_key_value_heads=8, head_dim=128, num_hidden_layers=64,
-                                         vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                                         tie_word_embeddings=False,
-                                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "llama3_8b": _preset("meta-llama/Llama-3.1-8B-Instruct"),
+    "llama3_70b": _preset("meta-llama/Llama-3.3-70B-Instruct"),
+    "qwen3_32b": _preset("Qwen/Qwen3-32B"),
     "tiny": ("llama", "llama", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                     num_key_value_heads=2, num_hidden_layers=8, vocab_size=512,
                                     max_position_embeddings=4096, rms_norm_eps=1e-5,
