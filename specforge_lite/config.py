@@ -132,6 +132,13 @@ class GenerationConfig:
     context: str = "all"
     max_turns: Optional[int] = None  # assistant turns regenerated per conversation (null: every one)
     max_conversations: Optional[int] = None  # cap on training conversations regenerated (null: all)
+    # with max_minutes: the training conversations answered in rounds of this many, each a longer prefix of the
+    # same order (nothing is answered twice), up to max_conversations
+    round_conversations: Optional[int] = None
+    # with round_conversations: another round starts only while the rounds so far plus one as long as the last stay
+    # within these minutes (the first always runs): a faster machine trains on more answers, a slower one keeps its
+    # time; the answers stay cached, so the next run with these settings goes on from there
+    max_minutes: Optional[float] = None
     temperature: float = 0.0  # 0: greedy, as the served model answers at temperature 0
     top_p: float = 1.0  # nucleus sampling when temperature > 0
     max_new_tokens: int = 256  # per regenerated answer
@@ -447,6 +454,7 @@ RANGES = {
     "data.self_generated.temperature": "[0, inf)", "data.self_generated.top_p": "(0, 1]",
     "data.self_generated.max_new_tokens": "[1, inf)", "data.self_generated.min_words": "[0, inf)",
     "data.generation.max_turns": "[1, inf)", "data.generation.max_conversations": "[1, inf)",
+    "data.generation.round_conversations": "[1, inf)", "data.generation.max_minutes": "(0, inf)",
     "data.generation.temperature": "[0, inf)", "data.generation.top_p": "(0, 1]",
     "data.generation.max_new_tokens": "[1, inf)", "data.generation.concurrency": "[1, inf)",
     "data.generation.max_retries": "[0, inf)", "data.generation.request_timeout": "(0, inf)",

@@ -163,3 +163,60 @@ def test_a_larger_regeneration_cap_prepares_more_conversations(tmp_path, smollm2
                             log=lambda m: None)
         sizes.append(len(data.train))
     assert sizes == [4, 8]
+
+
+def _question_file(tmp_path, n: int):
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "human"}]}
+            for i in range(n)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(tmp_path / "d.jsonl")
+
+
+def test_rounds_of_answers_while_there_is_time_ask_for_each_answer_once(tmp_path, smollm2):
+    # data.generation.max_minutes with room for every round: rounds of 4 up to 10, each a longer prefix of one
+    # order, so every training question is asked exactly once and the data holds all 10.
+    _, _, tok = smollm2
+    asked = []
+    cfg = DataConfig(source="path", path=_question_file(tmp_path, 14), heldout_samples=2, regenerate=True,
+                     generation=GenerationConfig(max_conversations=10, round_conversations=4, max_minutes=60,
+                                                 batch_size=4))
+    data = prepare_data(cfg, tok, generate=lambda b: asked.extend(c[0]["content"] for c in b) or
+                        ["An answer." for _ in b], model_fingerprint="fake", log=lambda m: None)
+    assert len(data.train) == 10 and data.stats["regeneration"]["rounds"] == 3
+    assert len(asked) == 12 and len(set(asked)) == 12, asked  # (10 training questions, 2 held-out)
+
+
+def test_rounds_stop_when_the_next_would_end_past_the_budget_and_the_next_run_goes_on(tmp_path, smollm2):
+    import time
+
+    _, _, tok = smollm2
+    asked, said = [], []
+
+    def slow(batch):  # each call 0.3 s: a round of 4 (one call) cannot fit twice in 0.5 s
+        time.sleep(0.3)
+        asked.extend(c[0]["content"] for c in batch)
+        return ["An answer." for _ in batch]
+
+    cfg = DataConfig(source="path", path=_question_file(tmp_path, 14), heldout_samples=2, regenerate=True,
+                     generation=GenerationConfig(max_conversations=12, round_conversations=4, max_minutes=0.5 / 60,
+                                                 batch_size=4))
+    first = prepare_data(cfg, tok, generate=slow, model_fingerprint="fake", log=said.append)
+    assert len(first.train) == 4
+    assert any("4 of data.generation.max_conversations=12 conversations answered" in m for m in said), said
+    training_asked = len(asked) - 2  # (the held-out pair, asked once)
+    second = prepare_data(cfg, tok, generate=slow, model_fingerprint="fake", log=said.append)
+    # the first round comes from the cache (no question asked again), the second is answered, then time is up
+    assert len(second.train) == 8 and len(asked) - 2 == training_asked + 4
+    assert len(set(asked)) == len(asked)
+
+
+@pytest.mark.parametrize("generation, regenerate, words", [
+    (dict(round_conversations=4), True, "round_conversations is read only together with data.generation.max_minutes"),
+    (dict(max_minutes=5.0), True, "max_minutes is read only together with data.generation.round_conversations"),
+    (dict(max_minutes=5.0, round_conversations=4), False, "needs data.regenerate=true"),
+])
+def test_rounds_settings_that_would_not_be_read_are_refused(generation, regenerate, words):
+    from specforge_lite.data.prepare import data_setting_problems
+
+    problems = data_setting_problems(DataConfig(regenerate=regenerate, generation=GenerationConfig(**generation)))
+    assert len(problems) == 1 and words in problems[0], problems

@@ -6,12 +6,13 @@ import hashlib
 import json
 import random
 import stat
+import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import DataConfig, MixSource, cache_dir
+from ..config import DataConfig, GenerationConfig, MixSource, cache_dir
 from .builtin import chitchat_path, shapes_path
 from .chat import LOSS_TURNS, check_renderable, given_prompt, prompt_ids, tokenize_samples
 from .errors import DataError, MalformedRow
@@ -69,11 +70,22 @@ PATH_SOURCES = ("path", "jsonl", "file")
 
 def data_setting_problems(cfg: DataConfig) -> list[str]:
     """Data settings no run would read (said before anything runs, with the fix)."""
+    problems = []
     if cfg.path is not None and cfg.source not in PATH_SOURCES:
-        return [f"data.path={cfg.path} is read only with data.source=path, and data.source is {cfg.source}: use "
-                f"data=sharegpt data.path={cfg.path}"
-                + (" (or add {source: path, path: ...} to data.mix)" if cfg.source == "mix" else "")]
-    return []
+        problems.append(f"data.path={cfg.path} is read only with data.source=path, and data.source is {cfg.source}: "
+                        f"use data=sharegpt data.path={cfg.path}"
+                        + (" (or add {source: path, path: ...} to data.mix)" if cfg.source == "mix" else ""))
+    gen = cfg.generation
+    if (gen.round_conversations is None) != (gen.max_minutes is None):
+        given, missing = ("round_conversations", "max_minutes") if gen.max_minutes is None else \
+            ("max_minutes", "round_conversations")
+        problems.append(f"data.generation.{given} is read only together with data.generation.{missing} (rounds of "
+                        f"answers while there is time): set both, or neither")
+    elif gen.max_minutes is not None and (not cfg.regenerate or gen.max_conversations is None):
+        problems.append("data.generation.max_minutes answers the training conversations in rounds up to "
+                        "data.generation.max_conversations: it needs data.regenerate=true and "
+                        "data.generation.max_conversations (the most a run may take)")
+    return problems
 
 
 def data_file(cfg: DataConfig | MixSource) -> Path | str:
@@ -208,23 +220,21 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     regen_key = regeneration_key(source_key, model_fingerprint, cfg.generation) if cfg.regenerate else None
     # (the regenerated answers' key leaves the cap out, as a larger cap reuses them; the prepared data holds
     # as many conversations as the cap allows, so its folder names the cap)
-    cap = cfg.generation.max_conversations
-    cached = cache_dir() / "prepared" / (source_key + (f"-regen-{regen_key}" if regen_key else "")
-                                         + (f"-n{cap}" if regen_key and cap is not None else ""))
-    if (cached / "stats.json").is_file():
-        return _load_prepared(cached)
+    prepared = lambda cap: cache_dir() / "prepared" / (  # noqa: E731
+        source_key + (f"-regen-{regen_key}" if regen_key else "") + (f"-n{cap}" if regen_key and cap is not None else ""))
+    if (prepared(cfg.generation.max_conversations) / "stats.json").is_file():
+        return _load_prepared(prepared(cfg.generation.max_conversations))
 
     read = _read_and_split(files, sources, cfg, tokenizer, images)
     overlap = _drop_heldout_openings(read.pools, read.heldout)
-    train_convs, mix_stats = _mixed(read.pools, sources, cfg, tokenizer, request_writer, model_fingerprint, log)
-    heldout_convs = read.heldout
-    prompts, prompt_images = _heldout_prompts(heldout_convs, tokenizer, images)
+    prompts, prompt_images = _heldout_prompts(read.heldout, tokenizer, images)
     path = next(iter(files.values()))
     stats: dict = {"file": str(path), "rows": read.rows, "conversations": read.conversations,
-                   "heldout_overlap_removed": overlap, **mix_stats}
-    if cfg.regenerate:
-        train_convs, heldout_convs, stats["regeneration"] = _regenerate_answers(
-            train_convs, heldout_convs, read.as_written, generate, cfg, regen_key, log)
+                   "heldout_overlap_removed": overlap}
+    train_convs, heldout_convs, cap, made = _answered(read, sources, cfg, tokenizer, generate, request_writer,
+                                                      model_fingerprint, regen_key, log)
+    stats.update(made)
+    cached = prepared(cap)
     train, train_err = _tokenized(train_convs, cfg, tokenizer, images)
     heldout, held_err = _tokenized(heldout_convs, cfg, tokenizer, images)
     read.reasons.update(train_err)
@@ -247,6 +257,50 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
         f"train tokens; {overlap} training conversations dropped for sharing an opening with a held-out prompt"
         + (f"; skipped {skipped}: {dict(read.reasons)}" if skipped else ""))
     return _load_prepared(cached)
+
+
+def _answered(read: _Read, sources: list[MixSource], cfg: DataConfig, tokenizer: Any, generate, request_writer,
+              model_fingerprint: str, regen_key: str | None, log) -> tuple[list, list, int | None, dict]:
+    """The training and held-out conversations, with the target's answers where data.regenerate is on (in rounds
+    while data.generation.max_minutes has time for another); how many training conversations were asked for (the
+    prepared data's cap); the mix's and the regeneration's stats."""
+    caps = _rounds(cfg.generation) if cfg.regenerate else [cfg.generation.max_conversations]
+    first = time.perf_counter()
+    for n, cap in enumerate(caps):
+        started = time.perf_counter()
+        round_cfg = replace(cfg, generation=replace(cfg.generation, max_conversations=cap))
+        train, stats = _mixed(read.pools, sources, round_cfg, tokenizer, request_writer, model_fingerprint, log)
+        heldout = read.heldout
+        if cfg.regenerate:
+            train, heldout, stats["regeneration"] = _regenerate_answers(
+                train, heldout, read.as_written, generate, round_cfg, regen_key, log)
+        now = time.perf_counter()
+        if n + 1 == len(caps) or not _another_round(cfg.generation, cap, now - first, now - started, log):
+            break
+    if len(caps) > 1:
+        stats["regeneration"]["rounds"] = n + 1
+    return train, heldout, cap, stats
+
+
+def _rounds(gen: GenerationConfig) -> list[int]:
+    """How many training conversations each round of regeneration answers (data.generation.round_conversations
+    more each round, up to max_conversations); one round, of max_conversations, without a time budget."""
+    if gen.max_minutes is None:
+        return [gen.max_conversations]
+    steps = range(gen.round_conversations, gen.max_conversations, gen.round_conversations)
+    return [*steps, gen.max_conversations]
+
+
+def _another_round(gen: GenerationConfig, done: int, spent: float, last: float, log) -> bool:
+    """Whether the next round fits: the rounds so far (``spent`` seconds) and one more as long as the last fit
+    within data.generation.max_minutes. Said in one line when it does not."""
+    if spent + last <= 60 * gen.max_minutes:
+        return True
+    log(f"[regenerate] {done} of data.generation.max_conversations={gen.max_conversations} conversations answered: "
+        f"another round of {gen.round_conversations} would end past data.generation.max_minutes={gen.max_minutes} "
+        f"(this round took {last / 60:.1f} min); the answers stay cached, and the next run with these settings "
+        "goes on from here")
+    return False
 
 
 def _load_prepared(cached: Path) -> PreparedData:
