@@ -11,6 +11,7 @@ from ...draft.drafting import DraftContext, ParallelDraftContext
 from ...draft.method import DraftMethod, layers_label
 from ...draft.objective import Eagle3Objective
 from ...draft.ttt import TTT_ATTENTION
+from .export import EXPORT_FORMATS, PUBLISHED_FORMATS
 from .model import Eagle3Draft
 from .settings import Eagle3Settings
 from .spec import Eagle3Spec, norm_problems
@@ -74,6 +75,6 @@ def label(spec: dict) -> str:
 
 
 METHOD = DraftMethod("eagle3", Eagle3Draft, Eagle3Spec, Eagle3Settings, Eagle3Objective, refused, refused_evaluation,
-                     drafting, ("vllm", "sglang", "speculators"), label,
+                     drafting, EXPORT_FORMATS, label,
                      has_mask_slots=lambda draft_settings: draft_settings.parallel_drafting, spec_fields=spec_fields,
-                     warm_start=warm_start)
+                     warm_start=warm_start, published_formats=PUBLISHED_FORMATS)
