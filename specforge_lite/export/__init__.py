@@ -116,9 +116,9 @@ def _run_draft(run_dir: Path, checkpoint: Path | None) -> tuple[dict[str, torch.
 
 
 def load_export(export_dir: Path) -> tuple[DraftSpec, dict[str, torch.Tensor]]:
-    """Read a draft folder into our spec and state dict: ours (the round trip, evaluation of final/), or an EAGLE3
-    draft another trainer published in a layout its method reads (EAGLE3: speculators' format, SpecForge's and
-    SGLang's Llama layout; export/published.py: what it leaves unsaid is settled by ``fit_to_target`` once the
+    """Read a draft folder into our spec and state dict: ours (the round trip, evaluation of final/), or a draft
+    another trainer published in a layout a registered method reads (EAGLE3's: speculators' format, SpecForge's
+    and SGLang's Llama layout; export/published.py: what it leaves unsaid is settled by ``fit_to_target`` once the
     target is known)."""
     export_dir = Path(export_dir)
     config, tensors = _read_folder(export_dir)
