@@ -214,7 +214,7 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
     from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                                FakeTensorMode)
 
-    from .draft.objective import Eagle3Objective, UnrollInputs
+    from .draft.objective import UnrollInputs, UnrollObjective
     from .methods import build_objective, draft_method, draft_spec, draft_vocab_size
     from .targets.families import get_family
     from .targets.families.base import architecture_class
@@ -257,7 +257,7 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
             mask = torch.ones(rows, tokens, dtype=torch.long)
             with torch.no_grad():
                 captured = target.capture(ids)
-                logits, in_vocab = teacher(captured, Eagle3Objective.teacher_positions(mask))
+                logits, in_vocab = teacher(captured, UnrollObjective.teacher_positions(mask))
             return UnrollInputs(captured.aux, ids, logits, in_vocab, mask)
 
         inputs, capture_peak = peak(capture)

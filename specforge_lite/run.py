@@ -23,7 +23,7 @@ from .data import BatchStream, DraftVocab, build_draft_vocab, pad_id
 from .data.images import image_inputs
 from .data.vocab import choose_mask_token
 from .device import dtype_name, native_bf16, resolve_dtype
-from .draft import Draft, DraftSpec, Eagle3Objective
+from .draft import Draft, DraftSpec, UnrollObjective
 from .export import load_export
 from .export.for_target import draft_from_weights, target_mismatch
 from .generation import prepare_with_target
@@ -48,7 +48,7 @@ class Run:
     # draft.init_from: the draft training continues from, as (spec, weights); None builds a new one
     initial: tuple[Any, dict] | None = None
     teacher: Teacher = field(init=False)
-    objective: Eagle3Objective = field(init=False)
+    objective: UnrollObjective = field(init=False)
 
     def __post_init__(self):
         self.teacher = Teacher(self.target, self.vocab.draft_to_target, self.vocab.t2d)

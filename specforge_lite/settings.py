@@ -13,7 +13,7 @@ from .data.prepare import data_setting_problems
 from .evaluate.acceptance import DRAFTING
 from .evaluate.prompts import prompt_set_problems
 from .evaluate.served import SERVED_CHECKS
-from .export import export_format
+from .export import export_format, export_refusals
 from .methods import draft_method
 from .training.optim import DECAYS, OPTIMIZERS
 
@@ -48,7 +48,7 @@ def setting_problems(config: Config) -> list[str]:
         problems += method.refused_evaluation(config.draft, config.eval)
     try:
         form = export_format(config.export.format, config.draft.method)
-        problems += form.refusals(config.draft)
+        problems += export_refusals(form, config.draft)
     except ValueError as e:  # (an unknown format)
         form = None
         problems.append(str(e))

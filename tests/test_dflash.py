@@ -138,7 +138,7 @@ def test_dflash_settings_refused_and_export_round_trip(tmp_path):
     from specforge_lite.settings import check_settings
     from specforge_lite.export import export_draft, load_export
     from specforge_lite.export.check import check_export
-    from specforge_lite.export.format import ExportRefused
+    from specforge_lite.formats import ExportRefused
     from specforge_lite.export.for_target import draft_from_weights
 
     with pytest.raises(ValueError, match="does not take draft.use_aux_norm"):

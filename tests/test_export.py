@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from conftest import EAGLE31, ROOT, file_size_limit, tiny_draft, tiny_target
 from specforge_lite.draft.ttt import TTTCache
 from specforge_lite.export import export_draft, load_export
-from specforge_lite.export.format import ExportRefused
+from specforge_lite.formats import ExportRefused
 from specforge_lite.export.for_target import draft_from_weights
 
 SERVER_NAMES = {"fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
@@ -430,7 +430,7 @@ def test_an_export_cut_short_leaves_no_config_and_says_why(tmp_path):
     safetensors' own writer): the folder is left without config.json (what every tool and server reads first),
     so a half-written export is never taken for a whole one; the error says where and why. Written again with
     room, it is whole."""
-    from specforge_lite.export import layout
+    from specforge_lite.formats import layout
 
     draft = tiny_draft(tiny_target())
     out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "final")

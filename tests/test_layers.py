@@ -4,8 +4,9 @@ top-level module of specforge_lite) declares what it stands on; it may import th
 import time or inside a function, and nothing else. So evaluate/ never imports run.py (a stage measures an export;
 the run that made it is wiring), export/ and evaluate/ never import training/ (they read checkpoints and metrics
 from records.py, below the trainer that writes them), data/ and targets/ stand side by side, and nothing of the
-package imports the studies beside it. Read from the code's own imports (ast), as the method-name rule of
-tests/test_settings.py reads its text."""
+package imports the studies beside it. A method owns its export formats: what every format shares (formats/) stands
+below the methods, and the entry points that write, read and check a folder (export/) above them. Read from the
+code's own imports (ast), as the method-name rule of tests/test_settings.py reads its text."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ STANDS_ON = {
     "targets": ("config", "device", "errors", "files"),  # the frozen target, its capture and its store
     "generation": ("data", "targets", "serving"),  # the target writing answers
     "draft": ("targets",),  # what every draft method shares: the spec, the model base, the unroll, drafting
-    "methods": ("draft",),  # the draft methods, one folder each, registered by name
+    # what every export format shares, knowing no method: the format class, the Llama layout, the check's report
+    "formats": ("draft",),
+    "methods": ("draft", "formats"),  # the draft methods, one folder each (export formats included), by name
     "compose": ("methods",),  # a run's settings composed through Hydra, the draft's as its method's class
     "training": ("draft", "data", "records"),
-    "export": ("methods", "records"),  # the formats servers load, written and read
+    "export": ("methods", "records"),  # the registered methods' formats, written, read back and checked
     # an export measured on its target (a finished run's settings read back through compose)
     "evaluate": ("export", "generation", "records", "serving", "compose"),
     "run": ("training", "export", "generation"),  # the wiring: one training run assembled from the stages
@@ -121,19 +124,23 @@ def test_the_floors_hold_no_circle_and_put_the_stages_in_their_order():
     assert [level[u] for u in order] == sorted(level[u] for u in order)
     assert level["targets"] < level["draft"] < level["training"]
     assert level["draft"] < level["methods"] < level["export"] < level["evaluate"]
+    assert level["draft"] < level["formats"] < level["methods"] and "methods" not in below("formats")
     assert "training" not in below("export") | below("evaluate") and "run" not in below("evaluate")
 
 
 def test_an_import_up_a_floor_or_of_the_studies_is_named(tmp_path):
     """The rule fails where it should: evaluate importing run (the wiring), export importing training (reading a
-    checkpoint), a sibling importing a sibling, an unplaced unit, and the package importing a study."""
+    checkpoint), the formats' core asking the methods' registry, a sibling importing a sibling, an unplaced unit,
+    and the package importing a study."""
     package = tmp_path / "specforge_lite"
     files = {"evaluate/finished.py": "def f():\n    from ..run import Run\n",
              "export/__init__.py": "from ..training.checkpoint import load_checkpoint\n",
              "data/prepare.py": "from ..targets import build_target\n",
              "records.py": "import json\n", "targets/store.py": "from ..files import fsync\n",
              "evaluate/rank.py": "from ..records import read_metrics\n",
-             "newstage/x.py": "from ..config import Config\n", "bench/levers.py": "from studies import levers\n"}
+             "newstage/x.py": "from ..config import Config\n", "bench/levers.py": "from studies import levers\n",
+             "formats/format.py": "def f():\n    from ..methods import draft_method\n",
+             "methods/eagle3/export/vllm.py": "from ....formats import ExportFormat\n"}
     for name, text in files.items():
         (package / name).parent.mkdir(parents=True, exist_ok=True)
         (package / name).write_text(text)
@@ -143,5 +150,7 @@ def test_an_import_up_a_floor_or_of_the_studies_is_named(tmp_path):
     assert "data/prepare.py:1: data imports targets" in broken
     assert "'newstage' stands on no floor" in broken
     assert "bench/levers.py:1: imports studies" in broken
+    assert "formats/format.py:2: formats imports methods" in broken
     assert "records.py" not in broken and "targets/store.py" not in broken and "rank.py" not in broken
-    assert len(broken.splitlines()) == 5
+    assert "vllm.py" not in broken
+    assert len(broken.splitlines()) == 6

@@ -113,24 +113,31 @@ def test_no_method_is_named_outside_its_own_module():
 
 def test_a_method_registered_elsewhere_is_checked_exported_and_labelled_without_touching_other_modules():
     """What adding a method costs outside its own module: nothing but the registration. A method registered
-    here (EAGLE3's model under another name, its own refusal and label) is chosen with draft=<name> and asked by
-    the settings check, the export-format choice and the ranking's label, none of which was edited for it."""
+    here (EAGLE3's model under another name, its own refusal, label and export format) is chosen with
+    draft=<name> and asked by the settings check, the export-format choice and the ranking's label, none of which
+    was edited for it; its format is export.format=<its name> while it is registered, and refused for the others."""
     from specforge_lite.methods import register
-    from specforge_lite.export import export_format
+    from specforge_lite.export import FORMATS, export_format
 
     base = draft_method("eagle3")
+    own = type("PluginFormat", (type(base.export_formats[0]),), {"name": "plugin_test_format"})()
     variant = dataclasses.replace(base, name="eagle3_plugin_test",
                                   refused=lambda config: ["eagle3_plugin_test refuses everything"],
-                                  label=lambda spec: "the plug-in test's draft")
+                                  label=lambda spec: "the plug-in test's draft",
+                                  export_formats=(*base.export_formats, own))
     register(variant)
     try:
         config = load_config(["tracker=none", "draft=eagle3_plugin_test"])  # (a draft group option by registering)
         assert config.draft.method == "eagle3_plugin_test"
         assert "eagle3_plugin_test refuses everything" in setting_problems(config)
         assert export_format("vllm", "eagle3_plugin_test").name == "vllm"
+        assert export_format("plugin_test_format", "eagle3_plugin_test") is own
+        assert "export.format=plugin_test_format cannot write a eagle3 draft" in " ".join(
+            setting_problems(load_config(["tracker=none", "export.format=plugin_test_format"])))
         assert draft_method("eagle3_plugin_test").label({}) == "the plug-in test's draft"
     finally:
         del METHODS["eagle3_plugin_test"]
+    assert "plugin_test_format" not in FORMATS
 
 
 @pytest.mark.parametrize("recipe", ["cpu_20min", "none"])

@@ -334,7 +334,7 @@ def test_parallel_draft_proposes_in_one_forward_what_the_chain_proposes():
     proposes, round after round with the committed rows' keys kept, for rounds committing 1 to k+1 rows;
     speculative decoding with it still equals greedy. Fails when the parallel draft runs k forwards."""
     from specforge_lite.methods import draft_method
-    from specforge_lite.draft.drafting import ParallelDraftContext
+    from specforge_lite.methods.eagle3.parallel import ParallelDraftContext
     from specforge_lite.evaluate.spec_decode import greedy_generate
 
     target = tiny_target()

@@ -279,7 +279,7 @@ def train_tiny(run_dir, max_steps, stop_at=None, freeze_lm_head=False, optimizer
     """test_training's tiny run, with the draft's lm_head frozen or not (draft.freeze_lm_head)."""
     from specforge_lite.config import TrackerConfig, TrainerConfig
     from specforge_lite.data import BatchStream
-    from specforge_lite.draft import Eagle3Objective
+    from specforge_lite.draft import UnrollObjective
     from specforge_lite.methods.eagle3.settings import Eagle3Settings
     from specforge_lite.training.loop import train
     from specforge_lite.training.tracking import Tracker
@@ -293,7 +293,7 @@ def train_tiny(run_dir, max_steps, stop_at=None, freeze_lm_head=False, optimizer
     cfg = TrainerConfig(max_steps=max_steps, micro_batch_size=2, grad_accum_steps=1, lr=3e-3, save_every=1,
                         stop_at_step=stop_at, progress_bar=False, precision="fp32", optimizer=optimizer)
     stream = BatchStream(synthetic_dataset(), cfg.micro_batch_size, pad_id=0, seed=0)
-    return train(cfg, Eagle3Objective.from_config(Eagle3Settings(ttt_length=2)), tiny_teacher(target, draft), draft,
+    return train(cfg, UnrollObjective.from_config(Eagle3Settings(ttt_length=2)), tiny_teacher(target, draft), draft,
                  stream, run_dir, lambda step: Tracker(TrackerConfig(kind="none"), run_dir, {}, resume_step=step),
                  draft.spec.to_dict(), log=log)
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import EAGLE31, tiny_draft, tiny_target
-from specforge_lite.draft.objective import Eagle3Objective, UnrollInputs
+from specforge_lite.draft.objective import UnrollObjective, UnrollInputs
 from specforge_lite.draft.ttt import TTTCache
 from specforge_lite.draft.drafting import DraftContext, draft_chain
 
@@ -122,7 +122,7 @@ def test_loss_alignment_and_normalisation():
     teacher = torch.randn(B, T, V)
     in_vocab = torch.rand(B, T) > 0.2
     loss_mask = (torch.rand(B, T) > 0.3).long()
-    out = Eagle3Objective(ttt_length=3, decay=0.8).unroll(draft, UnrollInputs(aux, ids, teacher, in_vocab, loss_mask))
+    out = UnrollObjective(ttt_length=3, decay=0.8).unroll(draft, UnrollInputs(aux, ids, teacher, in_vocab, loss_mask))
     with torch.no_grad():  # the reference below reuses only the per-step outputs checked above
         per_step = vectorised_unroll_batched(draft, aux, ids, 3)
     expected_total = 0.0
@@ -297,7 +297,7 @@ def _same_results_whatever_the_memory_options(target, draft):
 
     def run(**options):
         draft.zero_grad()
-        out = Eagle3Objective(ttt_length=3, **options).unroll(draft, inputs)
+        out = UnrollObjective(ttt_length=3, **options).unroll(draft, inputs)
         out.loss.backward()
         return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 
@@ -434,7 +434,7 @@ def test_settings_no_run_can_use_are_refused_before_anything_is_built(tmp_path):
             run(load_config(["model=llama3_tiny", "tracker=none", *overrides]), tmp_path / "run", log=lambda m: None)
         assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="ttt_length=0"):
-        Eagle3Objective(ttt_length=0)
+        UnrollObjective(ttt_length=0)
 
 
 # ---- P-EAGLE (parallel drafting) --------------------------------------------------------------------------
@@ -484,7 +484,7 @@ def test_parallel_draft_unroll_is_the_servers_one_forward_over_mask_slots():
         teacher = torch.randn(B, T, draft.spec.draft_vocab_size)
         loss_mask = torch.ones(B, T, dtype=torch.long)
         in_vocab = torch.ones(B, T, dtype=torch.bool)
-        out = Eagle3Objective(ttt_length=steps, decay=0.8).unroll(draft, UnrollInputs(aux, ids, teacher, in_vocab,
+        out = UnrollObjective(ttt_length=steps, decay=0.8).unroll(draft, UnrollInputs(aux, ids, teacher, in_vocab,
                                                                                      loss_mask))
         with torch.no_grad():
             state, cache, got = draft.project_aux(aux), TTTCache(), []

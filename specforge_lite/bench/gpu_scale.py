@@ -107,13 +107,13 @@ def build_draft(target, method: str, draft_vocab: int, ttt: int, device: torch.d
 
 def capture(target, teacher, T: int, seed: int):
     """One row of T random tokens through the target: (UnrollInputs with every row scored, final state)."""
-    from ..draft.objective import Eagle3Objective, UnrollInputs
+    from ..draft.objective import UnrollInputs, UnrollObjective
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, target.vocab_size, (1, T), generator=g).to(target.device)
     loss_mask = torch.ones(1, T, dtype=torch.long, device=target.device)
     captured = target.capture(ids)
-    logits, in_vocab = teacher(captured, Eagle3Objective.teacher_positions(loss_mask))
+    logits, in_vocab = teacher(captured, UnrollObjective.teacher_positions(loss_mask))
     return UnrollInputs(captured.aux, ids, logits, torch.ones_like(in_vocab), loss_mask), captured.final_hidden
 
 

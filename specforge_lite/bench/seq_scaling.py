@@ -87,7 +87,7 @@ def main(argv=None) -> None:
     shard, say = _sequence_shard(a.sequence_parallel)
 
     from ..methods.eagle3.settings import Eagle3Settings
-    from ..draft.objective import Eagle3Objective
+    from ..draft.objective import UnrollObjective
     from .memory import peak_bytes
     from .shapes import SHAPES, synthetic_draft
 
@@ -107,7 +107,7 @@ def main(argv=None) -> None:
                 say(f"| {T} | {way} | skipped: its scores alone need "
                     f"{_dense_bytes(shape, T, a.ttt) / 2**30:.0f} GiB | |", flush=True)
                 continue
-            objective = Eagle3Objective(a.ttt, **options, sequence=shard)
+            objective = UnrollObjective(a.ttt, **options, sequence=shard)
 
             def step():
                 objective.unroll(draft, inputs).loss.backward()
@@ -156,7 +156,7 @@ def _median_step_seconds(step, repeats: int) -> float:
 
 def _against_peers(draft, shape: dict, a, say) -> None:
     """Tokens/s of one training step, ours (the default objective) and each peer's, on the same shapes."""
-    from ..draft.objective import Eagle3Objective
+    from ..draft.objective import UnrollObjective
 
     peers = dict(item.split("=", 1) for item in a.peers)
     say(f"\nOne draft training step (forward + loss + backward), TTT {a.ttt}, draft vocab {a.draft_vocab}, fp32, "
@@ -164,7 +164,7 @@ def _against_peers(draft, shape: dict, a, say) -> None:
     say("| T | ours tok/s | " + " | ".join(f"{n} tok/s" for n in peers) + " | ours / faster peer |")
     say("|---" * (len(peers) + 3) + "|")
     for T in [int(x) for x in a.peer_seq_lens.split(",")]:
-        inputs, objective = _row(shape, T, a.draft_vocab), Eagle3Objective(a.ttt)
+        inputs, objective = _row(shape, T, a.draft_vocab), UnrollObjective(a.ttt)
 
         def step():
             objective.unroll(draft, inputs).loss.backward()

@@ -1,8 +1,9 @@
-"""How a chain draft (EAGLE3, EAGLE 3.1, P-EAGLE) proposes tokens at serving time, as servers run it: the
-draft's own KV cache of the committed context, kept across verification rounds, and the k tokens of a round
-drafted one step each (``DraftContext``, ``draft_chain``) or all from one forward over mask slots
-(``ParallelDraftContext``). Evaluation (evaluate/spec_decode.py) asks the method for its drafting
-(methods/<name>/), so it never names one."""
+"""How a chain draft (EAGLE3, EAGLE 3.1) proposes tokens at serving time, as servers run it: the draft's own KV
+cache of the committed context, kept across verification rounds, and the k tokens of a round drafted one step
+each (``DraftContext``, ``draft_chain``); the round's greedy choice with its confidence, which every method's
+drafting reports (``greedy_with_confidence``). A method drafting otherwise builds on these in its folder
+(P-EAGLE's one forward over mask slots: methods/eagle3/parallel.py; a block draft's: methods/dflash/).
+Evaluation (evaluate/spec_decode.py) asks the method for its drafting (methods/<name>/), so it never names one."""
 
 from __future__ import annotations
 
@@ -51,30 +52,6 @@ class DraftContext:
 
     def propose(self, aux_new: list[torch.Tensor], context: list[int], next_token: int, k: int) -> list[int]:
         return draft_chain(self, aux_new, context, next_token, k)
-
-
-class ParallelDraftContext(DraftContext):
-    """P-EAGLE drafting as vLLM runs it (``parallel_drafting=true``): ONE draft forward per round, over the
-    rows committed since the last round followed by k - 1 mask slots, causal over all of them. Mask slot d
-    sits at position n - 1 + d and sees the step-0 keys of every committed row and the slots before it:
-    exactly the keys unroll step d at row n - 1 sees (draft/ttt.py), so the proposals equal the k-step
-    ``draft_chain``'s. Only the committed rows' keys are kept for the next round."""
-
-    one_forward = True
-
-    def propose(self, aux_new: list[torch.Tensor], context: list[int], next_token: int, k: int) -> list[int]:
-        (first, n), draft, device = self.new_rows(aux_new, context), self.draft, aux_new[0].device
-        rows = draft.project_aux(aux_new)
-        mask_ids, mask_states = draft.next_step_inputs(torch.zeros(1, k - 1, dtype=torch.long, device=device),
-                                                       rows.new_zeros(1, k - 1, rows.shape[-1]))
-        ids = torch.cat([torch.tensor([(context + [next_token])[first + 1:]], device=device), mask_ids], dim=1)
-        cache = TTTCache(context=self.kept)
-        states = draft.step(ids, torch.cat([rows, mask_states.to(rows.dtype)], dim=1),
-                            torch.arange(first, n + k - 1, device=device)[None], cache, q_offset=first)
-        self.kept, self.rows = [(k_[..., :n, :], v_[..., :n, :]) for k_, v_ in cache.context_kv()], n
-        logits = draft.compute_logits(states[:, n - first - 1:])  # row n-1, then the k-1 mask slots
-        best, self.confidences = greedy_with_confidence(logits[0])
-        return draft.draft_to_target(best).tolist()
 
 
 def draft_chain(drafted: DraftContext, aux_new: list[torch.Tensor], context: list[int], next_token: int,

@@ -1,8 +1,8 @@
 """What a draft method is to the rest of the project: one ``DraftMethod``, written in its own folder
 (methods/<name>/) and registered by name (``draft.method``) in methods/__init__.py: everything the rest of the
 project needs to know of it. Its model and objective (both read the same target states, so one hidden-state
-store trains any method), the settings it refuses, how an evaluation drafts with it, which export formats can
-write it, and its name in tables. Nothing outside
+store trains any method), the settings it refuses, how an evaluation drafts with it, the export formats that
+write it (and read what other trainers published of it), and its name in tables. Nothing outside
 methods/ branches on a method's name: it asks the method. P-EAGLE and EAGLE 3.1 are EAGLE3 with options.
 """
 
@@ -27,9 +27,10 @@ class DraftMethod:
     # what keeps a draft's context across rounds and proposes each round's k tokens (evaluation's drafting);
     # its ``one_forward`` says whether all k come from one forward (mask slots) or one step each
     drafting: Callable[[Any], Any]
-    # the export formats that can write it (export/): the first is what export.format=vllm writes (EAGLE3's
-    # Llama layout, or vLLM's own layout for the method)
-    export_formats: tuple[str, ...]
+    # the export formats that can write it (formats/ ``ExportFormat`` objects, their classes in the method's
+    # folder: methods/<name>/export), gathered by name in export/: the first is what export.format=vllm writes
+    # (EAGLE3's Llama layout, or vLLM's own layout for the method)
+    export_formats: tuple[Any, ...]
     # a draft's name in tables, from its spec (a checkpoint's spec.json, an export's provenance block)
     label: Callable[[dict], str]
     # whether a draft with these settings embeds a mask token in slots (P-EAGLE, DFlash): one is then chosen
@@ -46,6 +47,9 @@ class DraftMethod:
     # what a new draft takes from its target beyond its lm_head's rows, given its settings (EAGLE3: its layers,
     # with draft.init_layers_from_target)
     warm_start: Callable[[Any, Any, Any], None] = lambda draft, draft_settings, target: None
+    # the layouts, in the order tried, of draft folders another trainer wrote that it reads (EAGLE3: speculators'
+    # and SGLang's): each format's ``read_published`` gives the spec and the weights of such a folder
+    published_formats: tuple[Any, ...] = ()
 
 
 def layers_label(spec: dict) -> str:

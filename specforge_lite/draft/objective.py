@@ -1,7 +1,9 @@
-"""The EAGLE3 training objective, in one object built from the draft config: which teacher positions a
-batch needs, how the draft's TTT unroll lines up with the teacher, the loss per token (soft
-cross-entropy, or draft.loss=acceptance: -log of the expected speculative-sampling acceptance), the
-decay over unroll steps, and the metrics (accuracy per step, the simulated acceptance length).
+"""The training objective every draft method builds on (``UnrollObjective``), in one object built from the draft
+config: which teacher positions a batch needs, how the draft's unroll lines up with the teacher, the loss per
+token (soft cross-entropy, or draft.loss=acceptance: -log of the expected speculative-sampling acceptance), the
+decay over unroll steps, and the metrics (accuracy per step, the simulated acceptance length). Its unroll is the
+training-time test (TTT: one draft step per proposed token, EAGLE3's, which a chain draft trains with); a method
+that proposes otherwise overrides ``unroll`` in its folder (a block draft: methods/dflash/model.py).
 
 Adding a loss option is a branch in ``token_loss`` and a name in ``LOSSES`` (and the config's comment).
 """
@@ -96,7 +98,10 @@ def chunked(chunk, rows: tuple[torch.Tensor, ...], size: int) -> tuple[torch.Ten
     return sum(p[0] for p in parts), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
 
 
-class Eagle3Objective:
+class UnrollObjective:
+    """The objective of a draft's unrolled steps: the target's capture and the teacher on it, the unroll (the
+    TTT unroll here; a method's subclass may replace it), the loss, its decay over steps and the metrics."""
+
     def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", attention: str = "blockwise",
                  loss_chunk_rows: int = 512, checkpointing: bool = False, sequence: SequenceShard | None = None):
         """``sequence``: this rank's share of every row under sequence parallelism (draft/sequence_parallel.py);
@@ -112,7 +117,7 @@ class Eagle3Objective:
         self.sequence = sequence
 
     @classmethod
-    def from_config(cls, draft_cfg, sequence: SequenceShard | None = None) -> "Eagle3Objective":
+    def from_config(cls, draft_cfg, sequence: SequenceShard | None = None) -> "UnrollObjective":
         return cls(draft_cfg.ttt_length, draft_cfg.step_loss_decay, draft_cfg.loss, draft_cfg.ttt_attention,
                    draft_cfg.loss_chunk_rows, draft_cfg.checkpointing, sequence)
 
@@ -136,7 +141,7 @@ class Eagle3Objective:
 
         Alignment (step k, row t): input token x[t+1+k] at position t+k, hidden = fused aux state h[t] at
         k=0 and the previous step's output state after (``Eagle3Draft.step``: pre-norm, or normed with
-        ``norm_output``; a parallel draft reads its mask slot instead, draft/parallel.py); the teacher is
+        ``norm_output``; a parallel draft reads its mask slot instead, methods/eagle3/parallel.py); the teacher is
         the target's distribution at position t+1+k (which predicts x[t+2+k]); the row counts only if
         x[t+2+k] is an assistant token (mask aligned with the predicted token) and the target's full-vocab
         argmax lies in the draft vocab.

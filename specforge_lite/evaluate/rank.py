@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..methods import DEFAULT, draft_method
 from ..errors import said_in_one_line
-from ..export.layout import PROVENANCE_KEY
+from ..formats import PROVENANCE_KEY
 from ..files import read_json
 from ..records import read_metrics
 from .served import eval_inputs, serve, unservable_here

@@ -1,32 +1,51 @@
-"""Exports that inference servers load as they are. One class per server format (writing and checking),
-registered here: adding a format is its module and one entry in ``FORMATS``."""
+"""Exports that inference servers load as they are: written (``export_draft``, ``export_run``), read back
+(``load_export``) and checked (check.py), in the formats of the registered methods. Each format is a class in its
+method's folder (methods/<name>/export, on formats/ ``ExportFormat``) and comes with the method's registration
+(``DraftMethod.export_formats``): adding a format is its class there and its place in that tuple, and a method
+registered at run time brings its own."""
 
 from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 from ..device import resolve_dtype
 from ..draft.model import DRAFT_ACT, DraftSpec
+from ..formats import PROVENANCE_KEY, ExportFormat, ExportRefused
+from ..formats.layout import draft_weights, write_export
 from ..methods import DEFAULT, METHODS, draft_method, read_spec
 from ..records import latest_checkpoint, load_checkpoint, unusable_checkpoints
 from .card import write_model_card
 from .check import AGAIN
-from .dflash import DFlashFormat
-from .dflash2 import DFlash2Format
-from .dspark import DSparkFormat
-from .format import ExportFormat
-from .layout import PROVENANCE_KEY, draft_weights, write_export
-from .published import fit_to_target, meta_state, read_published, weight_mismatch
-from .sglang import SGLangFormat
-from .speculators import SpeculatorsFormat
-from .vllm import VLLMFormat
+from .published import fit_to_target, meta_state, published_formats, read_published, weight_mismatch
 
-FORMATS: dict[str, ExportFormat] = {f.name: f for f in (VLLMFormat(), SGLangFormat(), SpeculatorsFormat(),
-                                                         DFlashFormat(), DSparkFormat(), DFlash2Format())}
+
+class _Formats(Mapping):
+    """export.format=<name> -> the format: every registered method's ``export_formats`` (the first method to
+    name a format gives it), read from the methods' registry at each use."""
+
+    def _by_name(self) -> dict[str, ExportFormat]:
+        found: dict[str, ExportFormat] = {}
+        for method in METHODS.values():
+            for form in method.export_formats:
+                found.setdefault(form.name, form)
+        return found
+
+    def __getitem__(self, name: str) -> ExportFormat:
+        return self._by_name()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name())
+
+    def __len__(self) -> int:
+        return len(self._by_name())
+
+
+FORMATS: Mapping[str, ExportFormat] = _Formats()
 
 
 def export_format(fmt: str, method: str) -> ExportFormat:
@@ -34,7 +53,16 @@ def export_format(fmt: str, method: str) -> ExportFormat:
     the method (the first of its ``export_formats``: EAGLE3's Llama layout, or the method's own)."""
     if fmt not in FORMATS:
         raise ValueError(f"export.format={fmt!r}: choose one of {sorted(FORMATS)}")
-    return FORMATS[draft_method(method).export_formats[0] if fmt == "vllm" else fmt]
+    return draft_method(method).export_formats[0] if fmt == "vllm" else FORMATS[fmt]
+
+
+def export_refusals(form: ExportFormat, draft) -> list[str]:
+    """What ``form`` cannot write of a draft (its trained spec, or its method's settings before training), each
+    with the fix: a format that is not one of the draft's method's, else the format's own refusals."""
+    if form.name not in {f.name for f in draft_method(draft.method).export_formats}:
+        return [f"export.format={form.name} cannot write a {draft.method} draft: export it with "
+                f"export.format=vllm (vLLM's own layout for it)"]
+    return form.refusals(draft)
 
 
 def export_draft(weights: dict[str, torch.Tensor], spec: DraftSpec, fmt: str, out_dir: Path, dtype: str = "auto",
@@ -50,6 +78,9 @@ def export_draft(weights: dict[str, torch.Tensor], spec: DraftSpec, fmt: str, ou
                          f"version, which trains every family's draft with {DRAFT_ACT}")
     warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
     torch_dtype = weights["fc.weight"].dtype if dtype == "auto" else resolve_dtype(dtype, torch.device("cpu"))
+    problems = export_refusals(form, spec)
+    if problems:
+        raise ExportRefused("; ".join(problems))
     config = form.write_config(spec, torch_dtype, verifier or {}, num_speculative_tokens, warn)
     tensors = draft_weights(weights, torch_dtype, form.with_vocab_maps(spec), embedding)
     return write_export(out_dir, config, {form.weight_name(k): v for k, v in tensors.items()})
@@ -85,9 +116,10 @@ def _run_draft(run_dir: Path, checkpoint: Path | None) -> tuple[dict[str, torch.
 
 
 def load_export(export_dir: Path) -> tuple[DraftSpec, dict[str, torch.Tensor]]:
-    """Read a draft folder into our spec and state dict: ours (the round trip, evaluation of final/), or an EAGLE3
-    draft another trainer published in speculators' format or SpecForge's and SGLang's Llama layout
-    (export/published.py; what it leaves unsaid is settled by ``fit_to_target`` once the target is known)."""
+    """Read a draft folder into our spec and state dict: ours (the round trip, evaluation of final/), or a draft
+    another trainer published in a layout a registered method reads (EAGLE3's: speculators' format, SpecForge's
+    and SGLang's Llama layout; export/published.py: what it leaves unsaid is settled by ``fit_to_target`` once the
+    target is known)."""
     export_dir = Path(export_dir)
     config, tensors = _read_folder(export_dir)
     if PROVENANCE_KEY in config:
@@ -206,5 +238,6 @@ def check_draft_tokens(export_dir: Path, k: int) -> None:
                          f"(draft.ttt_length={k} eval.num_draft_tokens={k})")
 
 
-__all__ = ["FORMATS", "ExportFormat", "check_draft_tokens", "cpu_serving_refusal", "export_draft", "export_format",
-           "export_run", "fit_to_target", "fixed_draft_tokens", "load_export", "record_confidence_calibration"]
+__all__ = ["FORMATS", "ExportFormat", "ExportRefused", "check_draft_tokens", "cpu_serving_refusal", "export_draft",
+           "export_format", "export_refusals", "export_run", "fit_to_target", "fixed_draft_tokens", "load_export",
+           "published_formats", "record_confidence_calibration"]

@@ -13,7 +13,7 @@ import re
 import shlex
 from pathlib import Path
 
-from .layout import PROVENANCE_KEY
+from ..formats import PROVENANCE_KEY
 
 CARD = "README.md"
 CONSTRAINTS = Path(__file__).resolve().parents[2] / "scripts" / "serving-constraints.txt"
@@ -82,10 +82,10 @@ def _vllm(export_dir: Path, config: dict, form, target: str, k: int) -> str:
 
 
 def _sglang(export_dir: Path, run_dir: Path, spec: dict, form, target: str, k: int) -> str:
-    from . import FORMATS
+    from . import FORMATS, export_refusals
     from ..methods import read_spec
 
-    problems = FORMATS["sglang"].refusals(read_spec(spec))
+    problems = export_refusals(FORMATS["sglang"], read_spec(spec))
     if 0 in spec["aux_layer_ids"]:
         problems.append("aux id 0 (the embedding output) has no SGLang id")
     if problems:

@@ -1,7 +1,7 @@
-"""The draft methods, one folder each (its model, spec, settings, drafting, refusals and label), registered here
-by name: adding a method is its folder and its line in ``METHODS`` (with its name in the import), and draft=<name>
-then selects its settings (compose.py). The rest of the project asks the method (``draft_method(name)``), never
-its name (draft/method.py: what a method offers)."""
+"""The draft methods, one folder each (its model, spec, settings, drafting, refusals, label and export formats),
+registered here by name: adding a method is its folder and its line in ``METHODS`` (with its name in the import),
+and draft=<name> then selects its settings (compose.py) and export.format its formats (export/). The rest of the
+project asks the method (``draft_method(name)``), never its name (draft/method.py: what a method offers)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import torch
 
 from ..config import TrainerConfig
 from ..data.loader import BatchStream
-from ..draft.objective import Eagle3Objective
+from ..draft.objective import UnrollObjective
 from ..errors import UserError
 from ..targets.teacher import Teacher
 from .checkpoint import CheckpointManager
@@ -106,7 +106,7 @@ class TrainResult:
     weights: dict = field(default_factory=dict)  # the full trained weights (gathered from ZeRO shards)
 
 
-def train(cfg: TrainerConfig, objective: Eagle3Objective, teacher: Teacher, draft: torch.nn.Module,
+def train(cfg: TrainerConfig, objective: UnrollObjective, teacher: Teacher, draft: torch.nn.Module,
           stream: BatchStream, run_dir: Path, tracker_factory, spec: dict, log=print,
           ctx: DistributedContext | None = None, steps_per_epoch: float | None = None) -> TrainResult:
     """The loop every rank runs. Each rank draws its own share of every global batch (``stream``),

@@ -4,6 +4,7 @@ forward from mask slots (model.py; vLLM method=dflash). DSpark and DFlash 2 are 
 from __future__ import annotations
 
 from ...draft.method import DraftMethod, layers_label
+from .export import DFlashFormat
 from .model import DFlashContext, DFlashDraft, DFlashObjective
 from .settings import DFlashSettings
 from .spec import DFlashSpec
@@ -38,7 +39,7 @@ def label(spec: dict) -> str:
 
 METHOD = DraftMethod(
     "dflash", DFlashDraft, DFlashSpec, DFlashSettings, DFlashObjective, refused, refused_evaluation, DFlashContext,
-    ("dflash",), label, has_mask_slots=lambda draft_settings: True,
+    (DFlashFormat(),), label, has_mask_slots=lambda draft_settings: True,
     spec_fields=lambda d: {"block_size": d.ttt_length + 1,  # the next token and k masks
                            "mask_token_id": d.mask_token_id},
     fixed_draft_tokens=lambda spec: spec["block_size"] - 1)

@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rep
 from ...draft.attention import causal_attention_lse
 from ...draft.drafting import greedy_with_confidence
 from ...draft.model import TargetWiredDraft
-from ...draft.objective import Eagle3Objective, StepStats, TTTOutput, UnrollInputs
+from ...draft.objective import StepStats, TTTOutput, UnrollInputs, UnrollObjective
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -137,7 +137,7 @@ def block_attention(context_kv, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return w[..., :1] * out0.view(B, S, h, A, d) + torch.einsum("bshat,bthad->bshad", w[..., 1:], v)
 
 
-class DFlashObjective(Eagle3Objective):
+class DFlashObjective(UnrollObjective):
     """Every position a >= 1 of a row is an anchor; its block's slot j (1..k) is scored against the
     teacher at row a + j - 1 where x[a + j] carries loss and the teacher's argmax lies in the draft
     vocabulary, each slot's loss the mean over its valid anchors, weighted decay ** (j - 1). The teacher
@@ -191,7 +191,7 @@ class DFlashObjective(Eagle3Objective):
             end = start + rows_h.shape[0]
             steps.append(StepStats(row_loss[start:end].sum() / n.clamp(min=1), row_correct[start:end].sum(), n))
             start = end
-        if h.shape[0] == 0:  # nothing to score: a zero loss that still reaches every weight (see Eagle3Objective)
+        if h.shape[0] == 0:  # nothing to score: a zero loss that still reaches every weight (see UnrollObjective)
             total = total.detach() + sum((p * 0).sum() for p in draft.parameters() if p.requires_grad)
         return TTTOutput(total, steps)
 

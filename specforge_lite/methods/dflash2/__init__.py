@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ...draft.method import DraftMethod, layers_label
 from ..dflash import refused as block_draft_refused, refused_evaluation
+from .export import DFlash2Format
 from .model import DFlash2Context, DFlash2Draft, DFlash2Objective
 from .settings import DFlash2Settings
 from .spec import DFlash2Spec
@@ -28,7 +29,7 @@ def label(spec: dict) -> str:
 
 METHOD = DraftMethod(
     "dflash2", DFlash2Draft, DFlash2Spec, DFlash2Settings, DFlash2Objective, refused, refused_evaluation,
-    DFlash2Context, ("dflash2",), label,
+    DFlash2Context, (DFlash2Format(),), label,
     has_mask_slots=lambda draft_settings: True,
     spec_fields=lambda d: {"block_size": d.ttt_length + 1, "conv_kernel_size": d.conv_kernel_size,
                            "conv_group_size": d.conv_group_size, "selector_rank": d.selector_rank,

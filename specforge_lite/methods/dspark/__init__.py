@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ...draft.method import DraftMethod, layers_label
 from ..dflash import refused as block_draft_refused, refused_evaluation
+from .export import DSparkFormat
 from .model import DSparkContext, DSparkDraft, DSparkObjective
 from .settings import DSparkSettings
 from .spec import DSparkSpec
@@ -24,6 +25,6 @@ def label(spec: dict) -> str:
 
 METHOD = DraftMethod(
     "dspark", DSparkDraft, DSparkSpec, DSparkSettings, DSparkObjective, refused, refused_evaluation, DSparkContext,
-    ("dspark",), label, has_mask_slots=lambda draft_settings: True,
+    (DSparkFormat(),), label, has_mask_slots=lambda draft_settings: True,
     spec_fields=lambda d: {"block_size": d.ttt_length, "markov_rank": d.markov_rank, "mask_token_id": d.mask_token_id},
     fixed_draft_tokens=lambda spec: spec["block_size"])

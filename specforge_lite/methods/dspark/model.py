@@ -20,7 +20,7 @@ binary cross-entropy against the slot's overlap with the teacher, sum_v min(p_ta
 probability that speculative sampling accepts its token). Slot s's terms weigh ``decay ** s``.
 
 This is vLLM 0.32's ``Qwen3DSparkForCausalLM`` (qwen3_dspark.py; served as ``method=dspark``; exported by
-export/dspark.py). vLLM runs it in its GPU model runner only, so on CPU the export is proven by loading it
+export.py here). vLLM runs it in its GPU model runner only, so on CPU the export is proven by loading it
 into vLLM's own class (tests/test_dspark.py).
 """
 

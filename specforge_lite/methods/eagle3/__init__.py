@@ -1,17 +1,20 @@
 """EAGLE3 as a registered method (methods/__init__.py), with its options: EAGLE 3.1 (``draft.norm_before_fc``,
 ``draft.norm_output``), P-EAGLE (``draft.parallel_drafting``: the later tokens from mask slots, one forward)
-and several layers (``draft.num_layers``). The model is model.py here; its training-time-test unroll is
-draft/objective.py, the objective the block drafts' objectives build on."""
+and several layers (``draft.num_layers``). The model is model.py here, P-EAGLE's mask slots and drafting
+parallel.py; its objective is draft/objective.py's ``UnrollObjective`` as it is (the training-time-test unroll),
+the objective the block drafts' objectives build on."""
 
 from __future__ import annotations
 
 import torch
 
-from ...draft.drafting import DraftContext, ParallelDraftContext
+from ...draft.drafting import DraftContext
 from ...draft.method import DraftMethod, layers_label
-from ...draft.objective import Eagle3Objective
+from ...draft.objective import UnrollObjective
 from ...draft.ttt import TTT_ATTENTION
+from .export import EXPORT_FORMATS, PUBLISHED_FORMATS
 from .model import Eagle3Draft
+from .parallel import ParallelDraftContext
 from .settings import Eagle3Settings
 from .spec import Eagle3Spec, norm_problems
 
@@ -73,7 +76,7 @@ def label(spec: dict) -> str:
     return f"{name}, {layers_label(spec)}" + (f" ({', '.join(norms)})" if norms else "")
 
 
-METHOD = DraftMethod("eagle3", Eagle3Draft, Eagle3Spec, Eagle3Settings, Eagle3Objective, refused, refused_evaluation,
-                     drafting, ("vllm", "sglang", "speculators"), label,
+METHOD = DraftMethod("eagle3", Eagle3Draft, Eagle3Spec, Eagle3Settings, UnrollObjective, refused, refused_evaluation,
+                     drafting, EXPORT_FORMATS, label,
                      has_mask_slots=lambda draft_settings: draft_settings.parallel_drafting, spec_fields=spec_fields,
-                     warm_start=warm_start)
+                     warm_start=warm_start, published_formats=PUBLISHED_FORMATS)

@@ -20,8 +20,8 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
 from ...draft.model import TargetWiredDraft
-from ...draft.parallel import mask_slot_inputs, new_mask_hidden
 from ...draft.ttt import DraftCache
+from .parallel import mask_slot_inputs, new_mask_hidden
 from .spec import Eagle3Spec
 
 
@@ -164,7 +164,7 @@ class Eagle3Draft(TargetWiredDraft):
 
     def next_step_inputs(self, next_ids: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What the next unroll step reads: the next tokens and this step's state (EAGLE3), or, for a
-        parallel draft, the mask slot's token and state (draft/parallel.py)."""
+        parallel draft, the mask slot's token and state (parallel.py)."""
         if self.spec.parallel_drafting:
             return mask_slot_inputs(self, next_ids, state)
         return next_ids, state

@@ -21,7 +21,7 @@ class Eagle3Settings(DraftSettings):
     # The first layer's residual taken after hidden_norm instead of before (speculators' default; vLLM and
     # speculators read it, SGLang always takes it before: the sglang export refuses such a draft)
     norm_before_residual: bool = False
-    # P-EAGLE (draft/parallel.py): all k draft tokens in one forward, the later ones from mask slots (vLLM:
+    # P-EAGLE (methods/eagle3/parallel.py): all k draft tokens in one forward, the later ones from mask slots (vLLM:
     # method=eagle3, parallel_drafting=true), which embed draft.mask_token_id.
     parallel_drafting: bool = False
     # soft_ce: cross-entropy to the teacher's draft-vocabulary distribution (EAGLE3). acceptance: -log of

@@ -22,7 +22,7 @@ class Eagle3Spec(DraftSpec):
     norm_before_residual: bool = False  # the first layer's residual after hidden_norm (SGLang: always before)
     norm_before_fc: bool = False  # EAGLE 3.1: one RMSNorm over the concatenated aux states (input_norm)
     norm_output: bool = False  # EAGLE 3.1: the next unroll step is fed the final norm's output
-    # P-EAGLE (draft/parallel.py): k - 1 mask slots fed mask_token_id and the learned mask_hidden
+    # P-EAGLE (methods/eagle3/parallel.py): k - 1 mask slots fed mask_token_id and the learned mask_hidden
     parallel_drafting: bool = False
 
     def __post_init__(self):

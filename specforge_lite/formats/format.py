@@ -1,6 +1,8 @@
 """``ExportFormat``: what a server format is, as one class per server: how it writes an export (ids in its
 convention, which vocabulary maps, weight names, config layout) and how that server reads a folder (its
-checks for ``python -m specforge_lite.export --check``). Formats are registered in export/__init__.py.
+checks for ``python -m specforge_lite.export --check``). The defaults are the Llama-EAGLE3 layout's
+(layout.py, check.py). Each format class lives in its method's folder (methods/<name>/export) and comes with
+the method's registration (``DraftMethod.export_formats``); export/ gathers them by name.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import re
 import torch
 
 from ..draft.model import DraftSpec
-from ..methods import draft_method
+from .check import check_layout
 from .layout import LATER_LAYER_WEIGHTS, LAYER_WEIGHTS, PROVENANCE_KEY, llama_draft_config
 
 LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -42,11 +44,9 @@ class ExportFormat:
         return spec.draft_vocab_size != spec.vocab_size
 
     def refusals(self, draft) -> list[str]:
-        """What this format cannot express of a draft, each with the fix: asked of the trained draft's spec at
-        export, and of the method's settings (the same field names) before training (settings.py)."""
-        if self.name not in draft_method(draft.method).export_formats:
-            return [f"export.format={self.name} cannot write a {draft.method} draft: export it with "
-                    f"export.format=vllm (vLLM's own layout for it)"]
+        """What this format cannot express of a draft of its method, each with the fix: asked of the trained
+        draft's spec at export, and of the method's settings (the same field names) before training (settings.py).
+        Whether the format writes the draft's method at all is asked first, by export/ (``export_refusals``)."""
         if not self.writes_mask_slots and draft.parallel_drafting:  # (an EAGLE3 layout: its option)
             return [f"draft.parallel_drafting=true: the {self.name} format has no mask slots (this version writes "
                     "P-EAGLE for vLLM only); export with export.format=vllm and serve it with speculative_config "
@@ -82,8 +82,6 @@ class ExportFormat:
 
     def check_shared(self, layer: dict, config: dict, shapes: dict, report) -> None:
         """The rules every Llama-draft layout shares (check.py), with this format's decoder-layer prefix."""
-        from .check import check_layout
-
         check_layout(layer, config, shapes, self.layer_prefix, report)
 
     def check(self, config: dict, shapes: dict, report) -> None:
@@ -104,3 +102,12 @@ class ExportFormat:
         known = rf"fc\.weight|norm\.weight|lm_head\.weight|d2t|t2d|embed_tokens\.weight|input_norm\.weight" \
                 rf"|fc_norm\.\d+\.weight|mask_hidden|{layer}|{LATER_LAYER_WEIGHTS}"
         return [k for k in shapes if not re.fullmatch(known, k)]
+
+    # ---- reading a folder another trainer wrote (a method's ``published_formats``) -----------------------
+    published_as = ""  # such a folder's layout, as a one-line refusal names it
+
+    def read_published(self, folder, config: dict, tensors: dict) -> tuple[DraftSpec, dict]:
+        """(spec, weights under our names) of a folder another trainer wrote in this layout (``tensors``: its
+        safetensors), without our provenance block."""
+        raise NotImplementedError(f"the {self.name} format reads no folder another trainer wrote")
+

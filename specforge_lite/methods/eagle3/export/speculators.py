@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..methods.eagle3.spec import Eagle3Spec
-from .format import ExportFormat
+from ....formats import ExportFormat
+from ..spec import Eagle3Spec
+from .published import read_folder
 
 _LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                "head_dim", "num_hidden_layers", "rms_norm_eps", "hidden_act", "max_position_embeddings",
@@ -23,6 +24,7 @@ _LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_
 class SpeculatorsFormat(ExportFormat):
     name, server, layout = "speculators", "speculators / vLLM", "speculators"
     layer_prefix = "layers.0."
+    published_as = "an EAGLE3 draft in speculators' format (speculators_model_type)"
 
     def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:
@@ -86,3 +88,6 @@ class SpeculatorsFormat(ExportFormat):
                 f"{config.get('norm_before_residual', True)} (true when absent), "
                 f"fc_norm={bool(config.get('fc_norm'))}, "
                 f"norm_before_fc={bool(config.get('norm_before_fc'))}, norm_output={bool(config.get('norm_output'))}")
+
+    def read_published(self, folder, config: dict, tensors: dict) -> tuple[Eagle3Spec, dict]:
+        return read_folder(self, folder, config, tensors)

@@ -7,8 +7,8 @@ with a full draft vocabulary, wants no d2t/t2d.
 
 from __future__ import annotations
 
-from .format import ExportFormat
-from .layout import eagle_flag
+from ....formats import ExportFormat
+from ....formats.layout import eagle_flag
 
 
 class VLLMFormat(ExportFormat):

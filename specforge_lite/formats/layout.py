@@ -1,7 +1,9 @@
-"""What every EAGLE3 Llama-draft export shares: the flat Llama config and the weight names.
+"""What every EAGLE3 Llama-draft export shares: the flat Llama config and the weight names; and what every
+export writes alike: the decoder's fields, the provenance block's key, the weights, the folder written whole.
 
 Server-specific choices (which aux-id convention, when d2t/t2d are written) are passed in by the
-format classes (vllm.py, sglang.py, speculators.py); nothing here knows a server's quirks.
+format classes (methods/eagle3/export/: vllm.py, sglang.py, speculators.py); nothing here knows a server's
+quirks. The spec is read by its fields (EAGLE3's options among them), so nothing here imports a method.
 """
 
 from __future__ import annotations
@@ -14,14 +16,13 @@ from safetensors.torch import save_file
 
 from ..device import dtype_name
 from ..draft.model import DraftSpec
-from ..methods.eagle3.spec import Eagle3Spec
 from ..errors import UserError
 from ..files import WRITE_ERRORS, write_failure, write_then_rename
 
-# which of the export formats reads a draft folder written by another trainer, by layout, in this order:
-# speculators' own format, else a Llama-EAGLE3 folder as SGLang (and SpecForge, which writes for SGLang) reads it
-PUBLISHED_READERS = ("speculators", "sglang")
 PROVENANCE_KEY = "specforge_lite"
+# target_num_layers of a draft read from a folder another trainer wrote, whose target is not known yet
+# (export/published.py ``fit_to_target`` completes the spec once it is)
+UNKNOWN_LAYERS = 0
 # The first decoder layer's weights, after its prefix (midlayer. or layers.0.), as a regular expression.
 LAYER_WEIGHTS = (r"(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight"
                  r"|(?:input_layernorm|hidden_norm|post_attention_layernorm)\.weight")
@@ -59,7 +60,8 @@ def decoder_fields(layer: dict) -> dict:
             "rope_parameters": dict(full.rope_parameters)}
 
 
-def llama_draft_config(spec: Eagle3Spec, server_aux_ids: list[int], dtype: torch.dtype) -> dict:
+def llama_draft_config(spec: DraftSpec, server_aux_ids: list[int], dtype: torch.dtype) -> dict:
+    """The Llama-EAGLE3 config.json of an EAGLE3 draft (``spec``: an Eagle3Spec, read by its option fields)."""
     rope = dict(spec.rope_parameters)
     scaling = None
     if rope.get("rope_type", "default") != "default":

@@ -15,10 +15,10 @@ import re
 
 import torch
 
-from ..device import dtype_name
-from ..methods.dflash.spec import DFlashSpec
-from .format import ExportFormat, ExportRefused
-from .layout import PROVENANCE_KEY, decoder_shape
+from ...device import dtype_name
+from ...formats import PROVENANCE_KEY, ExportFormat, ExportRefused
+from ...formats.layout import decoder_shape
+from .spec import DFlashSpec
 
 ARCH = "DFlashDraftModel"
 _WEIGHTS = (r"fc\.weight|hidden_norm\.weight|norm\.weight|lm_head\.weight|d2t|t2d|embed_tokens\.weight"
@@ -36,8 +36,9 @@ def expect_shapes(expected: dict, shapes: dict, report) -> None:
 
 
 class DFlashFormat(ExportFormat):
-    """DFlash's layout, and the base of the layouts built on it (DSpark, DFlash 2): each names its architecture
-    and the weights it adds (checked by its ``check_extra``), the DFlash part checked here."""
+    """DFlash's layout, and the base of the layouts built on it (DSpark, DFlash 2: methods/dspark/export.py,
+    methods/dflash2/export.py): each names its architecture and the weights it adds (checked by its
+    ``check_extra``), the DFlash part checked here."""
 
     name, server, layout = "dflash", "vLLM (method=dflash)", "dflash"
     serve_method = "dflash"  # (DFlash 2 too: vLLM tells it by its architecture)

@@ -15,13 +15,16 @@ multi-layer draft is refused here and the flags are a warning in ``--check``. No
 
 from __future__ import annotations
 
-from ..methods.eagle3.spec import Eagle3Spec
-from .format import ExportFormat, ExportRefused
-from .layout import eagle_flag
+from ....formats import ExportFormat, ExportRefused
+from ....formats.layout import eagle_flag
+from ..spec import Eagle3Spec
+from .published import read_folder
 
 
 class SGLangFormat(ExportFormat):
     name, server = "sglang", "SGLang"
+    # (SpecForge writes for SGLang: a Llama-EAGLE3 folder without our provenance is read as SGLang reads it)
+    published_as = "SpecForge's and SGLang's Llama layout (LlamaForCausalLMEagle3)"
 
     def refusals(self, draft) -> list[str]:
         problems = super().refusals(draft)  # (the shared ones first)
@@ -103,3 +106,6 @@ class SGLangFormat(ExportFormat):
             report.servers[self.server] = (
                 f"reads ids {list(ids)} as layer outputs, i.e. the inputs of layers {[i + 1 for i in ids]}"
                 + (" (newer builds add the 1 only when the first id is 1)" if ids[0] != 1 else ""))
+
+    def read_published(self, folder, config: dict, tensors: dict) -> tuple[Eagle3Spec, dict]:
+        return read_folder(self, folder, config, tensors)

@@ -1,7 +1,7 @@
 """vLLM's DSpark layout (``DSparkDraftModel`` with ``model_type`` qwen3, which vLLM maps to its
 ``Qwen3DSparkModel``; served with ``method=dspark``; vLLM's qwen3_dspark.py).
 
-DFlash's layout (export/dflash.py: ``dflash_config`` with the mask token and the aux ids as layer outputs)
+DFlash's layout (methods/dflash/export.py: ``dflash_config`` with the mask token and the aux ids as layer outputs)
 plus the DSpark heads and the fields vLLM reads for them: ``markov_rank`` and ``markov_head_type`` (vanilla),
 ``enable_confidence_head`` with ``confidence_head_with_markov`` (the head reads the slot state and the Markov
 embedding), and ``block_size`` = k with ``sample_from_anchor`` (the next token's slot is the first
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..methods.dspark.spec import DSparkSpec
-from .dflash import DFlashFormat, expect_shapes
+from ..dflash.export import DFlashFormat, expect_shapes
+from .spec import DSparkSpec
 
 
 class DSparkFormat(DFlashFormat):

@@ -10,13 +10,17 @@ causally to the context and to the slots before it. vLLM 0.32 serves it as ``met
 
 The key pattern is exactly TTT's (draft/ttt.py): slot d after row t sits at position t + d and sees the
 step-0 keys of rows <= t and the keys of slots 1..d of its own row. So the same unroll trains it; only what
-step k >= 1 reads changes (``mask_slot_inputs``), which is what this module holds.
+step k >= 1 reads changes (``mask_slot_inputs``), which is what this module holds, with the drafting that
+serves it (``ParallelDraftContext``: one forward per round).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ...draft.drafting import DraftContext, greedy_with_confidence
+from ...draft.ttt import TTTCache
 
 # Scale of mask_hidden at initialisation: unit-scale like the residual stream it stands in for (a zero
 # vector would make the fused state's RMSNorm divide by ~sqrt(eps)).
@@ -35,3 +39,27 @@ def mask_slot_inputs(draft, input_ids: torch.Tensor, state: torch.Tensor) -> tup
     parts = draft.mask_hidden.split(spec.target_hidden_size, dim=-1)  # one chunk per aux state, as vLLM splits it
     fused = draft.project_aux([p.to(state.dtype) for p in parts]).to(state.dtype)  # [1, H]
     return torch.full_like(input_ids, spec.mask_token_id), fused.expand(*state.shape[:-1], fused.shape[-1])
+
+
+class ParallelDraftContext(DraftContext):
+    """P-EAGLE drafting as vLLM runs it (``parallel_drafting=true``): ONE draft forward per round, over the
+    rows committed since the last round followed by k - 1 mask slots, causal over all of them. Mask slot d
+    sits at position n - 1 + d and sees the step-0 keys of every committed row and the slots before it:
+    exactly the keys unroll step d at row n - 1 sees (draft/ttt.py), so the proposals equal the k-step
+    ``draft_chain``'s. Only the committed rows' keys are kept for the next round."""
+
+    one_forward = True
+
+    def propose(self, aux_new: list[torch.Tensor], context: list[int], next_token: int, k: int) -> list[int]:
+        (first, n), draft, device = self.new_rows(aux_new, context), self.draft, aux_new[0].device
+        rows = draft.project_aux(aux_new)
+        mask_ids, mask_states = draft.next_step_inputs(torch.zeros(1, k - 1, dtype=torch.long, device=device),
+                                                       rows.new_zeros(1, k - 1, rows.shape[-1]))
+        ids = torch.cat([torch.tensor([(context + [next_token])[first + 1:]], device=device), mask_ids], dim=1)
+        cache = TTTCache(context=self.kept)
+        states = draft.step(ids, torch.cat([rows, mask_states.to(rows.dtype)], dim=1),
+                            torch.arange(first, n + k - 1, device=device)[None], cache, q_offset=first)
+        self.kept, self.rows = [(k_[..., :n, :], v_[..., :n, :]) for k_, v_ in cache.context_kv()], n
+        logits = draft.compute_logits(states[:, n - first - 1:])  # row n-1, then the k-1 mask slots
+        best, self.confidences = greedy_with_confidence(logits[0])
+        return draft.draft_to_target(best).tolist()

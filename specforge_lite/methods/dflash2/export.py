@@ -1,6 +1,6 @@
 """vLLM's DFlash 2 layout (``DFlash2DraftModel``, served with ``method=dflash``; vLLM's qwen3_dflash2.py).
 
-DFlash's layout (export/dflash.py) under its own architecture, the convolutions' and the selector's sizes in
+DFlash's layout (methods/dflash/export.py) under its own architecture, the convolutions' and the selector's sizes in
 ``dflash_config`` (``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k``), and their
 weights: ``layers.{i}.attention_conv`` / ``mlp_conv`` (``base_kernel`` [2, taps, H], ``kernel_projection``) and
 ``candidate_selector`` (``predecessor_codebook`` and ``successor_codebook`` [V, rank], ``hidden_projection``).
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..methods.dflash2.spec import DFlash2Spec
-from .dflash import DFlashFormat, expect_shapes
+from ..dflash.export import DFlashFormat, expect_shapes
+from .spec import DFlash2Spec
 
 SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
