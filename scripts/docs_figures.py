@@ -64,8 +64,8 @@ def parity_summary(data: dict) -> str:
     """Ours against the peers' own recipes: the newest per-step figure, the equal-time one, SpecForge's."""
     steps, time, sf = data["steps_600_p32"], data["time_4min_p16"], data["steps_400_p32_specforge"]
     ours_t, spec_t = time["ours"], time["speculators"]
-    return (f"At {steps['steps']} steps of the default's recipe ({steps['seeds']} seeds, {steps['prompts']} prompts per "
-            f"set) our default leads speculators 0.9.0's own recipe by "
+    return (f"At {steps['steps']} steps of the default's recipe ({steps['seeds']} seeds, {steps['prompts']} "
+            f"prompts per set) our default leads speculators 0.9.0's own recipe by "
             f"**{pct(steps['ours']['general'], steps['speculators']['general'])} on general prompts** and "
             f"{pct(steps['ours']['chat'], steps['speculators']['chat'])} on held-out chat; for "
             f"{time['minutes']} minutes of training it leads by {pct(ours_t['general'], spec_t['general'])} and "

@@ -220,8 +220,10 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     regen_key = regeneration_key(source_key, model_fingerprint, cfg.generation) if cfg.regenerate else None
     # (the regenerated answers' key leaves the cap out, as a larger cap reuses them; the prepared data holds
     # as many conversations as the cap allows, so its folder names the cap)
-    prepared = lambda cap: cache_dir() / "prepared" / (  # noqa: E731
-        source_key + (f"-regen-{regen_key}" if regen_key else "") + (f"-n{cap}" if regen_key and cap is not None else ""))
+    def prepared(cap: int | None) -> Path:  # the prepared data's folder, holding up to ``cap`` conversations
+        return cache_dir() / "prepared" / (source_key + (f"-regen-{regen_key}" if regen_key else "")
+                                           + (f"-n{cap}" if regen_key and cap is not None else ""))
+
     if (prepared(cfg.generation.max_conversations) / "stats.json").is_file():
         return _load_prepared(prepared(cfg.generation.max_conversations))
 
