@@ -117,7 +117,7 @@ def describe_recipe(config: Config) -> list[str]:
     source = d.path if d.source == "path" else "+".join(m.source for m in d.mix) if d.source == "mix" else d.source
     answers = (f"the target's own answers (regenerated: engine {g.engine}" + (f" at {g.server_url}" if g.server_url
                else "") + ")") if d.regenerate else "the answers as written"
-    if d.regenerate and g.max_minutes is not None:
+    if d.regenerate and g.max_minutes is not None and g.round_conversations < g.max_conversations:
         answers += (f", {g.round_conversations} conversations a round up to {g.max_conversations} while "
                     f"{g.max_minutes:g} min allow")
     length = f"{t.epochs:g} epochs" if t.epochs is not None else f"{t.max_steps} steps"
