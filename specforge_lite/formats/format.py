@@ -53,14 +53,9 @@ class ExportFormat:
                     "method=eagle3, parallel_drafting=true"]
         return []
 
-    def refuse(self, spec: DraftSpec) -> None:
-        problems = self.refusals(spec)
-        if problems:
-            raise ExportRefused("; ".join(problems))
-
     def write_config(self, spec: DraftSpec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:
-        self.refuse(spec)
+        """The config.json of a draft this format writes (its refusals already asked by export/)."""
         config = llama_draft_config(spec, self.server_aux_ids(spec, warn), dtype)
         config[PROVENANCE_KEY]["format"] = self.name
         return config

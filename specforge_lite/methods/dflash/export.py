@@ -48,7 +48,6 @@ class DFlashFormat(ExportFormat):
 
     def write_config(self, spec: DFlashSpec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:
-        self.refuse(spec)
         if 0 in spec.aux_layer_ids:
             raise ExportRefused("aux id 0 (the embedding output) has no DFlash target_layer_id (it would be -1); "
                                 "train with ids >= 1")

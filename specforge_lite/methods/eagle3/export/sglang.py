@@ -40,7 +40,7 @@ class SGLangFormat(ExportFormat):
         return problems
 
     def write_config(self, spec: Eagle3Spec, dtype, verifier: dict, num_speculative_tokens: int, warn) -> dict:
-        config = super().write_config(spec, dtype, verifier, num_speculative_tokens, warn)  # (its refusals first)
+        config = super().write_config(spec, dtype, verifier, num_speculative_tokens, warn)
         if spec.norm_before_fc or spec.norm_output:
             warn("norm_before_fc/norm_output (EAGLE 3.1): SGLang builds before 2026 ignore them and would serve the "
                  "draft without what it was trained with")
