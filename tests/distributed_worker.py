@@ -7,6 +7,7 @@ under DeepSpeed ZeRO-2 (the option:precision pairs test_matrix.py names), each r
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -132,5 +133,13 @@ if __name__ == "__main__":
     from specforge_lite.training.distributed import launcher_env, process_group
 
     entries = {"sharded_target": sharded_target, "ulysses": ulysses, "matrix": matrix}
-    with process_group(launcher_env):  # (the entry joins; the group is destroyed before the interpreter exits)
+    with process_group(launcher_env):  # (the entry joins; the group is destroyed when it returns)
         entries[sys.argv[1]](sys.argv[2], Path(sys.argv[3]))
+    # The work is done and its result written: end here, without the interpreter's finalization. DeepSpeed keeps
+    # its gloo groups alive (ZeRO state holds them), so destroying the group does not stop gloo's worker threads,
+    # and one of them may still be freeing the last collective's tensors, which needs the GIL; a thread that asks
+    # for it while the interpreter finalizes is ended by CPython (pthread_exit) inside a noexcept destructor, and
+    # the process aborts ("terminate called without an active exception"). os._exit ends every thread at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
