@@ -248,10 +248,10 @@ def test_a_build_lock_left_by_a_killed_run_does_not_hang_the_next_one(tmp_path):
 
 def test_a_run_ends_its_process_group_and_takes_back_the_launcher_variables(tmp_path, monkeypatch):
     """A DeepSpeed run in one process (no launcher: init_distributed makes a group of one and sets the
-    launcher's variables) leaves no process group and none of those variables behind. A group left to the
-    interpreter's exit aborted two-rank launches now and then (gloo's worker thread forced out while it
-    released the last collective: ``terminate called without an active exception``), and the variables
-    leaked into every process the caller started later. Fails on the code before ``process_group``."""
+    launcher's variables) leaves no process group and none of those variables behind: a group left to the
+    interpreter's exit can abort a launch (gloo's worker thread forced out while it releases the last
+    collective: ``terminate called without an active exception``), and the variables leaked into every
+    process the caller started later. Fails on the code before ``process_group``."""
     sys.path.insert(0, str(ROOT))
     from specforge_lite.job import run
 

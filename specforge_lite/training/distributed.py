@@ -133,8 +133,10 @@ def process_group(join: Callable[[], DistributedContext]) -> Iterator[Distribute
     """``join()`` (``init_distributed``, ``join_launched_group``) for the length of one job. The group it
     joined is destroyed at the end, on every rank: a group left to the interpreter's exit lets gloo's
     worker threads release their last collective while Python finalizes, and the thread forced out aborts
-    the process (``std::terminate``: SIGABRT after the work is done, seen in about 1 of 5 two-rank launches).
-    The launcher variables set for a group of one are taken back, so a later job in the same process (or a
+    the process (``std::terminate``: SIGABRT after the work is done). Gloo groups that DeepSpeed's ZeRO state
+    still holds keep their threads until the process ends (torch has no way to stop them), so a collective
+    right before the exit can still race it: tests/distributed_worker.py, which gathers last, ends with
+    ``os._exit``. The launcher variables set for a group of one are taken back, so a later job in the same process (or a
     process it starts) does not inherit them."""
     before = {k: os.environ.get(k) for k in _GROUP_OF_ONE}
     joined = not (torch.distributed.is_available() and torch.distributed.is_initialized())
