@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import EAGLE31, tiny_draft, tiny_target
 from specforge_lite.draft.objective import UnrollObjective, UnrollInputs
@@ -229,6 +232,51 @@ def test_blockwise_ttt_attention_equals_the_naive_one_with_gradients(monkeypatch
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"{impl} tensor {i}: {m}")
 
 
+class _Dispatched(TorchDispatchMode):
+    """Every aten op run inside it: the op, its tensor arguments' dtypes, its output's dtype and shape."""
+
+    Op = collections.namedtuple("Op", "op dtypes out_dtype out_shape")
+    PRODUCTS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.bmm)
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append(self.Op(func.overloadpacket, [a.dtype for a in args if isinstance(a, torch.Tensor)],
+                                getattr(out, "dtype", None), tuple(getattr(out, "shape", ()))))
+        return out
+
+    def products(self) -> list:
+        """The dtype each matrix product ran in (its last operand's: the one an fp32 accumulation keeps)."""
+        return [o.dtypes[-1] for o in self.ops if o.op in self.PRODUCTS]
+
+
+def test_under_autocast_the_blockwise_attention_backward_runs_its_products_in_bf16(monkeypatch):
+    """Under bf16 autocast (trainer.precision=bf16) the blockwise attention's forward products run in bf16, and
+    its backward's must too, as FlashAttention's do: outside autocast (a backward is) they ran in fp32, which a
+    GPU runs at a fraction of bf16's rate. Gradients stay within bf16's tolerance of the fp32 computation."""
+    from specforge_lite.draft import attention
+
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 4)
+    g = torch.Generator().manual_seed(1)
+    leaves = [torch.randn(1, 2, 10, 16, generator=g) for _ in "qkv"]
+    weights = torch.linspace(-1, 1, 1 * 2 * 10 * 16).view(1, 2, 10, 16)
+    grads = {}
+    for autocast in (False, True):
+        q, k, v = (x.clone().requires_grad_() for x in leaves)
+        with _Dispatched() as seen:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out, lse = attention.causal_attention_lse(q, k, v, 0.25)
+            ((out.float() * weights).sum() + lse.sum()).backward()
+        grads[autocast] = [x.grad for x in (q, k, v)]
+        if autocast:
+            assert seen.products() and set(seen.products()) == {torch.bfloat16}, seen.products()
+    for got, want in zip(grads[True], grads[False]):
+        assert float((got - want).abs().max()) <= 3e-2 * float(want.abs().max())
+
+
 def test_flex_ttt_attention_equals_the_naive_one_and_its_block_mask_covers_the_pattern(monkeypatch):
     """draft.ttt_attention=flex (the step-0 attention through flex attention, CUDA's way) against the naive
     per-query softmax: outputs over grouped-query heads, packed rows and a query offset (CPU runs flex
@@ -354,31 +402,24 @@ def test_under_autocast_every_product_of_the_fused_head_loss_runs_in_bf16():
     the largest product of a step ([draft vocab, rows] x [rows, hidden]); accumulated in place over the chunks
     it ran in fp32 (addmm_ is not autocast), 40% of a GPU step at Llama-3-8B's shape. Every matrix product of
     the fused head + loss must run in bf16 there, as nn.Linear's own weight gradient does."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from specforge_lite.draft.head_loss import head_soft_cross_entropy
-
-    class Products(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.dtypes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_,
-                                       torch.ops.aten.bmm):
-                self.dtypes.append(args[-1].dtype)
-            return func(*args, **(kwargs or {}))
 
     g = torch.Generator().manual_seed(5)
     h = torch.randn(10, 16, generator=g, requires_grad=True)
     w = torch.randn(40, 16, generator=g, requires_grad=True)  # fp32 master weight
     teacher, rows = torch.randn(12, 40, generator=g), torch.randint(0, 12, (10,), generator=g)
-    with torch.autocast("cpu", dtype=torch.bfloat16), Products() as seen:
+    with torch.autocast("cpu", dtype=torch.bfloat16), _Dispatched() as seen:
         total, _, _ = head_soft_cross_entropy(h, w, teacher, rows, teacher[rows].argmax(-1),
                                               torch.rand(10, generator=g), 4)
     total.backward()
-    assert len(seen.dtypes) == 9 and set(seen.dtypes) == {torch.bfloat16}, seen.dtypes  # 3 chunks x 3 products
+    products = seen.products()
+    assert len(products) == 9 and set(products) == {torch.bfloat16}, products  # 3 chunks x 3 products
     assert w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all()
+    # the master weight is cast to bf16 once per call: autocast caches the cast of a parameter but not of a view of
+    # it (weight.t()), which cast all of it again in each chunk (a [32000, 4096] weight: 0.8 GB of traffic a chunk)
+    casts = [o for o in seen.ops if o.op is torch.ops.aten._to_copy and o.dtypes[0] == torch.float32
+             and o.out_dtype == torch.bfloat16 and o.out_shape in ((40, 16), (16, 40))]
+    assert len(casts) == 1, casts
 
 
 def test_the_fused_head_loss_does_no_gradient_work_under_no_grad(monkeypatch):

@@ -36,10 +36,13 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
         # Under autocast the weight gradient's products run in its dtype (bf16), as nn.Linear's do: an fp32
         # accumulation in place (addmm_) would run the largest product of the step in fp32.
         low_precision = torch.is_autocast_enabled(h.device.type)
+        # The weight in the products' dtype, cast once: autocast caches a parameter's cast, not that of a view of
+        # it (weight.t()), and would cast the whole weight again in every chunk.
+        w = weight.to(torch.get_autocast_dtype(h.device.type)) if low_precision else weight
         size = chunk_rows or max(h.shape[0], 1)
         for s in range(0, h.shape[0], size):
             rows = slice(s, s + size)
-            z = torch.matmul(h[rows], weight.t()).float()
+            z = torch.matmul(h[rows], w.t()).float()
             p = _softmax_(teacher_logits.index_select(0, teacher_rows[rows]).float())
             row_correct[rows] = z.argmax(-1) == teacher_top[rows]
             p_dot_z = torch.linalg.vecdot(p, z)
@@ -52,9 +55,9 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
             if need_dh or need_dw:
                 scale = row_weights[rows, None]
                 # d total / d z = w * (softmax(z) * sum(p) - p)
-                dz = e.mul_(p_sum * scale / e_sum).sub_(p.mul_(scale)).to(weight.dtype)
+                dz = e.mul_(p_sum * scale / e_sum).sub_(p.mul_(scale)).to(w.dtype)
                 if need_dh:
-                    dh[rows] = torch.matmul(dz, weight).to(h.dtype)
+                    dh[rows] = torch.matmul(dz, w).to(h.dtype)
                 if need_dw and dw is None:
                     dw = torch.matmul(dz.t(), h[rows]).float()
                 elif need_dw and dw.dtype == dz.dtype and not low_precision:
