@@ -2,14 +2,15 @@
 
 Studies: levers (what raises served acceptance per unit of compute, each lever against the embedded default),
 recipe_parity (our recipe against SpecForge's and speculators' own on identical inputs), recipe_card (every
-draft method on small real targets at k = 1, 3 and 5). Each writes its report and names the command that
+draft method on small real targets at k = 1, 3 and 5), step_flops (the work of one draft step, ours and the
+peers', at a real target's shape). Each writes its report and names the command that
 regenerates it."""
 
 from __future__ import annotations
 
 from specforge_lite.bench import run_named
 
-STUDIES = {name: f"studies.{name}" for name in ("levers", "recipe_parity", "recipe_card")}
+STUDIES = {name: f"studies.{name}" for name in ("levers", "recipe_parity", "recipe_card", "step_flops")}
 
 
 def main(argv: list[str] | None = None) -> None:

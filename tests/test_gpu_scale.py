@@ -22,8 +22,29 @@ def test_gpu_scale_dry_run_checks_and_times_every_way_and_method(tmp_path, capsy
     timed = {(r["what"], r.get("way"), r["T"]) for r in rows if r.get("tokens_per_s")}
     assert {("ours", w, T) for w in ("blockwise", "dense", "sdpa") for T in (64, 160)} <= timed
     assert {("capture", None, 64), ("dflash", None, 64), ("dspark", None, 64)} <= timed
+    for r in rows:  # one step of each way profiled at the first length: where its time goes
+        if r["what"] == "ours" and r["T"] == 64:
+            prof = r["profile"]
+            assert prof["by_kind_ms"]["matmul"] > 0 and prof["top"], prof
+            assert 0 < prof["busy_ms"] <= 1.05 * prof["wall_ms"], prof
     table = capsys.readouterr().out
     assert "| T | capture tok/s | ours blockwise | ours dense | ours sdpa | dflash | dspark |" in table
+    assert "| step | T | wall ms | busy | attention | matmul | compiled | copy | elementwise |" in table
+
+
+def test_kernels_are_sorted_into_kinds_by_their_names():
+    """Names of the kernels a step launches on an H100/H200 (cuBLAS, cuBLASLt, flash / cutlass attention, flex
+    attention's Triton template, Inductor's fused kernels, ATen's own) and of aten ops on CPU."""
+    kinds = {"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_kernel__5x_cublas":
+             "matmul", "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN": "matmul", "aten::mm": "matmul",
+             "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": "attention", "flash_fwd_kernel": "attention",
+             "triton_tem_fused_0": "attention", "triton_per_fused__softmax_0": "compiled",
+             "void at::native::vectorized_elementwise_kernel<4, at::native::exp_kernel_cuda>": "elementwise",
+             "Memcpy DtoD (Device -> Device)": "copy", "aten::exp": "elementwise"}
+    assert {name: gpu_scale.kernel_kind(name) for name in kinds} == kinds
+    prof = gpu_scale.kernel_profile(10.0, [("aten::mm", 3, 4.0), ("aten::exp", 2, 1.0), ("aten::mm_x", 1, 2.0)])
+    assert prof["busy_ms"] == 7.0 and prof["by_kind_ms"] == {"matmul": 6.0, "elementwise": 1.0}
+    assert [t[0] for t in prof["top"]] == ["aten::mm", "aten::mm_x", "aten::exp"]
 
 
 def test_the_bench_lists_its_benchmarks_on_help_and_exits_0():

@@ -85,24 +85,36 @@ def build_target(name: str, device: torch.device, dtype: torch.dtype):
 
 def build_draft(target, method: str, draft_vocab: int, ttt: int, device: torch.device):
     """A draft of ``method`` for ``target`` (fp32 master weights), its vocabulary a fixed random draw."""
-    from ..methods import build_objective, draft_method, draft_spec
-    from ..targets.capture import CONVENTION
+    from ..methods import build_objective
     from ..targets.teacher import Teacher
 
+    draft, cfg, ids, t2d = new_draft(target.config, target.aux_layer_ids, target.embedding_weight(),
+                                     target.full_head()[0], method, draft_vocab, ttt, device)
+    return draft, cfg, Teacher(target, ids, t2d), build_objective
+
+
+def new_draft(config, aux_layer_ids: list[int], embedding: torch.Tensor, head: torch.Tensor, method: str,
+              draft_vocab: int, ttt: int, device: torch.device):
+    """(draft, its settings, its vocabulary's target ids, t2d) for a target of ``config`` whose embedding and
+    lm_head are given; the vocabulary is a fixed random draw."""
+    from ..methods import draft_method, draft_spec
+    from ..targets.capture import CONVENTION
+
+    vocab_size, hidden_size = embedding.shape
     # (mask token 0: read only by the methods with mask slots)
     cfg = draft_method(method).settings(draft_vocab_size=draft_vocab, ttt_length=ttt, mask_token_id=0)
-    spec = draft_spec(target.config, cfg, target.aux_layer_ids, CONVENTION, vocab_size=target.vocab_size,
-                      draft_vocab_size=draft_vocab, target_hidden_size=target.hidden_size)
+    spec = draft_spec(config, cfg, aux_layer_ids, CONVENTION, vocab_size=vocab_size, draft_vocab_size=draft_vocab,
+                      target_hidden_size=hidden_size)
     torch.manual_seed(0)
     draft = draft_method(method).model(spec).to(device)
     g = torch.Generator().manual_seed(1234)
-    ids = torch.randperm(target.vocab_size, generator=g)[:draft_vocab].sort().values
-    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    ids = torch.randperm(vocab_size, generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[ids] = True
     draft.set_vocab((ids - torch.arange(draft_vocab)).to(device), t2d.to(device))
-    draft.set_embedding(target.embedding_weight())
-    draft.init_lm_head_from_target(target.full_head()[0], ids)
-    return draft, cfg, Teacher(target, ids, t2d), build_objective
+    draft.set_embedding(embedding)
+    draft.init_lm_head_from_target(head, ids)
+    return draft, cfg, ids, t2d
 
 
 def capture(target, teacher, T: int, seed: int):
@@ -147,6 +159,49 @@ def measure(fn, device: torch.device, repeats: int, warm_up: bool = True) -> dic
     runs = [_peak_above(fn, device) for _ in range(repeats)]
     return {"seconds": statistics.median(r[0] for r in runs), "peak_gib": max(r[1] for r in runs) / 2**30,
             "peak_total_gib": max(r[2] for r in runs) / 2**30}
+
+
+# Kinds of kernels (on CPU: of aten ops), by name: where a step's device time goes, ours beside the peers'.
+# (First match wins: a fused attention kernel's name can also hold "gemm" or "triton".)
+KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "flex", "triton_tem")),
+                ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::bmm", "aten::addmm")),
+                ("compiled", ("triton_",)),
+                ("copy", ("memcpy", "memset", "copy", "aten::cat", "aten::to")))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, words in KERNEL_KINDS if any(w in low for w in words)), "elementwise")
+
+
+def profile_kernels(fn, device: torch.device) -> dict:
+    """One call of ``fn`` (after its warm-up elsewhere) under torch's profiler: its wall milliseconds and each
+    kernel's (on CPU: each aten op's own) name, calls and milliseconds, longest first (``kernel_profile``)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    kernels = [(e.key, e.count, (e.device_time_total if cuda else e.self_cpu_time_total) / 1e3)
+               for e in prof.key_averages() if not getattr(e, "is_user_annotation", False)
+               and (e.device_type != DeviceType.CPU) == cuda]
+    return kernel_profile(wall * 1e3, kernels)
+
+
+def kernel_profile(wall_ms: float, kernels: list) -> dict:
+    """Where one step's time went: wall ms, the device's busy ms (the sum of its kernels: below the wall, the
+    device waited for the host's launches or a sync), ms by kind of kernel and the 12 longest kernels."""
+    kernels = sorted(kernels, key=lambda k: -k[2])
+    by_kind: dict[str, float] = {}
+    for name, _, ms in kernels:
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + ms
+    return {"wall_ms": round(wall_ms, 2), "busy_ms": round(sum(k[2] for k in kernels), 2),
+            "by_kind_ms": {k: round(v, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "top": [[name[:120], calls, round(ms, 3)] for name, calls, ms in kernels[:12]]}
 
 
 def draft_step(draft, objective, inputs, autocast: bool):
@@ -219,7 +274,7 @@ def run_peer(name: str, a, lens: list[int], folder: Path, shape: dict, over) -> 
         return [{"T": T, "skipped": "past --budget-s"} for T in lens]
     cmd = [a.peer_python, str(peer_driver(name)), "--seq-len", ",".join(map(str, lens)),
            "--ttt", str(a.ttt), "--draft-vocab", str(a.draft_vocab), "--repeats", str(a.repeats),
-           "--shape", json.dumps(shape), "--inputs", str(folder / "inputs_{T}.safetensors")]
+           "--shape", json.dumps(shape), "--inputs", str(folder / "inputs_{T}.safetensors"), "--profile"]
     if a.device == "cuda":
         cmd += ["--device", "cuda", "--dtype", "bfloat16"]
     env = dict(os.environ)
@@ -237,6 +292,8 @@ def run_peer(name: str, a, lens: list[int], folder: Path, shape: dict, over) -> 
             r = json.loads(line)
             if r.get("peak_mib") is not None:
                 r["peak_gib"] = r["peak_mib"] / 1024
+            if r.get("profile"):  # (its first length's kernels, as the driver's profiler listed them)
+                r["profile"] = kernel_profile(r["profile"]["wall_ms"], r["profile"]["kernels"])
             done[r["seq_len"]] = {"T": r.pop("seq_len"), **r}
     return [done.get(T) or {"T": T, "error": (why or "no result")[:200]} for T in lens]
 
@@ -370,7 +427,7 @@ class Run:
         long = T >= a.long_from  # (one timed step: a long row's step takes seconds)
         for way in (a.long_ways.split(",") if long else self.ways)[: 1 if a.online_only else None]:
             _time_way(res, draft, replace_attention(objective, way), inputs, device, autocast,
-                      1 if long else a.repeats, T, way, cap)
+                      1 if long else a.repeats, T, way, cap, profile=first and not a.online_only)
         if self.peers and T in self.peer_lens:  # the peers run on these very states
             save_inputs(inputs, final_hidden, self.folder / f"inputs_{T}.safetensors")
         return True
@@ -401,10 +458,12 @@ class Run:
                 self.res.add({"what": name, "T": T, **_oom_row(e)})
 
 
-def _time_way(res, draft, objective, inputs, device, autocast, repeats, T, way, cap, chunk=None):
+def _time_way(res, draft, objective, inputs, device, autocast, repeats, T, way, cap, chunk=None, profile=False):
+    """One row: the draft step in ``way``, timed (and with ``profile``, one more step under the profiler)."""
     row = {"what": "ours", "T": T, "way": way, **({"loss_chunk_rows": chunk} if chunk else {})}
+    step = draft_step(draft, objective, inputs, autocast)
     try:
-        r = measure(draft_step(draft, objective, inputs, autocast), device, repeats)
+        r = measure(step, device, repeats)
     except torch.cuda.OutOfMemoryError as e:
         draft.zero_grad(set_to_none=True)
         res.add({**row, **_oom_row(e)})
@@ -413,6 +472,12 @@ def _time_way(res, draft, objective, inputs, device, autocast, repeats, T, way, 
         draft.zero_grad(set_to_none=True)
         res.add({**row, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
         return
+    if profile:
+        try:
+            r["profile"] = profile_kernels(step, device)
+        except Exception as e:  # noqa: BLE001 (the timing stands without it)
+            r["profile"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        draft.zero_grad(set_to_none=True)
     online = cap["seconds"] + r["seconds"]
     res.add({**row, **r, "tokens_per_s": T / r["seconds"], "online_tokens_per_s": T / online})
 
@@ -439,6 +504,23 @@ def print_table(data: dict) -> None:
                     and r.get("tokens_per_s") and not r.get("oom")), default=None)
         ratio = f"{ours / peer:.2f}x" if ours and peer else ""
         print(f"| {T} | {cap.get('tokens_per_s', 0):.0f} | " + " | ".join(cells) + f" | {ratio} |")
+    print_profiles(rows)
+
+
+def print_profiles(rows: list[dict]) -> None:
+    """Where one step's time went, per profiled row: wall ms, the device's share of it, ms by kind of kernel."""
+    profiled = [r for r in rows if r.get("profile", {}).get("by_kind_ms")]
+    if not profiled:
+        return
+    kinds = [k for k, _ in KERNEL_KINDS] + ["elementwise"]
+    print("\nOne step under the profiler: wall ms, device busy, ms by kind of kernel")
+    print("| step | T | wall ms | busy | " + " | ".join(kinds) + " |")
+    print("|---" * (len(kinds) + 4) + "|")
+    for r in profiled:
+        prof = r["profile"]
+        who = f"{r['what']} {r.get('way', '')}".strip()
+        print(f"| {who} | {r['T']} | {prof['wall_ms']:.1f} | {prof['busy_ms'] / prof['wall_ms']:.0%} | "
+              + " | ".join(f"{prof['by_kind_ms'].get(k, 0):.1f}" for k in kinds) + " |")
 
 
 def _cell(r: dict | None) -> str:

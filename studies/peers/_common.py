@@ -57,6 +57,12 @@ def parse_args(description: str) -> argparse.Namespace:
                    help="SpecForge only: how its step gets the teacher (default: logits on cpu, hidden_state on cuda)")
     p.add_argument("--inputs", default=None,
                    help="a .safetensors file with the step's inputs (see above); {T} in it stands for each length")
+    p.add_argument("--profile", action="store_true",
+                   help="at the first length, one more step under torch's profiler: its wall ms and each kernel's "
+                   "(on CPU: each aten op's own) name, calls and ms, in the JSON line's \"profile\"")
+    p.add_argument("--count-flops", action="store_true",
+                   help="at the first length, one more step under torch's FlopCounterMode: the JSON line's "
+                   "\"gflop_per_token\" (matrix products; SDPA kernels are not counted on CPU) and \"trainable_m\"")
     a = p.parse_args()
     a.shape = json.loads(a.shape)
     try:
@@ -201,7 +207,41 @@ def time_steps(name: str, step, params, a: argparse.Namespace) -> float:
             print(f"[{name}] warm-up {times[0]:.2f}s loss {float(loss):.4f}", file=sys.stderr)
         del loss
     print(f"[{name}] step seconds {[round(t, 3) for t in times[1:]]}", file=sys.stderr)
+    if a.count_flops and not STATE["done"]:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        for p in params:
+            p.grad = None
+        with FlopCounterMode(display=False) as flops:
+            step()
+        STATE["counted"] = {"gflop_per_token": flops.get_total_flops() / a.seq_len / 1e9,
+                            "trainable_m": sum(p.numel() for p in params) / 1e6}
+    if a.profile and not STATE["done"]:
+        try:
+            STATE["profile"] = _profile(step, params, cuda)
+        except Exception as exc:  # noqa: BLE001 (the timing stands without it)
+            print(f"[{name}] profile failed: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
     return statistics.median(times[1:])
+
+
+def _profile(step, params, cuda: bool) -> dict:
+    """One step under torch's profiler: wall ms and [name, calls, ms] of each device kernel (CPU: aten op)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in params:
+        p.grad = None
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [[e.key, e.count, (e.device_time_total if cuda else e.self_cpu_time_total) / 1e3]
+               for e in prof.key_averages() if not getattr(e, "is_user_annotation", False)
+               and (e.device_type != DeviceType.CPU) == cuda]
+    return {"wall_ms": wall * 1e3, "kernels": kernels}
 
 
 def each_length(peer: str, a: argparse.Namespace, params, measure, notes: str) -> None:
@@ -261,7 +301,9 @@ def report(peer: str, a: argparse.Namespace, seconds, notes: str, oom: bool = Fa
                       "median_s": seconds, "tokens_per_s": a.seq_len / seconds if seconds and a.seq_len else None,
                       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "peak_mib": peak, "base_mib": base, "oom": oom, "device": a.device, "dtype": a.dtype,
-                      "attention": a.attention, "loss": a.loss, "notes": notes}), flush=True)
+                      "attention": a.attention, "loss": a.loss, "notes": notes,
+                      **({"profile": STATE.pop("profile")} if "profile" in STATE else {}),
+                      **STATE.pop("counted", {})}), flush=True)
 
 
 def _oom_line(exc: BaseException):
