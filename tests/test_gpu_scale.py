@@ -54,3 +54,28 @@ def test_the_bench_lists_its_benchmarks_on_help_and_exits_0():
     out = subprocess.run([sys.executable, "-m", "specforge_lite.bench", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "gpu_scale" in out.stdout, out.stderr
+
+
+def test_a_peers_lines_become_rows_and_a_length_it_did_not_reach_says_why(tmp_path, monkeypatch):
+    """run_peer reads the JSON lines a peer's driver prints (studies/peers/_common.py's ``report``; the drivers
+    themselves need the peers' packages, which CI does not install): one row per length, its first length's
+    profile summarised by kind of kernel, and a row that says why for a length with no line."""
+    import argparse
+    import sys
+
+    driver = tmp_path / "specforge_step.py"
+    driver.write_text(
+        "import json\n"
+        "print('[specforge] warm-up 1.0s')\n"
+        "print(json.dumps({'peer': 'specforge', 'seq_len': 64, 'median_s': 0.5, 'tokens_per_s': 128.0,\n"
+        "                  'peak_mib': 2048.0, 'oom': False, 'profile': {'wall_ms': 9.0, 'kernels': [\n"
+        "                  ['aten::mm', 3, 5.0], ['aten::exp', 2, 1.0]]}}))\n"
+        "raise SystemExit('specforge step failed: RuntimeError: T=160 too long')\n")
+    monkeypatch.setattr(gpu_scale, "peer_driver", lambda name: driver)
+    a = argparse.Namespace(peer_python=sys.executable, ttt=7, draft_vocab=256, repeats=1, device="cpu",
+                           peer_path="", peer_timeout=60)
+    rows = gpu_scale.run_peer("specforge", a, [64, 160], tmp_path, {"hidden_size": 64}, lambda: False)
+    assert [r["T"] for r in rows] == [64, 160]
+    assert rows[0]["tokens_per_s"] == 128.0 and rows[0]["peak_gib"] == 2.0
+    assert rows[0]["profile"]["by_kind_ms"] == {"matmul": 5.0, "elementwise": 1.0}
+    assert rows[1] == {"T": 160, "error": "specforge step failed: RuntimeError: T=160 too long"}

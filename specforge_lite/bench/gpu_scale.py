@@ -294,7 +294,8 @@ def run_peer(name: str, a, lens: list[int], folder: Path, shape: dict, over) -> 
                 r["peak_gib"] = r["peak_mib"] / 1024
             if r.get("profile"):  # (its first length's kernels, as the driver's profiler listed them)
                 r["profile"] = kernel_profile(r["profile"]["wall_ms"], r["profile"]["kernels"])
-            done[r["seq_len"]] = {"T": r.pop("seq_len"), **r}
+            T = r.pop("seq_len")
+            done[T] = {"T": T, **r}
     return [done.get(T) or {"T": T, "error": (why or "no result")[:200]} for T in lens]
 
 
