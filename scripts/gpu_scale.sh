@@ -30,11 +30,13 @@ install .whl/ours /tmp/site && export PYTHONPATH=/tmp/site:$PWD
 peers=()
 install .whl/peers /tmp/peers-site && peers=(--peers specforge,speculators --peer-path /tmp/peers-site)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+# (--long-from 32768: the peers run after 2k and 8k, before the long rows, so a run cut short has them)
 timeout -k 10 "${GPU_SCALE_8B_S:-400}" "$PY" -m specforge_lite.bench gpu_scale "${peers[@]}" --repeats 1 \
-  --loss-chunks 4096 --budget-s "${GPU_SCALE_BUDGET_S:-300}" --out "$OUT/gpu_scale_llama3_8b.json" 2>&1 |
+  --long-from 32768 --loss-chunks 4096 --budget-s "${GPU_SCALE_BUDGET_S:-300}" \
+  --out "$OUT/gpu_scale_llama3_8b.json" 2>&1 |
   tee "$OUT/gpu_scale_llama3_8b.log"
 timeout -k 10 "${GPU_SCALE_32B_S:-120}" "$PY" -m specforge_lite.bench gpu_scale --target qwen3_32b --seq-lens 8192 \
   --ways "${GPU_SCALE_32B_WAY:-flex}" --online-only --methods "" --out "$OUT/gpu_scale_qwen3_32b.json" 2>&1 |
   tee "$OUT/gpu_scale_qwen3_32b.log"
-timeout -k 10 "${PLAN_32B_S:-120}" "$PY" -m specforge_lite.plan model=qwen3_32b data.max_length=8192 \
+timeout -k 10 "${PLAN_32B_S:-60}" "$PY" -m specforge_lite.plan model=qwen3_32b data.max_length=8192 \
   draft.ttt_attention=blockwise --gpus 1 --gpu-gib 141 --out "$OUT/plan_qwen3_32b.json" 2>&1 | tee "$OUT/plan_qwen3_32b.log"
