@@ -277,6 +277,25 @@ def test_under_autocast_the_blockwise_attention_backward_runs_its_products_in_bf
         assert float((got - want).abs().max()) <= 3e-2 * float(want.abs().max())
 
 
+def test_under_autocast_every_product_of_a_whole_unroll_runs_in_bf16():
+    """trainer.precision=bf16 (fp32 master weights under bf16 autocast): every matrix product of an unroll, forward
+    and backward, runs in bf16 in every attention way, with checkpointed steps and with either loss in chunks, for
+    EAGLE3 and a two-layer EAGLE 3.1 draft. A product left in fp32 (a custom backward runs outside autocast; an
+    in-place accumulation is not autocast) runs on a GPU at a fraction of bf16's rate."""
+    target, V = tiny_target(), 64
+    inputs = _packed_rows(target, V)
+    for draft in (tiny_draft(target, draft_vocab_size=V), tiny_draft(target, draft_vocab_size=V, **EAGLE31)):
+        for options in ({}, {"attention": "dense"}, {"attention": "sdpa"},
+                        {"checkpointing": True, "loss_chunk_rows": 5}, {"loss": "acceptance", "loss_chunk_rows": 4}):
+            with _Dispatched() as seen:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = UnrollObjective(ttt_length=3, **options).unroll(draft, inputs)
+                out.loss.backward()
+            draft.zero_grad()
+            fp32 = [o for o in seen.ops if o.op in _Dispatched.PRODUCTS and torch.float32 in o.dtypes]
+            assert seen.products() and not fp32, (options, fp32)
+
+
 def test_flex_ttt_attention_equals_the_naive_one_and_its_block_mask_covers_the_pattern(monkeypatch):
     """draft.ttt_attention=flex (the step-0 attention through flex attention, CUDA's way) against the naive
     per-query softmax: outputs over grouped-query heads, packed rows and a query offset (CPU runs flex
@@ -335,13 +354,18 @@ def test_checkpointed_steps_and_chunked_loss_give_the_same_loss_and_gradients():
         _same_results_whatever_the_memory_options(target, draft)
 
 
-def _same_results_whatever_the_memory_options(target, draft):
+def _packed_rows(target, draft_vocab_size: int) -> UnrollInputs:
+    """Two rows of 12 tokens, the first packing two conversations, random teacher and masks (seeded)."""
     g = torch.Generator().manual_seed(1)
-    B, T, V = 2, 12, draft.spec.draft_vocab_size
+    B, T = 2, 12
     ids = torch.randint(0, target.vocab_size, (B, T), generator=g)
     positions = torch.tensor([list(range(7)) + list(range(5)), list(range(12))])
-    inputs = UnrollInputs(target.capture(ids).aux, ids, torch.randn(B, T, V, generator=g),
-                          torch.rand(B, T, generator=g) > 0.2, (torch.rand(B, T, generator=g) > 0.3).long(), positions)
+    return UnrollInputs(target.capture(ids).aux, ids, torch.randn(B, T, draft_vocab_size, generator=g),
+                        torch.rand(B, T, generator=g) > 0.2, (torch.rand(B, T, generator=g) > 0.3).long(), positions)
+
+
+def _same_results_whatever_the_memory_options(target, draft):
+    inputs = _packed_rows(target, draft.spec.draft_vocab_size)
 
     def run(**options):
         draft.zero_grad()
