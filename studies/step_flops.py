@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from specforge_lite.bench.gpu_scale import TARGETS, new_draft, replace_objective
+from specforge_lite.bench.gpu_scale import TARGETS, new_draft, peer_shape, replace_objective
 from specforge_lite.device import describe_cpu
 
 from .recipe_parity import ROOT, peer_python
@@ -68,10 +68,9 @@ def ours(target: str, T: int, draft_vocab: int, ttt: int) -> dict:
 
 def peer(name: str, python: str, target: str, T: int, draft_vocab: int, ttt: int) -> dict:
     """A peer's step counted by its own driver (one timed step beside it, as the driver always does)."""
-    shape = {**TARGETS[target][2], "rope_theta": TARGETS[target][2]["rope_parameters"]["rope_theta"]}
-    shape.pop("rope_parameters")
     cmd = [python, str(ROOT / "studies" / "peers" / f"{name}_step.py"), "--seq-len", str(T), "--ttt", str(ttt),
-           "--draft-vocab", str(draft_vocab), "--repeats", "1", "--shape", json.dumps(shape), "--count-flops",
+           "--draft-vocab", str(draft_vocab), "--repeats", "1", "--shape", json.dumps(peer_shape(target)),
+           "--count-flops",
            *TEACHER_AS_ON_A_GPU.get(name, [])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -60,6 +60,13 @@ DRY_RUN = dict(target="tiny", seq_lens="64,160", ways="blockwise,dense,sdpa", dr
                method_seq_lens="64", repeats=1)
 
 
+def peer_shape(name: str) -> dict:
+    """The preset's config fields as the peers' drivers take them (``--shape``: rope_theta flat)."""
+    fields = dict(TARGETS[name][2])
+    rope = fields.pop("rope_parameters")
+    return {**fields, "rope_theta": rope["rope_theta"]}
+
+
 def build_target(name: str, device: torch.device, dtype: torch.dtype):
     """An HFTarget (lean forward) of the preset's shape, random weights made directly on ``device``."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -376,8 +383,7 @@ def main(argv=None) -> None:
              "draft_trainable_m": sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6,
              "aux_layer_ids": target.aux_layer_ids})
     objective = build_objective(cfg)
-    shape = {**TARGETS[a.target][2], "rope_theta": TARGETS[a.target][2]["rope_parameters"]["rope_theta"]}
-    shape.pop("rope_parameters")
+    shape = peer_shape(a.target)
     run = Run(a, res, device, autocast, target, teacher, over, Path(tempfile.mkdtemp(prefix="gpu_scale_")), shape)
     seq_lens = [int(x) for x in a.seq_lens.split(",")]
     # short rows, the peers on them, then the long rows and the peers there: a run cut short has the comparison

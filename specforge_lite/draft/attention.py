@@ -69,19 +69,19 @@ class _CausalAttentionLSE(torch.autograd.Function):
         # Under autocast the products run in its dtype, as the forward's (and FlashAttention's backward) do, the
         # softmax and the sums in fp32: a backward runs outside autocast, where they ran in fp32, which a GPU runs
         # at a fraction of bf16's rate. Without autocast, fp32 throughout (once, not per block: copies for bf16).
-        kf, vf = (k, v) if autocast_on else (k.float(), v.float())
+        qf, kf, vf = (q, k, v) if autocast_on else (q.float(), k.float(), v.float())
         for s in range(0, q.shape[-2], block):
             e = min(s + block, q.shape[-2])
             end = min(q_offset + e, k.shape[-2])
             rows = torch.arange(s, e, device=q.device) + q_offset
-            qb, kb, vb, gb = q[:, :, s:e], kf[:, :, :end], vf[:, :, :end], g[:, :, s:e]
+            qb, kb, vb, gb = qf[:, :, s:e], kf[:, :, :end], vf[:, :, :end], g[:, :, s:e]
             with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_on):
                 scores = _block_scores(q[:, :, s:e], k[:, :, :end], scale, rows, segments)
                 probs = torch.exp(scores - lse[:, :, s:e, None])
                 dv[:, :, :end] += torch.matmul(probs.transpose(-1, -2), gb)
                 ds = probs * (torch.matmul(gb, vb.transpose(-1, -2)) - D[:, :, s:e, None])
                 dq[:, :, s:e] = torch.matmul(ds, kb) * scale
-                dk[:, :, :end] += torch.matmul(ds.transpose(-1, -2), qb if autocast_on else qb.float()) * scale
+                dk[:, :, :end] += torch.matmul(ds.transpose(-1, -2), qb) * scale
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
