@@ -214,7 +214,7 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
     from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                                FakeTensorMode)
 
-    from .draft.objective import UnrollInputs, UnrollObjective
+    from .draft.objective import DEFAULT_CHUNK_ROWS, UnrollInputs, UnrollObjective
     from .methods import build_objective, draft_method, draft_spec, draft_vocab_size
     from .targets.families import get_family
     from .targets.families.base import architecture_class
@@ -263,8 +263,14 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
         inputs, capture_peak = peak(capture)
 
         def step(checkpointing: bool):
-            objective = build_objective(dataclasses.replace(config.draft, checkpointing=checkpointing)
-                                        if checkpointing else config.draft)
+            # (the loss in a GPU's chunks; eager: the compiled chains of draft.compile hold no more than eager's
+            # passes, which fake tensors measure without compiling)
+            changes = {"checkpointing": True} if checkpointing else {}
+            if config.draft.loss_chunk_rows is None:
+                changes["loss_chunk_rows"] = DEFAULT_CHUNK_ROWS["cuda"]
+            if getattr(config.draft, "compile", False):
+                changes["compile"] = False
+            objective = build_objective(dataclasses.replace(config.draft, **changes))
             # the products as CUDA autocast makes them (trainer.precision=fp32: none)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.trainer.precision != "fp32"):
                 out = objective.unroll(draft, inputs)

@@ -38,10 +38,10 @@ WHAT = {"ours": "lm_head trained; the teacher's logits come from the capture",
         "speculators": "lm_head frozen; its frozen head makes the teacher's logits inside the step"}
 
 
-def ours(target: str, T: int, draft_vocab: int, ttt: int) -> dict:
-    """Our EAGLE3 step's GFLOP per token and trainable parameters, on random inputs of the target's shape."""
+def our_step(target: str, T: int, draft_vocab: int, ttt: int):
+    """(draft, objective, inputs) of our EAGLE3 step on random inputs of the target's shape (CPU, fp32 weights;
+    the loss in one chunk: its weight gradient is one product)."""
     from transformers import AutoConfig
-    from torch.utils.flop_counter import FlopCounterMode
 
     from specforge_lite.draft.objective import UnrollInputs
     from specforge_lite.methods import build_objective
@@ -57,9 +57,15 @@ def ours(target: str, T: int, draft_vocab: int, ttt: int) -> dict:
     ones = torch.ones(1, T, dtype=torch.long)
     inputs = UnrollInputs([torch.randn(1, T, H, generator=g) for _ in range(3)], torch.randint(0, V, (1, T)),
                           torch.randn(1, T, draft_vocab, generator=g), ones.bool(), ones)
-    # the loss in one chunk: its weight gradient is one product (the counter skips the in-place addmm_ that
-    # accumulates chunks, the same work)
-    objective = replace_objective(build_objective(cfg), loss_chunk_rows=0)
+    # (the counter skips the in-place addmm_ that accumulates chunks: one chunk, the same work)
+    return draft, replace_objective(build_objective(cfg), loss_chunk_rows=0), inputs
+
+
+def ours(target: str, T: int, draft_vocab: int, ttt: int) -> dict:
+    """Our EAGLE3 step's GFLOP per token and trainable parameters, on random inputs of the target's shape."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    draft, objective, inputs = our_step(target, T, draft_vocab, ttt)
     with FlopCounterMode(display=False) as flops:
         objective.unroll(draft, inputs).loss.backward()
     return {"gflop_per_token": flops.get_total_flops() / T / 1e9,

@@ -88,6 +88,13 @@ def test_zero2_on_two_ranks_follows_the_one_process_trajectory(zero2_two_ranks, 
     assert (zero2_two_ranks / "final" / "model.safetensors").is_file()
 
 
+def test_zero3_with_compiled_chains_follows_the_one_process_eager_trajectory(tmp_path, one_process_reference):
+    """draft.compile=true under ZeRO-3: the compiled chains (draft/fused.py) read the weights DeepSpeed gathers for
+    each module's call. Two ranks of 1 row follow one eager process of 2 accumulated rows (1e-5 relative)."""
+    launch([*COMMON, "trainer.max_steps=4", "trainer=zero3", "draft.compile=true", f"output_dir={tmp_path}"], 2)
+    assert_same_trajectory(metrics(tmp_path), one_process_reference)
+
+
 def test_zero3_killed_and_resumed_equals_an_uninterrupted_run_and_exports_the_engine_weights(tmp_path):
     steps = ["trainer.max_steps=12", "trainer.save_every=4", "trainer=zero3"]
     launch([*COMMON, *steps, "trainer.deepspeed.native_checkpoint=true", f"output_dir={tmp_path / 'straight'}"], 2)

@@ -16,11 +16,12 @@ def test_gpu_scale_dry_run_checks_and_times_every_way_and_method(tmp_path, capsy
     rows = data["rows"]
     assert data["target"] == "tiny" and data["device"] == "cpu"
     check = next(r for r in rows if r["what"] == "check")["ways"]
-    assert set(check) == {"blockwise", "dense", "sdpa"}  # (flex has no backward on CPU: checked on a GPU)
+    # (flex has no backward on CPU: checked on a GPU)
+    assert set(check) == {"blockwise", "blockwise+compile", "dense", "sdpa"}
     for way, c in check.items():  # the fp32 reference's loss and gradients, up to fp32 rounding (no autocast on CPU)
         assert c["correct"] and c["grad_rel_err"] < 1e-4 and c["loss_rel_diff"] < 1e-5, (way, c)
     timed = {(r["what"], r.get("way"), r["T"]) for r in rows if r.get("tokens_per_s")}
-    assert {("ours", w, T) for w in ("blockwise", "dense", "sdpa") for T in (64, 160)} <= timed
+    assert {("ours", w, T) for w in ("blockwise", "blockwise+compile", "dense", "sdpa") for T in (64, 160)} <= timed
     assert {("capture", None, 64), ("dflash", None, 64), ("dspark", None, 64)} <= timed
     for r in rows:  # one step of each way profiled at the first length: where its time goes
         if r["what"] == "ours" and r["T"] == 64:
@@ -28,7 +29,8 @@ def test_gpu_scale_dry_run_checks_and_times_every_way_and_method(tmp_path, capsy
             assert prof["by_kind_ms"]["matmul"] > 0 and prof["top"], prof
             assert 0 < prof["busy_ms"] <= 1.05 * prof["wall_ms"], prof
     table = capsys.readouterr().out
-    assert "| T | capture tok/s | ours blockwise | ours dense | ours sdpa | dflash | dspark |" in table
+    assert ("| T | capture tok/s | ours blockwise | ours blockwise+compile | ours dense | ours sdpa | dflash | dspark |"
+            in table)
     assert "| step | T | wall ms | busy | attention | matmul | compiled | copy | elementwise |" in table
 
 

@@ -12,8 +12,10 @@ row is scored (the teacher's argmax counted inside the draft vocabulary), as the
 
 Ways of the TTT attention (draft.ttt_attention): blockwise (query blocks in a Python loop), flex (one
 compiled flex-attention kernel per step), sdpa (one SDPA call per step over every step's keys with an
-explicit mask: memory quadratic in T), dense. Before timing, each way's loss and gradients at the first
-length are compared with blockwise's (bf16 tolerance): an incorrect way is never the chosen one.
+explicit mask: memory quadratic in T), dense; a way's "+ckpt" recomputes each step in backward
+(draft.checkpointing), its "+compile" runs the step's elementwise chains as compiled kernels (draft.compile).
+Before timing, each way's loss and gradients at the first length are compared with blockwise's (bf16
+tolerance): an incorrect way is never the chosen one.
 
 Peers: studies/peers/NAME_step.py run by ``--peer-python`` (with ``--peer-path`` on PYTHONPATH) on the same
 captured states (a safetensors file per length), on the GPU with the attention and loss their trainers use
@@ -56,8 +58,8 @@ TARGETS = {
                                     max_position_embeddings=4096, rms_norm_eps=1e-5,
                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
-DRY_RUN = dict(target="tiny", seq_lens="64,160", ways="blockwise,dense,sdpa", draft_vocab=256, methods="dflash,dspark",
-               method_seq_lens="64", repeats=1)
+DRY_RUN = dict(target="tiny", seq_lens="64,160", ways="blockwise,blockwise+compile,dense,sdpa", draft_vocab=256,
+               methods="dflash,dspark", method_seq_lens="64", repeats=1)
 
 
 def peer_shape(name: str) -> dict:
@@ -254,10 +256,13 @@ def check_ways(draft, objective, inputs, ways: list[str], autocast: bool) -> dic
 
 
 def replace_attention(objective, way: str):
-    """The objective with TTT attention ``way``; "WAY+ckpt" also recomputes each step in backward
-    (draft.checkpointing)."""
-    attention, _, ckpt = way.partition("+")
-    return replace_objective(objective, attention=attention, checkpointing=ckpt == "ckpt")
+    """The objective with TTT attention ``way``; "+ckpt" also recomputes each step in backward
+    (draft.checkpointing), "+compile" runs the step's elementwise chains compiled (draft.compile)."""
+    attention, *options = way.split("+")
+    if set(options) - {"ckpt", "compile"}:
+        raise SystemExit(f"error: way {way!r}: options after + are ckpt and compile")
+    return replace_objective(objective, attention=attention, checkpointing="ckpt" in options,
+                             compile="compile" in options)
 
 
 def replace_objective(objective, **changes):
@@ -332,9 +337,10 @@ def main(argv=None) -> None:
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, every stage (the CI check)")
     p.add_argument("--target", default="llama3_8b", help=" | ".join(TARGETS))
     p.add_argument("--seq-lens", default="2048,8192,32768,65536,131072")
-    p.add_argument("--ways", default="blockwise,flex,flex+ckpt,sdpa",
-                   help="TTT attention ways to time (draft.ttt_attention; +ckpt: draft.checkpointing=true)")
-    p.add_argument("--long-ways", default="flex+ckpt,blockwise+ckpt", help="the ways timed from --long-from on")
+    p.add_argument("--ways", default="blockwise,flex,flex+compile,flex+ckpt,sdpa",
+                   help="TTT attention ways to time (draft.ttt_attention; +ckpt: draft.checkpointing=true; "
+                   "+compile: draft.compile=true)")
+    p.add_argument("--long-ways", default="flex+ckpt+compile,flex+ckpt", help="the ways timed from --long-from on")
     p.add_argument("--long-from", type=int, default=65536)
     p.add_argument("--ttt", type=int, default=7)
     p.add_argument("--draft-vocab", type=int, default=32000)

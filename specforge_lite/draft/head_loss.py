@@ -18,11 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def _softmax_(x: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dimension in place (x is the chunk's own copy of its teacher rows)."""
-    e = x.sub_(x.amax(-1, keepdim=True)).exp_()
-    return e.div_(e.sum(-1, keepdim=True))
+from . import fused
+from .fused import soft_ce_rows
 
 
 class _HeadSoftCrossEntropy(torch.autograd.Function):
@@ -42,28 +39,18 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
         size = chunk_rows or max(h.shape[0], 1)
         for s in range(0, h.shape[0], size):
             rows = slice(s, s + size)
-            z = torch.matmul(h[rows], w.t()).float()
-            p = _softmax_(teacher_logits.index_select(0, teacher_rows[rows]).float())
-            row_correct[rows] = z.argmax(-1) == teacher_top[rows]
-            p_dot_z = torch.linalg.vecdot(p, z)
-            # the log-sum-exp and the softmax from one exp, in place over z: every pass over [chunk, Vd] costs
-            peak = z.amax(-1, keepdim=True)
-            e = z.sub_(peak).exp_()
-            e_sum = e.sum(-1, keepdim=True)
-            p_sum = p.sum(-1, keepdim=True)
-            row_loss[rows] = ((peak + e_sum.log()) * p_sum).squeeze(-1) - p_dot_z
-            if need_dh or need_dw:
-                scale = row_weights[rows, None]
-                # d total / d z = w * (softmax(z) * sum(p) - p)
-                dz = e.mul_(p_sum * scale / e_sum).sub_(p.mul_(scale)).to(w.dtype)
-                if need_dh:
-                    dh[rows] = torch.matmul(dz, w).to(h.dtype)
-                if need_dw and dw is None:
-                    dw = torch.matmul(dz.t(), h[rows]).float()
-                elif need_dw and dw.dtype == dz.dtype and not low_precision:
-                    dw.addmm_(dz.t(), h[rows])  # accumulated inside the matmul: no [Vd, H] temporary
-                elif need_dw:
-                    dw.add_(torch.matmul(dz.t(), h[rows]))
+            z = torch.matmul(h[rows], w.t())
+            row_loss[rows], row_correct[rows], dz = fused.run(
+                soft_ce_rows, z, teacher_logits.index_select(0, teacher_rows[rows]), teacher_top[rows],
+                row_weights[rows], w.dtype if need_dh or need_dw else None)
+            if need_dh:
+                dh[rows] = torch.matmul(dz, w).to(h.dtype)
+            if need_dw and dw is None:
+                dw = torch.matmul(dz.t(), h[rows]).float()
+            elif need_dw and dw.dtype == dz.dtype and not low_precision:
+                dw.addmm_(dz.t(), h[rows])  # accumulated inside the matmul: no [Vd, H] temporary
+            elif need_dw:
+                dw.add_(torch.matmul(dz.t(), h[rows]))
         ctx.save_for_backward(dh, dw)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(row_loss, row_correct)

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from . import fused
 from .head_loss import DraftHead
 
 
@@ -21,6 +22,22 @@ from .head_loss import DraftHead
 DRAFT_ACT = "silu"
 # Rope variants the Llama draft layer (and the servers' Llama drafts) implement.
 _LLAMA_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+
+
+class DraftRMSNorm(LlamaRMSNorm):
+    """transformers' LlamaRMSNorm (same weight, same math: fused.rms_norm), one kernel under draft.compile."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return fused.run(fused.rms_norm, hidden_states, self.weight, self.variance_epsilon)
+
+
+class DraftMLP(LlamaMLP):
+    """transformers' LlamaMLP (same weights), its silu activation one kernel under draft.compile."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.hidden_act != "silu":
+            return super().forward(x)
+        return self.down_proj(fused.run(fused.swiglu, self.gate_proj(x), self.up_proj(x)))
 
 
 @dataclass
@@ -130,7 +147,7 @@ class TargetWiredDraft(nn.Module):
         """After a subclass's own layers: the final norm, the draft-vocabulary head and maps, the rotary
         table, then every Linear initialised (in registration order)."""
         spec = self.spec
-        self.norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.norm = DraftRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.lm_head = DraftHead(spec.hidden_size, spec.draft_vocab_size)
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))

@@ -148,7 +148,7 @@ class DFlashObjective(UnrollObjective):
     # predict the tokens at their own positions; DSpark: every slot predicts the token after it).
     first_scored = 1
 
-    def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", loss_chunk_rows: int = 512):
+    def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", loss_chunk_rows: int | None = None):
         super().__init__(ttt_length, decay, loss, loss_chunk_rows=loss_chunk_rows)
 
     @classmethod

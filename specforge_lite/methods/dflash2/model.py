@@ -140,7 +140,7 @@ class DFlash2Draft(DFlashDraft):
 class DFlash2Objective(DFlashObjective):
     """DFlash's anchors and slots, DFlash's token loss, and the selector's cross-entropy (module docstring)."""
 
-    def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", loss_chunk_rows: int = 512,
+    def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", loss_chunk_rows: int | None = None,
                  selector_weight: float = 1.0):
         super().__init__(ttt_length, decay, loss, loss_chunk_rows)
         self.selector_weight = selector_weight

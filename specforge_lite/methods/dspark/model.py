@@ -91,7 +91,7 @@ class DSparkObjective(DFlashObjective):
 
     first_scored = 0
 
-    def __init__(self, ttt_length: int, decay: float = 0.8, loss_chunk_rows: int = 512,
+    def __init__(self, ttt_length: int, decay: float = 0.8, loss_chunk_rows: int | None = None,
                  confidence_weight: float = 1.0):
         super().__init__(ttt_length, decay, "soft_ce", loss_chunk_rows)
         self.confidence_weight = confidence_weight

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
-from ...draft.model import TargetWiredDraft
+from ...draft import fused
+from ...draft.model import DraftMLP, DraftRMSNorm, TargetWiredDraft
 from ...draft.ttt import DraftCache
 from .parallel import mask_slot_inputs, new_mask_hidden
 from .spec import Eagle3Spec
@@ -45,7 +45,7 @@ class DraftAttention(nn.Module):
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = fused.run(fused.rotary, q, k, cos, sin)
         cache.append(k, v)
         out = cache.attend(q, q_offset, self.head_dim ** -0.5)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
@@ -57,10 +57,10 @@ class DraftLayer(nn.Module):
 
     def __init__(self, spec: Eagle3Spec, width: int | None = None):
         super().__init__()
-        self.input_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.input_layernorm = DraftRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.self_attn = DraftAttention(spec, width or spec.hidden_size)
-        self.post_attention_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.mlp = LlamaMLP(spec.llama_config())
+        self.post_attention_layernorm = DraftRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.mlp = DraftMLP(spec.llama_config())
 
     def forward(self, hidden, cos, sin, cache: DraftCache, q_offset: int) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(hidden), cos, sin, cache, q_offset) + hidden
@@ -75,7 +75,7 @@ class DraftDecoderLayer(DraftLayer):
 
     def __init__(self, spec: Eagle3Spec):
         super().__init__(spec, width=2 * spec.hidden_size)
-        self.hidden_norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.hidden_norm = DraftRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.norm_before_residual = spec.norm_before_residual
 
     def forward(self, embeds, hidden, cos, sin, cache: DraftCache, q_offset: int) -> torch.Tensor:
@@ -94,10 +94,10 @@ class Eagle3Draft(TargetWiredDraft):
         n_aux = len(spec.aux_layer_ids)
         self.fc = nn.Linear(n_aux * spec.target_hidden_size, spec.hidden_size, bias=False)
         if spec.use_aux_norm:
-            self.fc_norm = nn.ModuleList(LlamaRMSNorm(spec.target_hidden_size, eps=spec.rms_norm_eps)
+            self.fc_norm = nn.ModuleList(DraftRMSNorm(spec.target_hidden_size, eps=spec.rms_norm_eps)
                                          for _ in range(n_aux))
         if spec.norm_before_fc:
-            self.input_norm = LlamaRMSNorm(n_aux * spec.target_hidden_size, eps=spec.rms_norm_eps)
+            self.input_norm = DraftRMSNorm(n_aux * spec.target_hidden_size, eps=spec.rms_norm_eps)
         self.midlayer = DraftDecoderLayer(spec)
         # keyed "1", "2", ...: the weights are named layers.{i}.*, as the servers load them
         self.layers = nn.ModuleDict({str(i): DraftLayer(spec) for i in range(1, spec.num_layers)})
@@ -145,10 +145,10 @@ class Eagle3Draft(TargetWiredDraft):
                              f"for")
         if self.spec.use_aux_norm:
             aux = [norm(a) for norm, a in zip(self.fc_norm, aux)]
-        fused = torch.cat(aux, dim=-1)
+        joined = torch.cat(aux, dim=-1)
         if self.spec.norm_before_fc:
-            fused = self.input_norm(fused)
-        return self.fc(fused.to(self.fc.weight.dtype))
+            joined = self.input_norm(joined)
+        return self.fc(joined.to(self.fc.weight.dtype))
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: DraftCache,
              q_offset: int = 0) -> torch.Tensor:

@@ -1,0 +1,91 @@
+"""The elementwise chains of a draft step, each written once, run eagerly or as compiled kernels (draft.compile).
+
+Eager PyTorch runs every op of a chain as its own pass over the whole tensor: HF's RMSNorm makes six (an fp32
+copy, the square, the mean, the scaling, the cast back, the weight), rope four per tensor, the soft cross-entropy
+over a chunk's [rows, draft_vocab] logits about thirty in fp32. On a GPU the step's matrix products run near the
+device's peak and these passes, bound by memory bandwidth, take much of the rest of the step (``python -m
+studies step_traffic`` counts their bytes). torch.compile turns each chain into one or two fused kernels. Inside
+``compiled(True)`` (the unroll, with draft.compile=true) ``run`` calls a chain's compiled twin; outside it, the
+chain itself: the same math either way, equal within fp32 rounding (tests/test_fused.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+_compiled: dict[Callable, Callable] = {}
+_enabled = False
+
+
+@contextlib.contextmanager
+def compiled(enabled: bool):
+    """Within the block, ``run`` calls the chains' compiled twins (``enabled``) or the chains themselves."""
+    global _enabled
+    before, _enabled = _enabled, enabled
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def run(chain: Callable, *args):
+    """``chain(*args)``, through its compiled twin inside ``compiled(True)``. Lengths vary from batch to batch:
+    compiled for any length (dynamic), once per dtype and autocast state."""
+    if not _enabled:
+        return chain(*args)
+    twin = _compiled.get(chain)
+    if twin is None:
+        twin = _compiled[chain] = torch.compile(chain, dynamic=True)
+    return twin(*args)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm (transformers' LlamaRMSNorm): normalised in fp32, cast back, times the weight."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rope on queries and keys [B, heads, T, d] with cos, sin [B, T, d] (transformers' apply_rotary_pos_emb)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The Llama MLP's activation: silu(gate) * up."""
+    return F.silu(gate) * up
+
+
+def soft_ce_rows(z: torch.Tensor, teacher: torch.Tensor, top: torch.Tensor, row_weights: torch.Tensor,
+                 grad_dtype: torch.dtype | None):
+    """One chunk of the soft cross-entropy from its logits z [n, Vd] and its teacher rows [n, Vd]: (each row's loss
+    [n] in fp32, whether its argmax is the teacher's ``top`` [n], and the gradient of sum(row_weights * loss) with
+    respect to z in ``grad_dtype``, None for none). Row loss: lse(z) * sum(p) - p . z with p the teacher's softmax;
+    its gradient w * (softmax(z) * sum(p) - p). In place over the chunk's own fp32 copies: in eager every pass
+    over [n, Vd] costs, and a pass that allocates costs memory too."""
+    z = z.float()
+    p = teacher.float()
+    p = p.sub_(p.amax(-1, keepdim=True)).exp_()
+    p = p.div_(p.sum(-1, keepdim=True))
+    correct = z.argmax(-1) == top
+    p_dot_z = torch.linalg.vecdot(p, z)
+    peak = z.amax(-1, keepdim=True)
+    e = z.sub_(peak).exp_()  # (the log-sum-exp and the softmax from one exp)
+    e_sum = e.sum(-1, keepdim=True)
+    p_sum = p.sum(-1, keepdim=True)
+    row_loss = ((peak + e_sum.log()) * p_sum).squeeze(-1) - p_dot_z
+    if grad_dtype is None:
+        return row_loss, correct, None
+    scale = row_weights[:, None]
+    return row_loss, correct, e.mul_(p_sum * scale / e_sum).sub_(p.mul_(scale)).to(grad_dtype)
