@@ -81,3 +81,25 @@ def test_a_peers_lines_become_rows_and_a_length_it_did_not_reach_says_why(tmp_pa
     assert rows[0]["tokens_per_s"] == 128.0 and rows[0]["peak_gib"] == 2.0
     assert rows[0]["profile"]["by_kind_ms"] == {"matmul": 5.0, "elementwise": 1.0}
     assert rows[1] == {"T": 160, "error": "specforge step failed: RuntimeError: T=160 too long"}
+
+
+def test_the_gpu_script_runs_each_of_its_commands_at_tiny_shapes(tmp_path):
+    """scripts/gpu_scale.sh is what a lent GPU runs first, with minutes to spare and no second try: with
+    GPU_SCALE_DRY=1 its every command (the 8B benchmark, the big target's online run, the sizing command for it)
+    runs at tiny shapes on CPU, and each writes its result file."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {**os.environ, "GPU_SCALE_DRY": "1", "OUT": str(tmp_path), "PY": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_scale.sh")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    eight_b = json.loads((tmp_path / "gpu_scale_llama3_8b.json").read_text())
+    assert any(r["what"] == "ours" and r.get("tokens_per_s") for r in eight_b["rows"]), eight_b["rows"]
+    big = json.loads((tmp_path / "gpu_scale_qwen3_32b.json").read_text())
+    assert [r["what"] for r in big["rows"] if r.get("tokens_per_s")] == ["capture", "ours"], big["rows"]
+    plan = json.loads((tmp_path / "plan_qwen3_32b.json").read_text())
+    assert plan, proc.stdout[-2000:]
