@@ -30,9 +30,11 @@ install() {  # wheels of folder $1 into $2, nothing resolved (no network)
   ls "$1"/*.whl >/dev/null 2>&1 &&
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl
 }
-install .whl/ours /tmp/site && export PYTHONPATH=/tmp/site:$PWD
 peers=()
-install .whl/peers /tmp/peers-site && peers=(--peers specforge,speculators --peer-path /tmp/peers-site)
+if [ -z "${GPU_SCALE_DRY:-}" ]; then  # (a dry run uses the environment it is in)
+  install .whl/ours /tmp/site && export PYTHONPATH=/tmp/site:$PWD
+  install .whl/peers /tmp/peers-site && peers=(--peers specforge,speculators --peer-path /tmp/peers-site)
+fi
 [ -z "${GPU_SCALE_DRY:-}" ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 # (--long-from 32768: the peers run after 2k and 8k, before the long rows, so a run cut short has them)
 timeout -k 10 "${GPU_SCALE_8B_S:-400}" "$PY" -m specforge_lite.bench gpu_scale "${dry[@]}" "${peers[@]}" --repeats 1 \

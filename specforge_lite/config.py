@@ -119,8 +119,8 @@ class DraftSettings:
     # method. Null: a new draft.
     init_from: Optional[str] = None
     # Rows per chunk of the lm_head + loss: no [N, draft_vocab] logits of a whole step are kept (soft_ce:
-    # fused, gradients made in the forward; acceptance: recomputed in backward). Null: 4096 on a GPU (12% faster
-    # than 512 on an H200 at Llama-3.1-8B's shape), 512 on a CPU.
+    # fused, gradients made in the forward; acceptance: recomputed in backward). Null: 4096 on a GPU (faster than
+    # 512 there: docs/benchmarks.md), 512 on a CPU.
     loss_chunk_rows: Optional[int] = None
 
 

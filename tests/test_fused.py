@@ -100,9 +100,10 @@ def test_the_compiled_loss_chunks_equal_a_plain_autograd_soft_cross_entropy():
 
 def test_a_compiled_unroll_gives_the_eager_unrolls_loss_and_gradients(monkeypatch):
     """draft.compile=true changes how the step runs, not what it computes: on packed rows, for EAGLE3 and a two-layer
-    EAGLE 3.1 draft, with the loss in chunks and with checkpointed steps (the backward's recomputation is compiled
-    too, or it would not find the tensors the forward saved), the same loss, step statistics and gradients as the
-    eager unroll (1e-5 of each gradient's largest entry); every chain of the step ran compiled."""
+    EAGLE 3.1 draft, with the loss in chunks, with checkpointed steps and with the acceptance loss's checkpointed
+    chunks (a recomputation in backward runs compiled too, or it would not find the tensors the forward saved),
+    the same loss, step statistics and gradients as the eager unroll (1e-5 of each gradient's largest entry); every
+    chain of the step ran compiled."""
     monkeypatch.setattr(fused, "_compiled", {})
     target = tiny_target()
     for draft in (tiny_draft(target, draft_vocab_size=64), tiny_draft(target, draft_vocab_size=64, **EAGLE31)):
@@ -114,7 +115,7 @@ def test_a_compiled_unroll_gives_the_eager_unrolls_loss_and_gradients(monkeypatc
             out.loss.backward()
             return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 
-        for options in ({}, {"checkpointing": True}):
+        for options in ({}, {"checkpointing": True}, {"loss": "acceptance"}):
             ref, ref_grads = run(**options)
             out, grads = run(compile=True, **options)
             assert torch.allclose(out.loss, ref.loss, rtol=1e-5, atol=1e-6), options
@@ -134,7 +135,7 @@ def test_draft_compile_without_a_cpp_compiler_is_refused_before_anything_is_buil
     from specforge_lite.job import run
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with pytest.raises(ValueError, match=r"draft.compile=true on a CPU needs a C\+\+ compiler"):
+    with pytest.raises(ValueError, match=r"draft.compile=true on a CPU needs the C\+\+ compiler"):
         run(load_config(["model=llama3_tiny", "tracker=none", "draft.compile=true"]), tmp_path / "run",
             log=lambda m: None)
     assert not (tmp_path / "run").exists()

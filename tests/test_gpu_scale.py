@@ -34,6 +34,16 @@ def test_gpu_scale_dry_run_checks_and_times_every_way_and_method(tmp_path, capsy
     assert "| step | T | wall ms | busy | attention | matmul | compiled | copy | elementwise |" in table
 
 
+def test_a_way_it_cannot_run_is_refused_before_the_target_is_built(monkeypatch):
+    """A misspelt way would end the benchmark after minutes of building and capturing on a lent GPU."""
+    import pytest
+
+    monkeypatch.setattr(gpu_scale, "build_target", lambda *a: pytest.fail("built the target"))
+    for ways in (["--ways", "blockwise,flexx"], ["--long-ways", "flex+ckpt+fast"]):
+        with pytest.raises(SystemExit, match="an attention of blockwise, flex, dense, sdpa, then"):
+            gpu_scale.main(["--dry-run", *ways])
+
+
 def test_kernels_are_sorted_into_kinds_by_their_names():
     """Names of the kernels a step launches on an H100/H200 (cuBLAS, cuBLASLt, flash / cutlass attention, flex
     attention's Triton template, Inductor's fused kernels, ATen's own) and of aten ops on CPU."""

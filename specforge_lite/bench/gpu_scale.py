@@ -258,11 +258,18 @@ def check_ways(draft, objective, inputs, ways: list[str], autocast: bool) -> dic
 def replace_attention(objective, way: str):
     """The objective with TTT attention ``way``; "+ckpt" also recomputes each step in backward
     (draft.checkpointing), "+compile" runs the step's elementwise chains compiled (draft.compile)."""
+    return replace_objective(objective, **way_options(way))
+
+
+def way_options(way: str) -> dict:
+    """The objective's settings of a way "ATTENTION[+ckpt][+compile]"."""
+    from ..draft.ttt import TTT_ATTENTION
+
     attention, *options = way.split("+")
-    if set(options) - {"ckpt", "compile"}:
-        raise SystemExit(f"error: way {way!r}: options after + are ckpt and compile")
-    return replace_objective(objective, attention=attention, checkpointing="ckpt" in options,
-                             compile="compile" in options)
+    if attention not in TTT_ATTENTION or set(options) - {"ckpt", "compile"}:
+        raise SystemExit(f"error: way {way!r}: an attention of {', '.join(TTT_ATTENTION)}, then +ckpt and/or "
+                         "+compile")
+    return {"attention": attention, "checkpointing": "ckpt" in options, "compile": "compile" in options}
 
 
 def replace_objective(objective, **changes):
@@ -365,6 +372,8 @@ def main(argv=None) -> None:
         for k, v in DRY_RUN.items():
             if p.get_default(k) == getattr(a, k):
                 setattr(a, k, v)
+    for way in filter(None, f"{a.ways},{a.long_ways}".split(",")):  # (before the target is built: GPU minutes count)
+        way_options(way)
     a.device = "cuda" if torch.cuda.is_available() and not a.dry_run else "cpu"
     device = torch.device(a.device)
     autocast = device.type == "cuda"

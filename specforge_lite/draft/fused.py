@@ -6,7 +6,8 @@ over a chunk's [rows, draft_vocab] logits about thirty in fp32. On a GPU the ste
 device's peak and these passes, bound by memory bandwidth, take much of the rest of the step (``python -m
 studies step_traffic`` counts their bytes). torch.compile turns each chain into one or two fused kernels. Inside
 ``compiled(True)`` (the unroll, with draft.compile=true) ``run`` calls a chain's compiled twin; outside it, the
-chain itself: the same math either way, equal within fp32 rounding (tests/test_fused.py).
+chain itself: the same math either way, equal up to rounding (tests/test_fused.py). A checkpointed part of the
+unroll goes through ``checkpoint``, whose recomputation in backward calls the chains as its forward did.
 """
 
 from __future__ import annotations
@@ -30,6 +31,20 @@ def compiled(enabled: bool):
         yield
     finally:
         _enabled = before
+
+
+def checkpoint(fn: Callable, *args):
+    """torch.utils.checkpoint of ``fn(*args)`` whose recomputation in backward, which runs after the forward's
+    ``compiled`` block has ended, calls the chains as the forward did: else it would save other tensors."""
+    from torch.utils.checkpoint import checkpoint as recomputed
+
+    enabled = _enabled
+
+    def again(*a):
+        with compiled(enabled):
+            return fn(*a)
+
+    return recomputed(again, *args, use_reentrant=False)
 
 
 def run(chain: Callable, *args):

@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torch.utils.checkpoint import checkpoint
-
 from . import fused
 from .sequence_parallel import SequenceShard, continued_positions, padded_rows
 from .ttt import TTT_ATTENTION, TTTCache, shift_left
@@ -83,9 +81,9 @@ def sim_accepted_drafts(accs: list[float]) -> float:
     return total
 
 
-# Rows per loss chunk where draft.loss_chunk_rows is null, by device: on a GPU 4096 ran the step 12% faster than 512
-# (an H200, Llama-3.1-8B's shape, T=4096: each chunk adds the lm_head's whole weight gradient once more, and small
-# chunks leave the device underused); elsewhere 512.
+# Rows per loss chunk where draft.loss_chunk_rows is null, by device: on a GPU 4096 ran the step faster than 512
+# (docs/benchmarks.md: each chunk adds the lm_head's whole weight gradient once more, and small chunks leave the
+# device underused); elsewhere 512.
 DEFAULT_CHUNK_ROWS = {"cuda": 4096}
 
 
@@ -105,7 +103,7 @@ def chunked(chunk, rows: tuple[torch.Tensor, ...], size: int | None) -> tuple[to
     parts = []
     for s in range(0, n, size):
         part = tuple(t[s : s + size] for t in rows)
-        parts.append(checkpoint(chunk, *part, use_reentrant=False) if torch.is_grad_enabled() else chunk(*part))
+        parts.append(fused.checkpoint(chunk, *part) if torch.is_grad_enabled() else chunk(*part))
     if not parts:
         h = rows[0]
         return h.new_zeros((), dtype=torch.float32), h.new_zeros(0), h.new_zeros(0, dtype=torch.bool)
@@ -178,7 +176,8 @@ class UnrollObjective:
         Under sequence parallelism (``self.sequence``) the draft runs on this rank's rows [lo, hi) only;
         the masks and the normaliser are computed over whole rows, which every rank holds.
         """
-        with fused.compiled(self.compile):
+        # (training steps only: an evaluation under no_grad would compile graphs of its own for a few batches)
+        with fused.compiled(self.compile and torch.is_grad_enabled()):
             return self._unroll(draft, x)
 
     def _unroll(self, draft, x: UnrollInputs) -> TTTOutput:
@@ -244,10 +243,9 @@ class UnrollObjective:
             # A recomputation in backward finds the later steps' keys in the cache: it must see only the
             # keys this step saw in the forward, so the cache (every draft layer's) is cut back to them first.
             cache.truncate(before)
-            with fused.compiled(self.compile):  # (the backward's recomputation runs outside the unroll)
-                return draft.step(ids, h, pos, cache)
+            return draft.step(ids, h, pos, cache)
 
-        return checkpoint(run, input_ids, hidden, positions, use_reentrant=False)
+        return fused.checkpoint(run, input_ids, hidden, positions)
 
     def _scored(self, draft, hidden: torch.Tensor, teacher_logits: torch.Tensor, teacher_rows: torch.Tensor,
                 teacher_top: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:

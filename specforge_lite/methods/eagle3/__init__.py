@@ -43,15 +43,14 @@ def refused(config) -> list[str]:
         problems.append("draft.ttt_attention=flex needs a CUDA device (flex attention has no backward on a CPU); use "
                         "draft.ttt_attention=blockwise, the same attention in query blocks")
     if d.compile and not torch.cuda.is_available() and not cpp_compiler():
-        problems.append("draft.compile=true on a CPU needs a C++ compiler (g++ or clang++, or $CXX) for "
-                        "torch.compile's kernels: install one (apt install g++) or set draft.compile=false")
+        problems.append("draft.compile=true on a CPU needs the C++ compiler torch.compile builds its kernels with "
+                        "($CXX, else g++): install g++ (apt install g++) or set draft.compile=false")
     return problems
 
 
 def cpp_compiler() -> str | None:
-    """The C++ compiler torch.compile would build CPU kernels with ($CXX, else g++ or clang++), None if none."""
-    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++"]
-    return next((path for path in map(shutil.which, names) if path), None)
+    """The C++ compiler torch.compile builds CPU kernels with on Linux ($CXX, else g++), None where it is missing."""
+    return shutil.which(os.environ.get("CXX") or "g++")
 
 
 def refused_evaluation(draft_settings, ev) -> list[str]:
