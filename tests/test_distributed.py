@@ -89,9 +89,11 @@ def test_zero2_on_two_ranks_follows_the_one_process_trajectory(zero2_two_ranks, 
 
 
 def test_zero3_with_compiled_chains_follows_the_one_process_eager_trajectory(tmp_path, one_process_reference):
-    """draft.compile=true under ZeRO-3: the compiled chains (draft/fused.py) read the weights DeepSpeed gathers for
-    each module's call. Two ranks of 1 row follow one eager process of 2 accumulated rows (1e-5 relative)."""
-    launch([*COMMON, "trainer.max_steps=4", "trainer=zero3", "draft.compile=true", f"output_dir={tmp_path}"], 2)
+    """draft.compile=true under ZeRO-3 with checkpointed steps: the compiled chains (draft/fused.py) read the weights
+    DeepSpeed gathers for each module's call, in the forward and in the backward's recomputation. Two ranks of 1 row
+    follow one eager process of 2 accumulated rows (1e-5 relative)."""
+    launch([*COMMON, "trainer.max_steps=4", "trainer=zero3", "draft.compile=true", "draft.checkpointing=true",
+            f"output_dir={tmp_path}"], 2)
     assert_same_trajectory(metrics(tmp_path), one_process_reference)
 
 
