@@ -122,6 +122,10 @@ class DraftSettings:
     # fused, gradients made in the forward; acceptance: recomputed in backward). Null: 4096 on a GPU (faster than
     # 512 there: docs/benchmarks.md), 512 on a CPU.
     loss_chunk_rows: Optional[int] = None
+    # The elementwise chains of each training step (RMSNorm, rope, SwiGLU, the loss's softmax and gradient) as
+    # compiled kernels (torch.compile; draft/fused.py): far fewer passes over memory on a GPU, after compiling at
+    # the start. On a CPU it needs a C++ compiler.
+    compile: bool = False
 
 
 @dataclass

@@ -6,6 +6,9 @@ together, each naming the key and the fix, so a run never trains for hours to be
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 
 from .config import Config, out_of_range
@@ -26,6 +29,9 @@ def setting_problems(config: Config) -> list[str]:
         return [*problems, str(e)]
     problems += method.refused(config)
     d = config.draft
+    if d.compile and not torch.cuda.is_available() and not cpp_compiler():
+        problems.append("draft.compile=true on a CPU needs the C++ compiler torch.compile builds its kernels with "
+                        "($CXX, else g++): install g++ (apt install g++) or set draft.compile=false")
     if d.freeze_lm_head and not (d.init_lm_head_from_target or d.init_from):
         problems.append("draft.freeze_lm_head=true with draft.init_lm_head_from_target=false: a frozen lm_head would "
                         "keep its random rows; set draft.init_lm_head_from_target=true (or continue a draft with "
@@ -58,6 +64,11 @@ def setting_problems(config: Config) -> list[str]:
         problems.append(f"eval.serve={config.eval.serve} with draft={config.draft.method}: "
                         f"{form.cpu_serving_refusal}; set eval.serve=null (our evaluation still measures it)")
     return problems
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler torch.compile builds CPU kernels with on Linux ($CXX, else g++), None where it is missing."""
+    return shutil.which(os.environ.get("CXX") or "g++")
 
 
 def check_settings(config: Config) -> None:

@@ -71,10 +71,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rope (rotate-half, vLLM's neox style) on x [..., heads, T, d] with cos, sin [..., T, d]."""
+    return x * cos.unsqueeze(-3) + _rotate_half(x) * sin.unsqueeze(-3)
+
+
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rope on queries and keys [B, heads, T, d] with cos, sin [B, T, d] (transformers' apply_rotary_pos_emb)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, repeat_kv, rotate_half
+from transformers.models.llama.modeling_llama import repeat_kv
 
 from ...draft.attention import causal_attention_lse
 from ...draft.drafting import greedy_with_confidence
-from ...draft.model import TargetWiredDraft
+from ...draft import fused
+from ...draft.model import DraftMLP, DraftRMSNorm, TargetWiredDraft
 from ...draft.objective import StepStats, TTTOutput, UnrollInputs, UnrollObjective
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (rotate-half, as vLLM's neox style) on [..., heads, T, d] with cos/sin [..., T, d]."""
-    return x * cos.unsqueeze(-3) + rotate_half(x) * sin.unsqueeze(-3)
+    return fused.run(fused.rotate, x, cos, sin)
 
 
 class DFlashAttention(nn.Module):
@@ -42,8 +42,8 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(H, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(H, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, H, bias=False)
-        self.q_norm = LlamaRMSNorm(d, eps=spec.rms_norm_eps)
-        self.k_norm = LlamaRMSNorm(d, eps=spec.rms_norm_eps)
+        self.q_norm = DraftRMSNorm(d, eps=spec.rms_norm_eps)
+        self.k_norm = DraftRMSNorm(d, eps=spec.rms_norm_eps)
 
     def _heads(self, x: torch.Tensor, proj: nn.Linear, n: int) -> torch.Tensor:
         """[..., T, H] -> [..., n, T, d]."""
@@ -65,10 +65,10 @@ class DFlashAttention(nn.Module):
 class DFlashLayer(nn.Module):
     def __init__(self, spec):
         super().__init__()
-        self.input_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.input_layernorm = DraftRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.self_attn = DFlashAttention(spec)
-        self.post_attention_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.mlp = LlamaMLP(spec.llama_config())
+        self.post_attention_layernorm = DraftRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.mlp = DraftMLP(spec.llama_config())
 
     def forward(self, h: torch.Tensor, cos, sin, attend) -> torch.Tensor:
         """The block's states h [B, S, A, H] (slot s of anchor a at position a + s); ``attend(queries, keys,
@@ -88,7 +88,7 @@ class DFlashDraft(TargetWiredDraft):
     def __init__(self, spec):
         super().__init__(spec)
         self.fc = nn.Linear(len(spec.aux_layer_ids) * spec.target_hidden_size, spec.hidden_size, bias=False)
-        self.hidden_norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.hidden_norm = DraftRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.layers = nn.ModuleList(self.layer_class(spec) for _ in range(spec.num_layers))
         self._finish_build()
 
@@ -148,14 +148,16 @@ class DFlashObjective(UnrollObjective):
     # predict the tokens at their own positions; DSpark: every slot predicts the token after it).
     first_scored = 1
 
-    def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", loss_chunk_rows: int | None = None):
-        super().__init__(ttt_length, decay, loss, loss_chunk_rows=loss_chunk_rows)
+    def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", loss_chunk_rows: int | None = None,
+                 compile: bool = False):
+        super().__init__(ttt_length, decay, loss, loss_chunk_rows=loss_chunk_rows, compile=compile)
 
     @classmethod
     def from_config(cls, draft_cfg, sequence=None) -> "DFlashObjective":
-        return cls(draft_cfg.ttt_length, draft_cfg.step_loss_decay, draft_cfg.loss, draft_cfg.loss_chunk_rows)
+        return cls(draft_cfg.ttt_length, draft_cfg.step_loss_decay, draft_cfg.loss, draft_cfg.loss_chunk_rows,
+                   draft_cfg.compile)
 
-    def unroll(self, draft, x: UnrollInputs) -> TTTOutput:
+    def _unroll(self, draft, x: UnrollInputs) -> TTTOutput:  # (UnrollObjective.unroll runs it)
         if x.position_ids is not None:
             raise ValueError(f"a {draft.spec.method} draft trains on unpacked rows: set data.packing=false")
         B, T = x.input_ids.shape

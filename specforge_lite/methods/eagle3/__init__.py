@@ -6,9 +6,6 @@ the objective the block drafts' objectives build on."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import torch
 
 from ...draft.drafting import DraftContext
@@ -42,15 +39,7 @@ def refused(config) -> list[str]:
     elif d.ttt_attention == "flex" and not torch.cuda.is_available():
         problems.append("draft.ttt_attention=flex needs a CUDA device (flex attention has no backward on a CPU); use "
                         "draft.ttt_attention=blockwise, the same attention in query blocks")
-    if d.compile and not torch.cuda.is_available() and not cpp_compiler():
-        problems.append("draft.compile=true on a CPU needs the C++ compiler torch.compile builds its kernels with "
-                        "($CXX, else g++): install g++ (apt install g++) or set draft.compile=false")
     return problems
-
-
-def cpp_compiler() -> str | None:
-    """The C++ compiler torch.compile builds CPU kernels with on Linux ($CXX, else g++), None where it is missing."""
-    return shutil.which(os.environ.get("CXX") or "g++")
 
 
 def refused_evaluation(draft_settings, ev) -> list[str]:

@@ -38,7 +38,3 @@ class Eagle3Settings(DraftSettings):
     ttt_attention: str = "blockwise"
     # Recompute each TTT step's draft layer in backward instead of keeping its activations.
     checkpointing: bool = False
-    # The elementwise chains of each unroll step (RMSNorm, rope, SwiGLU) and of the loss as compiled kernels
-    # (torch.compile; draft/fused.py): far fewer passes over memory on a GPU, after compiling at the start. On a
-    # CPU it needs a C++ compiler.
-    compile: bool = False
