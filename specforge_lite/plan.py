@@ -268,7 +268,7 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
             changes = {"checkpointing": True} if checkpointing else {}
             if config.draft.loss_chunk_rows is None:
                 changes["loss_chunk_rows"] = DEFAULT_CHUNK_ROWS["cuda"]
-            if getattr(config.draft, "compile", False):
+            if config.draft.compile:
                 changes["compile"] = False
             objective = build_objective(dataclasses.replace(config.draft, **changes))
             # the products as CUDA autocast makes them (trainer.precision=fp32: none)

@@ -29,9 +29,10 @@ def setting_problems(config: Config) -> list[str]:
         return [*problems, str(e)]
     problems += method.refused(config)
     d = config.draft
-    if d.compile and not torch.cuda.is_available() and not cpp_compiler():
-        problems.append("draft.compile=true on a CPU needs the C++ compiler torch.compile builds its kernels with "
-                        "($CXX, else g++): install g++ (apt install g++) or set draft.compile=false")
+    if d.compile and not torch.cuda.is_available() and not shutil.which(cpp_compiler()):
+        fix = "point $CXX at an installed one or unset it" if os.environ.get("CXX") else "install g++ (apt install g++)"
+        problems.append(f"draft.compile=true on a CPU needs the C++ compiler torch.compile builds its kernels with, "
+                        f"{cpp_compiler()}, which is not found: {fix}, or set draft.compile=false")
     if d.freeze_lm_head and not (d.init_lm_head_from_target or d.init_from):
         problems.append("draft.freeze_lm_head=true with draft.init_lm_head_from_target=false: a frozen lm_head would "
                         "keep its random rows; set draft.init_lm_head_from_target=true (or continue a draft with "
@@ -66,9 +67,9 @@ def setting_problems(config: Config) -> list[str]:
     return problems
 
 
-def cpp_compiler() -> str | None:
-    """The C++ compiler torch.compile builds CPU kernels with on Linux ($CXX, else g++), None where it is missing."""
-    return shutil.which(os.environ.get("CXX") or "g++")
+def cpp_compiler() -> str:
+    """The C++ compiler torch.compile builds CPU kernels with on Linux: $CXX, else g++."""
+    return os.environ.get("CXX") or "g++"
 
 
 def check_settings(config: Config) -> None:

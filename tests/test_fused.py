@@ -167,7 +167,8 @@ def test_draft_compile_without_a_cpp_compiler_is_refused_before_anything_is_buil
     from specforge_lite.job import run
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with pytest.raises(ValueError, match=r"draft.compile=true on a CPU needs the C\+\+ compiler"):
+    with pytest.raises(ValueError, match=r"draft.compile=true on a CPU needs the C\+\+ compiler .*no-such-compiler, "
+                                         r"which is not found: point \$CXX at an installed one"):
         run(load_config(["model=llama3_tiny", "tracker=none", "draft.compile=true"]), tmp_path / "run",
             log=lambda m: None)
     assert not (tmp_path / "run").exists()
