@@ -22,14 +22,15 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import repeat_kv
 
+from ...draft import fused
 from ...draft.attention import causal_attention_lse
 from ...draft.drafting import greedy_with_confidence
-from ...draft import fused
 from ...draft.model import DraftMLP, DraftRMSNorm, TargetWiredDraft
 from ...draft.objective import StepStats, TTTOutput, UnrollInputs, UnrollObjective
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (rotate-half, as vLLM's neox style) on [..., heads, T, d] with cos/sin [..., T, d]."""
     return fused.run(fused.rotate, x, cos, sin)
 
 
