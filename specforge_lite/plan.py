@@ -265,11 +265,9 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
         def step(checkpointing: bool):
             # (the loss in a GPU's chunks; eager: the compiled chains of draft.compile hold no more than eager's
             # passes, which fake tensors measure without compiling)
-            changes = {"checkpointing": True} if checkpointing else {}
+            changes = {"compile": False, **({"checkpointing": True} if checkpointing else {})}
             if config.draft.loss_chunk_rows is None:
                 changes["loss_chunk_rows"] = DEFAULT_CHUNK_ROWS["cuda"]
-            if config.draft.compile:
-                changes["compile"] = False
             objective = build_objective(dataclasses.replace(config.draft, **changes))
             # the products as CUDA autocast makes them (trainer.precision=fp32: none)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.trainer.precision != "fp32"):
