@@ -128,6 +128,29 @@ def test_a_compiled_unroll_gives_the_eager_unrolls_loss_and_gradients(monkeypatc
     assert not fused._enabled  # the switch ends with the unroll
 
 
+def test_under_bf16_autocast_a_compiled_unroll_gives_the_eager_unrolls_results_within_bf16_rounding():
+    """trainer.precision=bf16 (fp32 master weights under bf16 autocast, what a GPU and an avx512_bf16 CPU train in):
+    the compiled chains keep their intermediates in fp32 where eager rounds some to bf16, so the two agree within
+    bf16's rounding: loss 1e-2 relative, each gradient 3e-2 of its largest entry, for EAGLE3 and EAGLE 3.1 with
+    checkpointed steps."""
+    target = tiny_target()
+    for draft in (tiny_draft(target, draft_vocab_size=64), tiny_draft(target, draft_vocab_size=64, **EAGLE31)):
+        inputs = _packed_rows(target, 64)
+        runs = []
+        for compile in (False, True):
+            draft.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = UnrollObjective(ttt_length=3, loss_chunk_rows=7, checkpointing=True,
+                                      compile=compile).unroll(draft, inputs)
+            out.loss.backward()
+            runs.append((out.loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters()
+                                             if p.grad is not None}))
+        (ref, ref_grads), (loss, grads) = runs
+        assert abs(float(loss - ref)) <= 1e-2 * abs(float(ref))
+        for name, grad in ref_grads.items():
+            assert _gap(grads[name], grad) <= 3e-2, (name, _gap(grads[name], grad))
+
+
 def test_a_compiled_block_draft_step_gives_the_eager_steps_loss_and_gradients(monkeypatch):
     """The block drafts (DFlash, DSpark with its heads, DFlash 2 with its selector) take draft.compile too: their
     norms, rope and MLP compiled, the same loss, step statistics and gradients as eager (1e-5 of each gradient's

@@ -354,6 +354,21 @@ def test_checkpointed_steps_and_chunked_loss_give_the_same_loss_and_gradients():
         _same_results_whatever_the_memory_options(target, draft)
 
 
+def test_loss_chunks_left_null_are_4096_rows_on_a_gpu_and_512_elsewhere():
+    """draft.loss_chunk_rows=null (the default): 4096 rows per chunk on CUDA (each chunk adds the whole lm_head
+    weight gradient once more), 512 on a CPU; a number is taken as it is, 0 for all rows at once. (A CUDA tensor
+    made by fake tensors: no GPU needed.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from specforge_lite.draft.objective import chunk_size
+
+    with FakeTensorMode():
+        on_gpu = torch.empty(10000, 8, device="cuda")
+    on_cpu = torch.empty(10000, 8)
+    assert (chunk_size(None, on_gpu), chunk_size(None, on_cpu)) == (4096, 512)
+    assert (chunk_size(7, on_gpu), chunk_size(0, on_cpu)) == (7, 10000)
+
+
 def _packed_rows(target, draft_vocab_size: int) -> UnrollInputs:
     """Two rows of 12 tokens, the first packing two conversations, random teacher and masks (seeded)."""
     g = torch.Generator().manual_seed(1)
