@@ -4,15 +4,15 @@ Studies: levers (what raises served acceptance per unit of compute, each lever a
 recipe_parity (our recipe against SpecForge's and speculators' own on identical inputs), recipe_card (every
 draft method on small real targets at k = 1, 3 and 5), step_flops (the work of one draft step, ours and the
 peers', at a real target's shape), step_traffic (the memory traffic of our step by kind of op: what compiled
-kernels can win on a GPU). Each writes its report and names the command that
-regenerates it."""
+kernels can win on a GPU), step_memory (what our step holds at its peaks, by what made it). Each writes its
+report and names the command that regenerates it."""
 
 from __future__ import annotations
 
 from specforge_lite.bench import run_named
 
 STUDIES = {name: f"studies.{name}" for name in ("levers", "recipe_parity", "recipe_card", "step_flops",
-                                                      "step_traffic")}
+                                                      "step_traffic", "step_memory")}
 
 
 def main(argv: list[str] | None = None) -> None:

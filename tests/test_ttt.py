@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 
 import pytest
 import torch
@@ -294,6 +295,41 @@ def test_under_autocast_every_product_of_a_whole_unroll_runs_in_bf16():
             draft.zero_grad()
             fp32 = [o for o in seen.ops if o.op in _Dispatched.PRODUCTS and torch.float32 in o.dtypes]
             assert seen.products() and not fp32, (options, fp32)
+
+
+def test_under_autocast_each_draft_step_computes_what_its_bf16_weights_compute_as_a_server_holds_them():
+    """trainer.precision=bf16 trains fp32 master weights under bf16 autocast; a server runs the export's weights in
+    bf16. Every unroll step under autocast gives exactly the state and keys of the same draft with its weights cast
+    to bf16, run without autocast (RMSNorm in fp32, cast back, times the bf16 weight: vLLM's order), for EAGLE3
+    and a two-layer EAGLE 3.1, whose fed-back state is its final norm's output. The residual stream, the state fed
+    forward and the keys stay in bf16: an fp32 norm weight times bf16 rows would promote them all to fp32 (twice
+    the memory and traffic, and numbers a server does not compute)."""
+    from specforge_lite.draft.ttt import shift_left
+
+    target = tiny_target()
+    ids = torch.randint(0, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    aux = [a.bfloat16() for a in target.capture(ids).aux]  # (a bf16 target's states)
+    positions = torch.arange(12).expand(2, 12)
+
+    def unrolled(model, autocast: bool):
+        cache = TTTCache()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            hidden, states = model.project_aux(aux), []
+            for k in range(3):
+                hidden = model.step(shift_left(ids, 1 + k), hidden, positions + k, cache)
+                states.append(hidden)
+            states.append(model.norm(hidden))  # (what the lm_head reads)
+        return states + cache.keys + cache.values
+
+    for options in ({}, EAGLE31):
+        draft = tiny_draft(target, draft_vocab_size=64, **options)
+        served = copy.deepcopy(draft)
+        for p in served.parameters():
+            p.data = p.data.bfloat16()
+        served.set_embedding(draft.embedding_weight.bfloat16())
+        for got, want in zip(unrolled(draft, autocast=True), unrolled(served, autocast=False), strict=True):
+            assert got.dtype == want.dtype == torch.bfloat16, (options, got.dtype)
+            assert torch.equal(got, want), (options, float((got.float() - want.float()).abs().max()))
 
 
 def test_flex_ttt_attention_equals_the_naive_one_and_its_block_mask_covers_the_pattern(monkeypatch):

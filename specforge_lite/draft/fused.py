@@ -67,11 +67,13 @@ def run(chain: Callable, *args):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm (transformers' LlamaRMSNorm): normalised in fp32, cast back, times the weight."""
+    """Llama's RMSNorm: normalised in fp32, cast back to x's dtype, times the weight in that dtype. A server holds
+    the weight in the activations' dtype and computes it so (vLLM's order); under autocast the fp32 master weight
+    times bf16 rows would promote the output, and with it the residual stream and the keys, to fp32."""
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    return weight.to(dtype) * h.to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

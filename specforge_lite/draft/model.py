@@ -24,8 +24,16 @@ DRAFT_ACT = "silu"
 _LLAMA_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
+def compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype a layer of ``weight`` computes in: autocast's where it is on (fp32 master weights in a bf16
+    trainer), else the weight's own. An input cast to it once is not cast to fp32 first and back by autocast."""
+    device = weight.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
 class DraftRMSNorm(LlamaRMSNorm):
-    """transformers' LlamaRMSNorm (same weight, same math: fused.rms_norm), one kernel under draft.compile."""
+    """transformers' LlamaRMSNorm (same weight, same math: fused.rms_norm), one kernel under draft.compile. Under
+    autocast it computes in the rows' dtype, as a server holding the weight in bf16 does (not promoted to fp32)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return fused.run(fused.rms_norm, hidden_states, self.weight, self.variance_epsilon)

@@ -216,14 +216,16 @@ class UnrollObjective:
             rows = mine.nonzero(as_tuple=True)
             t_rows = rows[0] * T + rows[1] + lo + 1 + k  # teacher rows (of the [B * T] flattened teacher)
             weight = (self.decay ** k) / n.clamp(min=1).float()
-            step_rows = hidden[rows] if rows_dtype is None else hidden[rows].to(rows_dtype)
-            scored.append((step_rows, t_rows, weight.expand(len(t_rows))))
+            scored.append((hidden[rows] if rows_dtype is None else hidden[rows].to(rows_dtype), t_rows,
+                           weight.expand(len(t_rows))))
         h, t_rows, weights = (torch.cat(parts) for parts in zip(*scored))
+        sizes = [len(teacher_rows) for _, teacher_rows, _ in scored]
+        del scored  # (each step's rows are in h now: not held twice through the loss)
         teacher = x.teacher_logits.flatten(0, 1)
         total, row_loss, row_correct = self._scored(draft, h, teacher, t_rows, teacher_top.flatten()[t_rows], weights)
         steps, start = [], 0
-        for (n, mine), (rows_h, _, _) in zip(counts, scored):
-            end = start + rows_h.shape[0]
+        for (n, mine), size in zip(counts, sizes):
+            end = start + size
             steps.append(StepStats(row_loss[start:end].sum() / n.clamp(min=1), row_correct[start:end].sum(), mine))
             start = end
         if h.shape[0] == 0:
