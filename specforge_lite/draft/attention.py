@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .fused import compute_dtype
+
 QUERY_BLOCK = 128
 
 
@@ -171,8 +173,7 @@ def causal_block_mask(Tq: int, Tk: int, q_offset: int, segments: torch.Tensor | 
 def causal_attention_lse_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int = 0,
                               segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``causal_attention_lse`` through flex attention; keys and values may have fewer (grouped) heads."""
-    device = q.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    device, dtype = q.device.type, compute_dtype(q)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # (one dtype: under autocast rope may return fp32 queries)
     mask = causal_block_mask(q.shape[-2], k.shape[-2], q_offset, segments, q.device)
     out, lse = _flex_attention(device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],

@@ -66,6 +66,13 @@ def run(chain: Callable, *args):
     return twin(*args)
 
 
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype products with ``t`` run in: autocast's on its device where autocast is on (fp32 master weights in
+    a bf16 trainer), else ``t``'s own. An input cast to it once is not cast to fp32 first and back by autocast."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm: normalised in fp32, cast back to x's dtype, times the weight in that dtype. A server holds
     the weight in the activations' dtype and computes it so (vLLM's order); under autocast the fp32 master weight

@@ -24,13 +24,6 @@ DRAFT_ACT = "silu"
 _LLAMA_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
-def compute_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype a layer of ``weight`` computes in: autocast's where it is on (fp32 master weights in a bf16
-    trainer), else the weight's own. An input cast to it once is not cast to fp32 first and back by autocast."""
-    device = weight.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-
-
 class DraftRMSNorm(LlamaRMSNorm):
     """transformers' LlamaRMSNorm (same weight, same math: fused.rms_norm), one kernel under draft.compile. Under
     autocast it computes in the rows' dtype, as a server holding the weight in bf16 does (not promoted to fp32)."""

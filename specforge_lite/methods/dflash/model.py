@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 from ...draft import fused
 from ...draft.attention import causal_attention_lse
 from ...draft.drafting import greedy_with_confidence
-from ...draft.model import DraftMLP, DraftRMSNorm, TargetWiredDraft, compute_dtype
+from ...draft.model import DraftMLP, DraftRMSNorm, TargetWiredDraft
 from ...draft.objective import StepStats, TTTOutput, UnrollInputs, UnrollObjective
 
 
@@ -105,7 +105,7 @@ class DFlashDraft(TargetWiredDraft):
         """hidden_norm(fc(concatenated aux states)) [B, T, H]: what every layer's context keys are made of."""
         if len(aux) != len(self.spec.aux_layer_ids):
             raise ValueError(f"got {len(aux)} aux states, the draft was built for {len(self.spec.aux_layer_ids)}")
-        return self.hidden_norm(self.fc(torch.cat(aux, dim=-1).to(compute_dtype(self.fc.weight))))
+        return self.hidden_norm(self.fc(torch.cat(aux, dim=-1).to(fused.compute_dtype(self.fc.weight))))
 
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the keys and values of context states [B, T, H] at ``positions`` [B, T]."""
@@ -116,7 +116,7 @@ class DFlashDraft(TargetWiredDraft):
         """The block's slot states (pre-norm) [B, S, A, H]: ``input_ids``/``positions`` [B, A, S] (every
         anchor's block of S = k + 1 slots); ``attend(context keys/values, queries, keys, values)`` gives each
         slot's attention output in a layer."""
-        h = self.embed(input_ids.transpose(1, 2)).to(compute_dtype(self.fc.weight))
+        h = self.embed(input_ids.transpose(1, 2)).to(fused.compute_dtype(self.fc.weight))
         cos, sin = self.rotary_emb(h, positions.transpose(1, 2).flatten(1))
         cos, sin = (t.view(*h.shape[:3], -1) for t in (cos, sin))
         for layer, kv in zip(self.layers, context_kv):

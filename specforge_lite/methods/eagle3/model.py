@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ...draft import fused
-from ...draft.model import DraftMLP, DraftRMSNorm, TargetWiredDraft, compute_dtype
+from ...draft.model import DraftMLP, DraftRMSNorm, TargetWiredDraft
 from ...draft.ttt import DraftCache
 from .parallel import mask_slot_inputs, new_mask_hidden
 from .spec import Eagle3Spec
@@ -148,7 +148,7 @@ class Eagle3Draft(TargetWiredDraft):
         joined = torch.cat(aux, dim=-1)
         if self.spec.norm_before_fc:
             joined = self.input_norm(joined)
-        return self.fc(joined.to(compute_dtype(self.fc.weight)))
+        return self.fc(joined.to(fused.compute_dtype(self.fc.weight)))
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: DraftCache,
              q_offset: int = 0) -> torch.Tensor:
