@@ -76,6 +76,27 @@ def test_each_chain_equals_transformers_own_modules_with_gradients(enabled):
             assert _gap(a, b) <= tol, (name, _gap(a, b))
 
 
+def test_the_norm_keeps_for_its_backward_only_its_rows_and_one_scale_per_row():
+    """bf16 rows and the fp32 master weight (the draft's norm under autocast): what the norm keeps until the
+    backward is its rows (which the layer before holds anyway), its weight and one fp32 scale per row. Autograd
+    through the ops of the chain keeps an fp32 copy of the rows and the scaled rows instead: three times the rows'
+    bytes held per norm."""
+    rows, H = 64, 256
+    norm = DraftRMSNorm(H, eps=1e-5)
+    x = torch.randn(rows, H).bfloat16().requires_grad_()
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = norm(x)
+    assert sum(saved.values()) <= x.numel() * 2 + H * 4 + rows * 4, sum(saved.values())
+    out.float().sum().backward()
+    assert x.grad is not None and norm.weight.grad is not None
+
+
 def test_the_compiled_loss_chunks_equal_a_plain_autograd_soft_cross_entropy():
     """The fused lm_head + soft cross-entropy with its chunk math compiled (fused.soft_ce_rows), in chunks that do
     not divide the rows and in one, against logits -> log_softmax -> autograd: total, rows' losses, argmax

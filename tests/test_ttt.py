@@ -233,6 +233,33 @@ def test_blockwise_ttt_attention_equals_the_naive_one_with_gradients(monkeypatch
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"{impl} tensor {i}: {m}")
 
 
+def test_grouped_query_heads_share_their_keys_without_a_copy_kept_for_the_backward():
+    """Four query heads per key head (Llama-3-8B's 32 / 8): the blockwise TTT attention keeps for its backward
+    no copy of the keys or values per query head, only what it was given (queries, keys, values), its step-0
+    output and per-row scalars. A copy per query head would add (h / kv - 1) times the keys and values of every
+    step, at every layer and unroll step, until the backward: the largest per-token term of a long row's peak."""
+    B, h, kvh, T, d, steps = 1, 8, 2, 64, 32, 3
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, h, T, d, generator=g, requires_grad=True)
+    kv = [torch.randn(B, kvh, T, d, generator=g, requires_grad=True) for _ in range(2 * steps)]
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        cache = TTTCache(attention="blockwise")
+        for k, v in zip(kv[::2], kv[1::2]):
+            cache.append(k, v)
+        out = cache.attend(q, 0, d ** -0.5)
+    given = q.numel() * 4 + sum(x.numel() * 4 for x in kv)
+    step0_output = q.numel() * 4
+    per_row_scalars = B * h * T * 4 * 4 * (steps + 2)  # log-sum-exp, same-row scores, weights (fp32 and copies)
+    assert sum(saved.values()) <= given + step0_output + per_row_scalars, (sum(saved.values()), given)
+    out.sum().backward()
+
+
 class _Dispatched(TorchDispatchMode):
     """Every aten op run inside it: the op, its tensor arguments' dtypes, its output's dtype and shape."""
 

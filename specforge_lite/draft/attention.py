@@ -32,20 +32,34 @@ def _block_scores(q: torch.Tensor, k: torch.Tensor, scale: float, rows: torch.Te
     return scores.masked_fill(masked, float("-inf"))
 
 
+def _group_rows(x: torch.Tensor, kv_heads: int, s: int, e: int) -> torch.Tensor:
+    """Rows s..e-1 of x [B, h, T, ...] as [B, kv_heads, groups * (e - s), ...]: the query heads that share a key
+    head stacked as more rows of it, so one product against the shared keys serves them all (no copy of keys)."""
+    block = x.unflatten(1, (kv_heads, -1))[:, :, :, s:e]
+    return block.reshape(*block.shape[:2], -1, *block.shape[4:])
+
+
+def _ungroup_rows(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``_group_rows``'s inverse for one block: [B, kv_heads, groups * n, ...] -> [B, kv_heads * groups, n, ...]."""
+    return x.unflatten(2, (groups, -1)).flatten(1, 2)
+
+
 class _CausalAttentionLSE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, q_offset, segments, block):
-        Tq = q.shape[-2]
+        Tq, kv_heads = q.shape[-2], k.shape[1]
+        groups = q.shape[1] // kv_heads
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         for s in range(0, Tq, block):
             e = min(s + block, Tq)
             end = min(q_offset + e, k.shape[-2])  # later keys are masked for every row of the block
-            rows = torch.arange(s, e, device=q.device) + q_offset
-            scores = _block_scores(q[:, :, s:e], k[:, :, :end], scale, rows, segments)
-            lse[:, :, s:e] = torch.logsumexp(scores, dim=-1)
-            probs = torch.exp(scores - lse[:, :, s:e, None]).to(v.dtype)
-            out[:, :, s:e] = torch.matmul(probs, v[:, :, :end])
+            rows = (torch.arange(s, e, device=q.device) + q_offset).repeat(groups)
+            scores = _block_scores(_group_rows(q, kv_heads, s, e), k[:, :, :end], scale, rows, segments)
+            block_lse = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - block_lse[..., None]).to(v.dtype)
+            lse[:, :, s:e] = _ungroup_rows(block_lse, groups)
+            out[:, :, s:e] = _ungroup_rows(torch.matmul(probs, v[:, :, :end]), groups)
         ctx.save_for_backward(q, k, v, out, lse, segments)
         ctx.scale, ctx.q_offset, ctx.block = scale, q_offset, block
         # The backward recomputes the scores as the forward computed them: under bf16 autocast the forward's
@@ -60,6 +74,8 @@ class _CausalAttentionLSE(torch.autograd.Function):
         q, k, v, out, lse, segments = ctx.saved_tensors
         scale, q_offset, block = ctx.scale, ctx.q_offset, ctx.block
         device, autocast_on, autocast_dtype = ctx.autocast
+        kv_heads = k.shape[1]
+        groups = q.shape[1] // kv_heads
         g = grad_out.float() if grad_out is not None else torch.zeros_like(out, dtype=torch.float32)
         # d(loss)/d(score) = p * (dp - D): D = rowsum(dO * O), less the log-sum-exp's own gradient (d lse/ds = p)
         D = (g * out.float()).sum(-1)
@@ -75,14 +91,15 @@ class _CausalAttentionLSE(torch.autograd.Function):
         for s in range(0, q.shape[-2], block):
             e = min(s + block, q.shape[-2])
             end = min(q_offset + e, k.shape[-2])
-            rows = torch.arange(s, e, device=q.device) + q_offset
-            qb, kb, vb, gb = qf[:, :, s:e], kf[:, :, :end], vf[:, :, :end], g[:, :, s:e]
+            rows = (torch.arange(s, e, device=q.device) + q_offset).repeat(groups)
+            qb, gb = _group_rows(qf, kv_heads, s, e), _group_rows(g, kv_heads, s, e)
+            kb, vb = kf[:, :, :end], vf[:, :, :end]
             with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_on):
-                scores = _block_scores(q[:, :, s:e], k[:, :, :end], scale, rows, segments)
-                probs = torch.exp(scores - lse[:, :, s:e, None])
+                scores = _block_scores(_group_rows(q, kv_heads, s, e), k[:, :, :end], scale, rows, segments)
+                probs = torch.exp(scores - _group_rows(lse, kv_heads, s, e)[..., None])
                 dv[:, :, :end] += torch.matmul(probs.transpose(-1, -2), gb)
-                ds = probs * (torch.matmul(gb, vb.transpose(-1, -2)) - D[:, :, s:e, None])
-                dq[:, :, s:e] = torch.matmul(ds, kb) * scale
+                ds = probs * (torch.matmul(gb, vb.transpose(-1, -2)) - _group_rows(D, kv_heads, s, e)[..., None])
+                dq[:, :, s:e] = _ungroup_rows(torch.matmul(ds, kb) * scale, groups)
                 dk[:, :, :end] += torch.matmul(ds.transpose(-1, -2), qb) * scale
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
@@ -90,7 +107,8 @@ class _CausalAttentionLSE(torch.autograd.Function):
 def causal_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int = 0,
                          segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of queries q [B, h, Tq, d] (rows q_offset..q_offset+Tq-1) over keys and values
-    [B, h, Tk, d] of the same heads: (output [B, h, Tq, d], log-sum-exp of the scores [B, h, Tq] in fp32).
+    [B, kv, Tk, d], kv dividing h (grouped-query heads: query head i reads key head i // (h / kv)): (output
+    [B, h, Tq, d], log-sum-exp of the scores [B, h, Tq] in fp32).
     ``segments`` [B, Tk]: in packed rows a query sees only its own conversation's keys."""
     return _CausalAttentionLSE.apply(q, k, v, scale, q_offset, segments, QUERY_BLOCK)
 

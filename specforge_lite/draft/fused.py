@@ -77,10 +77,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm: normalised in fp32, cast back to x's dtype, times the weight in that dtype. A server holds
     the weight in the activations' dtype and computes it so (vLLM's order); under autocast the fp32 master weight
     times bf16 rows would promote the output, and with it the residual stream and the keys, to fp32."""
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight.to(dtype) * h.to(dtype)
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """``rms_norm`` keeping for its backward only its input (which the layer before holds anyway) and each row's
+    1 / rms: autograd through the chain of ops keeps an fp32 copy of the rows and the scaled rows, three times the
+    rows' bytes per norm until the backward, a large per-token part of a long row's peak."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        h = x.float()
+        inv_rms = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, inv_rms)
+        return weight.to(x.dtype) * (h * inv_rms).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, inv_rms = ctx.saved_tensors
+        normed = x * inv_rms  # (fp32 by promotion: no fp32 copy of x first)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # products rounded as the forward's were, summed in fp32
+            grad_weight = (grad * normed.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0, dtype=torch.float32)
+            grad_weight = grad_weight.to(weight.dtype)
+        grad_normed = grad * weight.float()  # (fp32 by promotion, in one pass)
+        # dx = (dn - n * mean(dn * n)) / rms, in place over the fp32 rows already made
+        mean = torch.linalg.vecdot(grad_normed, normed).unsqueeze(-1).div_(x.shape[-1])
+        grad_x = grad_normed.sub_(normed.mul_(mean)).mul_(inv_rms)
+        return grad_x.to(x.dtype), grad_weight, None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

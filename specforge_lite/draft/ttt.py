@@ -112,21 +112,23 @@ def ttt_attention(q: torch.Tensor, cache: TTTCache, q_offset: int, scale: float)
     all step-0 scores, a softmax over [lse, same-row scores] gives the exact weight of the step-0 output
     and of each same-row value, as one softmax over all of them would. Equal to ``ttt_attention_dense``.
     """
-    groups = q.shape[1] // cache.keys[0].shape[1]
-    if cache.attention == "flex":  # (grouped heads as they are: the kernel maps each query head to its kv head)
+    if cache.attention == "flex":
         out0, lse0 = causal_attention_lse_flex(q, cache.keys[0], cache.values[0], scale, q_offset, cache.segments)
     else:
-        k0, v0 = repeat_kv(cache.keys[0], groups), repeat_kv(cache.values[0], groups)
-        out0, lse0 = causal_attention_lse(q, k0, v0, scale, q_offset, cache.segments)
+        out0, lse0 = causal_attention_lse(q, cache.keys[0], cache.values[0], scale, q_offset, cache.segments)
     if len(cache.keys) == 1:
         return out0
-    extra_v = [repeat_kv(v, groups) for v in cache.values[1:]]
-    same_row = [(q * repeat_kv(k, groups)).sum(-1).float() * scale for k in cache.keys[1:]]  # [B, h, Tq] each
+    # Grouped-query heads in place: [B, kv, groups, Tq, d] against keys [B, kv, 1, Tq, d] broadcast, never a copy
+    # of the keys per query head (autograd would keep each one until the backward).
+    kv_heads = cache.keys[0].shape[1]
+    qg = q.unflatten(1, (kv_heads, -1))
+    same_row = [(qg * k.unsqueeze(2)).sum(-1).flatten(1, 2).float() * scale for k in cache.keys[1:]]  # [B, h, Tq]
     weights = torch.softmax(torch.stack([lse0, *same_row], dim=-1), dim=-1).to(q.dtype)  # [B, h, Tq, 1 + steps]
-    out = weights[..., :1] * out0
-    for j, v in enumerate(extra_v):
-        out = out + weights[..., j + 1, None] * v
-    return out
+    weights = weights.unflatten(1, (kv_heads, -1))
+    out = weights[..., :1] * out0.unflatten(1, (kv_heads, -1))
+    for j, v in enumerate(cache.values[1:]):
+        out = out + weights[..., j + 1, None] * v.unsqueeze(2)
+    return out.flatten(1, 2)
 
 
 def _visible_context(Tq: int, T0: int, q_offset: int, segments: torch.Tensor | None, device) -> torch.Tensor:

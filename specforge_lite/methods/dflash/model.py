@@ -129,13 +129,17 @@ def block_attention(context_kv, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     context rows 0..i, causal) and over every slot of its own block. Context keys/values [B, kv, A, d];
     queries [B, S, h, A, d], block keys/values [B, S, kv, A, d]."""
     B, S, h, A, d = q.shape
-    groups = h // k.shape[2]
-    kc, vc = (repeat_kv(t, groups).unsqueeze(1).expand(B, S, h, A, d).reshape(B * S, h, A, d) for t in context_kv)
-    out0, lse0 = causal_attention_lse(q.reshape(B * S, h, A, d), kc, vc, scale)
-    k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
-    own = torch.einsum("bshad,bthad->bshat", q, k).float() * scale  # slot s against every slot t of its block
-    w = torch.softmax(torch.cat([lse0.view(B, S, h, A, 1), own], dim=-1), dim=-1).to(q.dtype)
-    return w[..., :1] * out0.view(B, S, h, A, d) + torch.einsum("bshat,bthad->bshad", w[..., 1:], v)
+    kv = k.shape[2]
+    # Every slot of every query head that shares key head j reads the same context: stacked as more query heads
+    # of j ([B, kv * groups * S, A, d]), they read the context's keys and values as they are, never a copy per
+    # slot and query head.
+    q_heads = q.unflatten(2, (kv, -1)).permute(0, 2, 3, 1, 4, 5).reshape(B, -1, A, d)
+    out0, lse0 = causal_attention_lse(q_heads, *context_kv, scale)
+    out0, lse0 = (t.unflatten(1, (kv, -1, S)).movedim(3, 1).flatten(2, 3) for t in (out0, lse0))  # [B, S, h, A, ...]
+    qg = q.unflatten(2, (kv, -1))  # [B, S, kv, groups, A, d]
+    own = torch.einsum("bskgad,btkad->bskgat", qg, k).flatten(2, 3).float() * scale  # slot s against each slot t
+    w = torch.softmax(torch.cat([lse0.unsqueeze(-1), own], dim=-1), dim=-1).to(q.dtype)
+    return w[..., :1] * out0 + torch.einsum("bskgat,btkad->bskgad", w[..., 1:].unflatten(2, (kv, -1)), v).flatten(2, 3)
 
 
 class DFlashObjective(UnrollObjective):
