@@ -272,6 +272,32 @@ def test_data_without_a_held_out_split_prepares_and_reads_back_from_the_cache(tm
         assert len(data.train) == conversations and len(data.heldout) == 0 and data.heldout_prompts == []
 
 
+def test_two_runs_preparing_the_same_data_at_once_both_finish_and_publish_it_once(tmp_path, smollm2, monkeypatch):
+    """Two runs on one machine (two users, a sweep's jobs, a test suite's two processes) prepare the same data into
+    the shared cache at the same moment: the second does all its work while the first is writing. Each writes
+    beside the cache entry under a name of its own, so neither reads or moves the other's half-written files, and
+    both end with the data."""
+    import datasets
+
+    monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
+    _, _, tok = smollm2
+    _write(tmp_path / "d.jsonl", distinct(6))
+    cfg = DataConfig(source="path", path=str(tmp_path / "d.jsonl"), heldout_samples=2)
+    save, other = datasets.Dataset.save_to_disk, {}
+
+    def save_then_let_the_other_run(self, path, *args, **kwargs):
+        save(self, path, *args, **kwargs)
+        if "started" not in other:  # the first run has written one split: the other prepares, start to end, now
+            other["started"] = True
+            other["data"] = prepare_data(cfg, tok, log=lambda m: None)
+
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", save_then_let_the_other_run)
+    first = prepare_data(cfg, tok, log=lambda m: None)
+    assert len(first.train) == len(other["data"].train) == 4 and len(first.heldout) == len(other["data"].heldout) == 2
+    published = [p.name for p in (tmp_path / "cache").rglob("*") if p.is_dir() and "tmp" in p.name]
+    assert published == [], published  # (no temporary folder left behind)
+
+
 def test_image_paths_stay_inside_the_data_files_folder_and_non_images_are_named(tmp_path):
     """A data file from elsewhere must not make training read other files of the machine."""
     from PIL import Image

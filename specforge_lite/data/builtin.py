@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from ..config import cache_dir
+from ..files import write_then_rename
 
 LICENSE_NOTICE = """The conversations in chitchat.sharegpt.jsonl are converted from chitchat-dataset 0.9.0
 (https://github.com/BYU-PCCL/chitchat-dataset), MIT License,
@@ -36,23 +39,25 @@ def chitchat_path() -> Path:
                            "pip install chitchat-dataset==0.9.0 (scripts/setup.sh installs it)") from e
     raw = json.loads(Path(chitchat_dataset.__file__).with_name("dataset.json").read_text())
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for conv_id, conv in raw.items():
-            turns = []
-            for index, group in enumerate(conv["messages"]):
-                text = "\n".join(u["text"].strip() for u in group if u["text"].strip())
-                if not text:
-                    continue
-                role = "human" if index % 2 == 0 else "gpt"
-                if turns and turns[-1]["from"] == role:
-                    turns[-1]["value"] += "\n" + text
-                else:
-                    turns.append({"from": role, "value": text})
-            if len(turns) >= 2:  # about 3,150 conversations are a single message: nothing to answer
-                fh.write(json.dumps({"id": conv_id, "conversations": turns}) + "\n")
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for conv_id, conv in raw.items():
+                turns = []
+                for index, group in enumerate(conv["messages"]):
+                    text = "\n".join(u["text"].strip() for u in group if u["text"].strip())
+                    if not text:
+                        continue
+                    role = "human" if index % 2 == 0 else "gpt"
+                    if turns and turns[-1]["from"] == role:
+                        turns[-1]["value"] += "\n" + text
+                    else:
+                        turns.append({"from": role, "value": text})
+                if len(turns) >= 2:  # about 3,150 conversations are a single message: nothing to answer
+                    fh.write(json.dumps({"id": conv_id, "conversations": turns}) + "\n")
+
     (out.parent / "chitchat.LICENSE").write_text(LICENSE_NOTICE)
-    os.replace(tmp, out)
+    write_then_rename(out, write)  # (under a name of this writer's own: another run may write it at once)
     return out
 
 
@@ -77,8 +82,9 @@ def shapes_path(num_images: int = 120, seed: int = 0) -> Path:
     from PIL import Image, ImageDraw
 
     rng = random.Random(seed)
-    tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
-    (tmp_dir / "images").mkdir(parents=True, exist_ok=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))  # (this writer's own)
+    (tmp_dir / "images").mkdir()
     rows = []
     for i in range(num_images):
         w, h = rng.choice((64, 96, 128)), rng.choice((64, 96, 128))
@@ -121,4 +127,5 @@ def shapes_path(num_images: int = 120, seed: int = 0) -> Path:
         os.replace(tmp_dir, out_dir)
     except OSError:
         pass  # published by a concurrent run
+    shutil.rmtree(tmp_dir, ignore_errors=True)
     return out

@@ -444,22 +444,30 @@ def _split_stats(train, heldout, read: _Read) -> dict:
 
 
 def _publish(cached: Path, train, heldout, prompts: list, prompt_images: list, stats: dict) -> None:
-    """Write the prepared data under a temporary name and rename it into the cache once it reads back."""
+    """Write the prepared data under a temporary name of this writer's own and rename it into the cache once it
+    reads back: another run preparing the same data at the same moment never reads or moves these files."""
+    import shutil
+    import tempfile
+
     import datasets
 
-    tmp = cached.with_name(cached.name + ".tmp")
-    for name, split in (("train", train), ("heldout", heldout)):
-        # datasets writes an empty split as no shard at all, which it then cannot read back: ask for one
-        split.save_to_disk(str(tmp / name), num_shards=1 if len(split) == 0 else None)
-    (tmp / "heldout_prompts.json").write_text(json.dumps(prompts))
-    (tmp / "heldout_prompt_images.json").write_text(json.dumps(prompt_images))
-    (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
-    for split in ("train", "heldout"):  # only data that reads back is published to the cache
-        datasets.load_from_disk(str(tmp / split))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f".{cached.name}.tmp-"))
     try:
-        tmp.rename(cached)
-    except OSError:
-        pass  # a concurrent run published the same content first
+        for name, split in (("train", train), ("heldout", heldout)):
+            # datasets writes an empty split as no shard at all, which it then cannot read back: ask for one
+            split.save_to_disk(str(tmp / name), num_shards=1 if len(split) == 0 else None)
+        (tmp / "heldout_prompts.json").write_text(json.dumps(prompts))
+        (tmp / "heldout_prompt_images.json").write_text(json.dumps(prompt_images))
+        (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
+        for split in ("train", "heldout"):  # only data that reads back is published to the cache
+            datasets.load_from_disk(str(tmp / split))
+        try:
+            tmp.rename(cached)
+        except OSError:
+            pass  # a concurrent run published the same content first
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _sample_features():

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..config import cache_dir
+from ..files import write_then_rename
 
 
 @dataclass
@@ -75,9 +76,8 @@ def build_draft_vocab(train, target_vocab_size: int, size: int, tokenizer_id: st
     coverage = float(counts[used].sum() / max(counts.sum(), 1))
     vocab = DraftVocab(torch.from_numpy(used).long(), target_vocab_size, coverage)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"draft_to_target": vocab.draft_to_target, "coverage": coverage}, tmp)
-    tmp.replace(path)
+    saved = {"draft_to_target": vocab.draft_to_target, "coverage": coverage}
+    write_then_rename(path, lambda tmp: torch.save(saved, tmp))  # (another run may write it at the same moment)
     return vocab
 
 
