@@ -42,20 +42,32 @@ def test_fake_run_counts_what_a_real_run_allocates(checkpointing):
         assert getattr(fake, part) == pytest.approx(getattr(real, part), rel=0.05), part
 
 
+# The day the draft step's memory last changed: the grouped-query attention stopped copying keys per query head and
+# RMSNorm kept only its input for its backward. An H200 figure from before it measured the step as it was then.
+STEP_MEMORY_CHANGED = "2026-11-28"
+
+
 def test_plan_meets_the_h200_measurement_at_llama3_8b_shape(tmp_path):
     # bench gpu_scale on an H200 (docs/results/gpu_scale_llama3_8b_h200.json): the draft step's peak above its
     # inputs, and the whole peak (target + fp32 draft + its gradients + inputs + step; no optimizer in the
-    # bench), for blockwise TTT attention at 4096 tokens. The plan's figures are within 15% of both.
-    rows = json.loads((ROOT / "docs/results/gpu_scale_llama3_8b_h200.json").read_text())["rows"]
-    gpu = next(r for r in rows if r.get("what") == "ours" and r.get("T") == 4096 and r.get("way") == "blockwise")
+    # bench), for blockwise TTT attention at 4096 tokens. The plan's figures are within 15% of both when the
+    # figures measured today's step; of a step measured before its memory last changed (which only removed
+    # tensors it kept), the plan predicts less, and the rest of the plan is held as ever.
+    measured = json.loads((ROOT / "docs/results/gpu_scale_llama3_8b_h200.json").read_text())
+    gpu = next(r for r in measured["rows"]
+               if r.get("what") == "ours" and r.get("T") == 4096 and r.get("way") == "blockwise")
     out = tmp_path / "plan.json"
     assert plan.main(["model=llama3_8b", "data.max_length=4096", "draft.ttt_attention=blockwise",
                       "--gpus", "8", "--gpu-gib", "24", "--conversations", "1000", "--out", str(out)]) == 0
     p = json.loads(out.read_text())
     t = p["traced"]
-    assert t["step_peak"] / GIB == pytest.approx(gpu["peak_gib"], rel=0.15)
     whole = t["target_weights"] + 4 * t["draft_trainable"] + t["inputs"] + t["step_peak"]
-    assert whole / GIB == pytest.approx(gpu["peak_total_gib"], rel=0.15)
+    if measured["date"] >= STEP_MEMORY_CHANGED:
+        assert t["step_peak"] / GIB == pytest.approx(gpu["peak_gib"], rel=0.15)
+        assert whole / GIB == pytest.approx(gpu["peak_total_gib"], rel=0.15)
+    else:
+        assert 0.5 * gpu["peak_gib"] < t["step_peak"] / GIB < 1.15 * gpu["peak_gib"]
+        assert whole / GIB < 1.15 * gpu["peak_total_gib"]
     # 8 x 24 GiB: one rank cannot hold the 15 GiB target next to an unpartitioned draft and this row
     assert p["proposal"] is not None and p["proposal"]["overrides"] != "trainer=default"
     assert p["proposal"]["total"] <= (24 - plan.RESERVED_GIB) * GIB
