@@ -41,6 +41,25 @@ def write_then_rename(path: Path, write: Callable[[Path], object]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def write_folder_then_rename(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(folder)`` into a new folder of this writer's own beside ``path``, then renamed to ``path``: another
+    process writing the same folder at the same moment never reads or moves these files, and a reader sees the
+    whole folder or none. Where ``path`` exists by then (a concurrent writer published first), it is kept."""
+    import shutil
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    try:
+        write(tmp)
+        try:
+            tmp.rename(path)
+        except OSError:
+            pass  # a concurrent writer published the same content first
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     """JSON rows, one per line, written whole or not at all (``write_then_rename``)."""
     write_then_rename(path, lambda tmp: tmp.write_text("".join(json.dumps(row) + "\n" for row in rows)))

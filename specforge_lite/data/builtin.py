@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from ..config import cache_dir
-from ..files import write_then_rename
+from ..files import write_folder_then_rename, write_then_rename
 
 LICENSE_NOTICE = """The conversations in chitchat.sharegpt.jsonl are converted from chitchat-dataset 0.9.0
 (https://github.com/BYU-PCCL/chitchat-dataset), MIT License,
@@ -82,50 +79,48 @@ def shapes_path(num_images: int = 120, seed: int = 0) -> Path:
     from PIL import Image, ImageDraw
 
     rng = random.Random(seed)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))  # (this writer's own)
-    (tmp_dir / "images").mkdir()
-    rows = []
-    for i in range(num_images):
-        w, h = rng.choice((64, 96, 128)), rng.choice((64, 96, 128))
-        bg_name, color_name, shape = rng.choice(list(_BACKGROUNDS)), rng.choice(list(_COLORS)), rng.choice(_SHAPES)
-        count = rng.randint(1, 3)
-        im = Image.new("RGB", (w, h), _BACKGROUNDS[bg_name])
-        draw = ImageDraw.Draw(im)
-        r = min(w, h) // 6
-        centers = [(int(w * (k + 1) / (count + 1)), rng.randint(r + 2, h - r - 2)) for k in range(count)]
-        for cx, cy in centers:
-            box = (cx - r, cy - r, cx + r, cy + r)
-            if shape == "circle":
-                draw.ellipse(box, fill=_COLORS[color_name])
-            elif shape == "square":
-                draw.rectangle(box, fill=_COLORS[color_name])
-            else:
-                draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=_COLORS[color_name])
-        name = f"images/shape_{i:04d}.png"
-        im.save(tmp_dir / name)
-        noun = shape + ("s" if count > 1 else "")
-        side = "left" if centers[0][0] < w / 3 else "right" if centers[0][0] > 2 * w / 3 else "middle"
-        described = f"{_NUMBERS[count - 1]} {color_name} {noun} on a {bg_name} background"
-        questions = [
-            ("What is in this picture?", f"The picture shows {described}."),
-            ("Describe the image in one sentence.", f"It is a simple drawing of {described}."),
-            (f"How many {shape}s can you see?", f"I can see {_NUMBERS[count - 1]} {noun}."),
-            ("What colour are the shapes?", f"The {noun} {'are' if count > 1 else 'is'} {color_name}."),
-        ]
-        for q, a in rng.sample(questions, 2):
-            messages = [{"role": "user", "content": [{"type": "image", "image": name}, {"type": "text", "text": q}]},
-                        {"role": "assistant", "content": a}]
-            if rng.random() < 0.5:
-                messages += [{"role": "user", "content": "Where is the first one?"},
-                             {"role": "assistant", "content": f"The first {shape} is on the {side} side of the image."}]
-            rows.append({"id": f"shape-{i}-{len(rows)}", "messages": messages})
-    with open(tmp_dir / "shapes.jsonl", "w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row) + "\n")
-    try:
-        os.replace(tmp_dir, out_dir)
-    except OSError:
-        pass  # published by a concurrent run
-    shutil.rmtree(tmp_dir, ignore_errors=True)
+
+    def write(tmp_dir: Path) -> None:
+        (tmp_dir / "images").mkdir()
+        rows = []
+        for i in range(num_images):
+            w, h = rng.choice((64, 96, 128)), rng.choice((64, 96, 128))
+            bg_name, color_name, shape = rng.choice(list(_BACKGROUNDS)), rng.choice(list(_COLORS)), rng.choice(_SHAPES)
+            count = rng.randint(1, 3)
+            im = Image.new("RGB", (w, h), _BACKGROUNDS[bg_name])
+            draw = ImageDraw.Draw(im)
+            r = min(w, h) // 6
+            centers = [(int(w * (k + 1) / (count + 1)), rng.randint(r + 2, h - r - 2)) for k in range(count)]
+            for cx, cy in centers:
+                box = (cx - r, cy - r, cx + r, cy + r)
+                if shape == "circle":
+                    draw.ellipse(box, fill=_COLORS[color_name])
+                elif shape == "square":
+                    draw.rectangle(box, fill=_COLORS[color_name])
+                else:
+                    draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=_COLORS[color_name])
+            name = f"images/shape_{i:04d}.png"
+            im.save(tmp_dir / name)
+            noun = shape + ("s" if count > 1 else "")
+            side = "left" if centers[0][0] < w / 3 else "right" if centers[0][0] > 2 * w / 3 else "middle"
+            described = f"{_NUMBERS[count - 1]} {color_name} {noun} on a {bg_name} background"
+            questions = [
+                ("What is in this picture?", f"The picture shows {described}."),
+                ("Describe the image in one sentence.", f"It is a simple drawing of {described}."),
+                (f"How many {shape}s can you see?", f"I can see {_NUMBERS[count - 1]} {noun}."),
+                ("What colour are the shapes?", f"The {noun} {'are' if count > 1 else 'is'} {color_name}."),
+            ]
+            for q, a in rng.sample(questions, 2):
+                image_and_question = [{"type": "image", "image": name}, {"type": "text", "text": q}]
+                messages = [{"role": "user", "content": image_and_question}, {"role": "assistant", "content": a}]
+                if rng.random() < 0.5:
+                    where = f"The first {shape} is on the {side} side of the image."
+                    messages += [{"role": "user", "content": "Where is the first one?"},
+                                 {"role": "assistant", "content": where}]
+                rows.append({"id": f"shape-{i}-{len(rows)}", "messages": messages})
+        with open(tmp_dir / "shapes.jsonl", "w", encoding="utf-8") as fh:
+            for row in rows:
+                fh.write(json.dumps(row) + "\n")
+
+    write_folder_then_rename(out_dir, write)  # (another run may write it at the same moment)
     return out

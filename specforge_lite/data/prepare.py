@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import DataConfig, GenerationConfig, MixSource, cache_dir
+from ..files import write_folder_then_rename
 from .builtin import chitchat_path, shapes_path
 from .chat import LOSS_TURNS, check_renderable, given_prompt, prompt_ids, tokenize_samples
 from .errors import DataError, MalformedRow
@@ -444,16 +445,11 @@ def _split_stats(train, heldout, read: _Read) -> dict:
 
 
 def _publish(cached: Path, train, heldout, prompts: list, prompt_images: list, stats: dict) -> None:
-    """Write the prepared data under a temporary name of this writer's own and rename it into the cache once it
-    reads back: another run preparing the same data at the same moment never reads or moves these files."""
-    import shutil
-    import tempfile
-
+    """Write the prepared data into a folder of this writer's own and rename it into the cache once it reads back
+    (``write_folder_then_rename``: another run preparing the same data at once never touches these files)."""
     import datasets
 
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f".{cached.name}.tmp-"))
-    try:
+    def write(tmp: Path) -> None:
         for name, split in (("train", train), ("heldout", heldout)):
             # datasets writes an empty split as no shard at all, which it then cannot read back: ask for one
             split.save_to_disk(str(tmp / name), num_shards=1 if len(split) == 0 else None)
@@ -462,12 +458,8 @@ def _publish(cached: Path, train, heldout, prompts: list, prompt_images: list, s
         (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
         for split in ("train", "heldout"):  # only data that reads back is published to the cache
             datasets.load_from_disk(str(tmp / split))
-        try:
-            tmp.rename(cached)
-        except OSError:
-            pass  # a concurrent run published the same content first
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    write_folder_then_rename(cached, write)
 
 
 def _sample_features():
