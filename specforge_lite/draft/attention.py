@@ -92,10 +92,11 @@ class _CausalAttentionLSE(torch.autograd.Function):
             e = min(s + block, q.shape[-2])
             end = min(q_offset + e, k.shape[-2])
             rows = (torch.arange(s, e, device=q.device) + q_offset).repeat(groups)
-            qb, gb = _group_rows(qf, kv_heads, s, e), _group_rows(g, kv_heads, s, e)
-            kb, vb = kf[:, :, :end], vf[:, :, :end]
+            q_rows = _group_rows(q, kv_heads, s, e)
+            qb = q_rows if qf is q else _group_rows(qf, kv_heads, s, e)  # (one regrouped copy where they are one)
+            gb, kb, vb = _group_rows(g, kv_heads, s, e), kf[:, :, :end], vf[:, :, :end]
             with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_on):
-                scores = _block_scores(_group_rows(q, kv_heads, s, e), k[:, :, :end], scale, rows, segments)
+                scores = _block_scores(q_rows, k[:, :, :end], scale, rows, segments)
                 probs = torch.exp(scores - _group_rows(lse, kv_heads, s, e)[..., None])
                 dv[:, :, :end] += torch.matmul(probs.transpose(-1, -2), gb)
                 ds = probs * (torch.matmul(gb, vb.transpose(-1, -2)) - _group_rows(D, kv_heads, s, e)[..., None])
