@@ -89,15 +89,16 @@ def parity_seeds(data: dict) -> str:
 
 
 def gpu_scale(data: dict) -> str:
-    """benchmarks.md's table of the gpu_scale result: capture and each TTT attention way, per length."""
-    ways = ["blockwise", "flex", "flex+ckpt", "sdpa"]
-    rows = []
-    for T in sorted({r["T"] for r in data["rows"] if "T" in r}):
-        at = {r.get("way", r["what"]): r for r in data["rows"] if r.get("T") == T and not r.get("loss_chunk_rows")}
-        cell = lambda r: ("out of memory" if r.get("oom") else f"{r['tokens_per_s']:.0f} ({r['peak_gib']:.1f})"  # noqa: E731
-                          ) if r else "not run"
-        rows.append([T, f"{at['capture']['tokens_per_s']:.0f}", *(cell(at.get(w)) for w in ways)])
-    return table(["T", "capture tok/s", "blockwise", "flex", "flex + checkpointing", "sdpa"], rows)
+    """A gpu_scale result as the benchmark prints it (``bench gpu_scale --table``): tokens/s and peak of each way
+    and peer per length, ours against the faster peer, and where one profiled step's time went."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from specforge_lite.bench.gpu_scale import profiles_markdown, table_markdown
+
+    caption = (f"*{data['device']}, {data['date']}; torch {data['torch']}, transformers {data['transformers']}; "
+               f"`{data['command']}`.*")
+    profiles = profiles_markdown(data["rows"])
+    return "\n\n".join([caption, table_markdown(data), *([profiles] if profiles else [])])
 
 
 def adapt_table(data: dict) -> str:

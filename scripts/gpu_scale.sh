@@ -4,11 +4,13 @@
 #   bash scripts/gpu_scale.sh           (there: results in $OUT, else runs/gpu_scale/: *.json, *.log)
 # 1. installs the wheels carried in .whl/ours (transformers at the tested version) and .whl/peers (SpecForge,
 #    speculators and what the image lacks: studies/peers/gpu_wheels.sh makes them);
-# 2. bench gpu_scale on Llama-3.1-8B's shape: ours (each TTT attention way) against both peers, then DFlash
-#    and DSpark steps;
-# 3. Qwen3-32B's shape online at 8k (64 GB of bf16 weights: one H200, or an H100 with ZeRO-3 offload);
-# 4. the sizing command's prediction for that run (python -m specforge_lite.plan, fake tensors on the host), to
-#    hold against 3's measured peak (blockwise attention: its peak was within 3% of flex's at Llama-3.1-8B's shape).
+# 2. the run's default step on a GPU (flex attention, compiled chains: draft/objective.py BY_DEVICE) on packed
+#    rows of three lengths, checked against the fp32 reference, and the DFlash and DSpark steps;
+# 3. bench gpu_scale on Llama-3.1-8B's shape, what docs/benchmarks.md does not have yet: speculators at 2k and
+#    32k, and 128k tokens, ours (checkpointed) against both peers;
+# 4. (GPU_SCALE_32B_S > 0) Qwen3-32B's shape online at 8k (64 GB of bf16 weights: one H200, or an H100 with
+#    ZeRO-3 offload), and the sizing command's prediction for it (python -m specforge_lite.plan, fake tensors on
+#    the host), to hold against its measured peak.
 # Each part has a time limit so the whole fits one 10-minute call; a part cut short keeps its finished rows.
 # GPU_SCALE_DRY=1: the same commands at tiny shapes on a CPU (tests/test_gpu_scale.py), so a lent GPU finds a
 # script whose every command runs.
@@ -23,8 +25,9 @@ if [ "${1:-}" = --wheels ]; then  # transformers at the version the project test
   exec bash studies/peers/gpu_wheels.sh
 fi
 mkdir -p "$OUT"
-dry=() big=qwen3_32b big_len=8192 plan_model=qwen3_32b
-[ -n "${GPU_SCALE_DRY:-}" ] && dry=(--dry-run) big=tiny big_len=160 plan_model=llama3_tiny
+dry=() big=qwen3_32b big_len=8192 plan_model=qwen3_32b short=8192 method_lens=2048,8192 lens=2048,32768,131072 long=131072
+[ -n "${GPU_SCALE_DRY:-}" ] && dry=(--dry-run) big=tiny big_len=160 plan_model=llama3_tiny short=160 method_lens=64 \
+  lens=64,160 long=160
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 install() {  # wheels of folder $1 into $2, nothing resolved (no network)
   ls "$1"/*.whl >/dev/null 2>&1 &&
@@ -36,13 +39,17 @@ if [ -z "${GPU_SCALE_DRY:-}" ]; then  # (a dry run uses the environment it is in
   install .whl/peers /tmp/peers-site && peers=(--peers specforge,speculators --peer-path /tmp/peers-site)
 fi
 [ -z "${GPU_SCALE_DRY:-}" ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-# (--long-from 32768: the peers run after 2k and 8k, before the long rows, so a run cut short has them)
-timeout -k 10 "${GPU_SCALE_8B_S:-400}" "$PY" -m specforge_lite.bench gpu_scale "${dry[@]}" "${peers[@]}" --repeats 1 \
-  --long-from 32768 --loss-chunks 4096 --budget-s "${GPU_SCALE_BUDGET_S:-300}" \
-  --out "$OUT/gpu_scale_llama3_8b.json" 2>&1 |
-  tee "$OUT/gpu_scale_llama3_8b.log"
-timeout -k 10 "${GPU_SCALE_32B_S:-120}" "$PY" -m specforge_lite.bench gpu_scale "${dry[@]}" --target "$big" --seq-lens "$big_len" \
-  --ways "${GPU_SCALE_32B_WAY:-flex}" --online-only --methods "" --out "$OUT/gpu_scale_qwen3_32b.json" 2>&1 |
+timeout -k 10 "${GPU_SCALE_DEFAULT_S:-150}" "$PY" -m specforge_lite.bench gpu_scale "${dry[@]}" --ways default \
+  --seq-lens "$short" --packed "$short" --method-seq-lens "$method_lens" --repeats 1 \
+  --out "$OUT/gpu_scale_llama3_8b_default.json" 2>&1 | tee "$OUT/gpu_scale_llama3_8b_default.log"
+# (--long-from 131072: speculators runs at 2k and 32k before the 128k row, so a run cut short has them)
+timeout -k 10 "${GPU_SCALE_8B_S:-390}" "$PY" -m specforge_lite.bench gpu_scale "${dry[@]}" "${peers[@]}" --repeats 1 \
+  --seq-lens "$lens" --ways default --long-from "$long" --long-ways default+ckpt --methods "" \
+  --peer-seq-lens "speculators=$lens;specforge=$long" --peer-timeout 220 --budget-s "${GPU_SCALE_BUDGET_S:-330}" \
+  --out "$OUT/gpu_scale_llama3_8b_peers.json" 2>&1 | tee "$OUT/gpu_scale_llama3_8b_peers.log"
+[ "${GPU_SCALE_32B_S:-0}" -gt 0 ] || exit 0
+timeout -k 10 "$GPU_SCALE_32B_S" "$PY" -m specforge_lite.bench gpu_scale "${dry[@]}" --target "$big" --seq-lens "$big_len" \
+  --ways "${GPU_SCALE_32B_WAY:-default}" --online-only --methods "" --out "$OUT/gpu_scale_qwen3_32b.json" 2>&1 |
   tee "$OUT/gpu_scale_qwen3_32b.log"
 timeout -k 10 "${PLAN_32B_S:-60}" "$PY" -m specforge_lite.plan model="$plan_model" data.max_length="$big_len" \
   draft.ttt_attention=blockwise --gpus 1 --gpu-gib 141 --out "$OUT/plan_qwen3_32b.json" 2>&1 | tee "$OUT/plan_qwen3_32b.log"

@@ -16,12 +16,17 @@ def test_gpu_scale_dry_run_checks_and_times_every_way_and_method(tmp_path, capsy
     rows = data["rows"]
     assert data["target"] == "tiny" and data["device"] == "cpu"
     check = next(r for r in rows if r["what"] == "check")["ways"]
-    # (flex has no backward on CPU: checked on a GPU)
-    assert set(check) == {"blockwise", "blockwise+compile", "dense", "sdpa"}
+    # (flex has no backward on CPU: checked on a GPU; "default" is the device's way, blockwise here)
+    assert set(check) == {"blockwise", "blockwise+compile", "dense", "sdpa", "default"}
     for way, c in check.items():  # the fp32 reference's loss and gradients, up to fp32 rounding (no autocast on CPU)
         assert c["correct"] and c["grad_rel_err"] < 1e-4 and c["loss_rel_diff"] < 1e-5, (way, c)
     timed = {(r["what"], r.get("way"), r["T"]) for r in rows if r.get("tokens_per_s")}
-    assert {("ours", w, T) for w in ("blockwise", "blockwise+compile", "dense", "sdpa") for T in (64, 160)} <= timed
+    assert {("ours", w, T) for w in ("blockwise", "blockwise+compile", "dense", "sdpa", "default")
+            for T in (64, 160)} <= timed
+    # the default way on packed rows (positions restarting per conversation) at three lengths, each checked
+    packed = [r for r in rows if r["what"] == "packed"]
+    assert [r["T"] for r in packed] == [160, 137, 115] and all(r["conversations"] > 1 for r in packed), packed
+    assert all(r["correct"] and r["grad_rel_err"] < 1e-4 and r["tokens_per_s"] > 0 for r in packed), packed
     assert {("capture", None, 64), ("dflash", None, 64), ("dspark", None, 64)} <= timed
     for r in rows:  # one step of each way profiled at the first length: where its time goes
         if r["what"] == "ours" and r["T"] == 64:
@@ -29,8 +34,8 @@ def test_gpu_scale_dry_run_checks_and_times_every_way_and_method(tmp_path, capsy
             assert prof["by_kind_ms"]["matmul"] > 0 and prof["top"], prof
             assert 0 < prof["busy_ms"] <= 1.05 * prof["wall_ms"], prof
     table = capsys.readouterr().out
-    assert ("| T | capture tok/s | ours blockwise | ours blockwise+compile | ours dense | ours sdpa | dflash | dspark |"
-            in table)
+    assert ("| T | capture tok/s | ours blockwise | ours blockwise+compile | ours default | ours dense | ours sdpa | "
+            "dflash | dspark | packed default |" in table)
     assert "| step | T | wall ms | busy | attention | matmul | compiled | copy | elementwise |" in table
 
 
@@ -40,7 +45,7 @@ def test_a_way_it_cannot_run_is_refused_before_the_target_is_built(monkeypatch):
 
     monkeypatch.setattr(gpu_scale, "build_target", lambda *a: pytest.fail("built the target"))
     for ways in (["--ways", "blockwise,flexx"], ["--long-ways", "flex+ckpt+fast"]):
-        with pytest.raises(SystemExit, match="an attention of blockwise, flex, dense, sdpa, then"):
+        with pytest.raises(SystemExit, match="an attention of blockwise, flex, dense, sdpa or default, then"):
             gpu_scale.main(["--dry-run", *ways])
 
 
@@ -95,21 +100,55 @@ def test_a_peers_lines_become_rows_and_a_length_it_did_not_reach_says_why(tmp_pa
 
 def test_the_gpu_script_runs_each_of_its_commands_at_tiny_shapes(tmp_path):
     """scripts/gpu_scale.sh is what a lent GPU runs first, with minutes to spare and no second try: with
-    GPU_SCALE_DRY=1 its every command (the 8B benchmark, the big target's online run, the sizing command for it)
-    runs at tiny shapes on CPU, and each writes its result file."""
+    GPU_SCALE_DRY=1 its every command (the default step on packed rows and the block drafts, the 8B benchmark
+    against the peers, and with GPU_SCALE_32B_S the big target's online run and the sizing command for it) runs at
+    tiny shapes on CPU, and each writes its result file."""
     import os
     import subprocess
     import sys
 
     from conftest import ROOT
 
-    env = {**os.environ, "GPU_SCALE_DRY": "1", "OUT": str(tmp_path), "PY": sys.executable}
+    env = {**os.environ, "GPU_SCALE_DRY": "1", "OUT": str(tmp_path), "PY": sys.executable, "GPU_SCALE_32B_S": "300"}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_scale.sh")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    eight_b = json.loads((tmp_path / "gpu_scale_llama3_8b.json").read_text())
-    assert any(r["what"] == "ours" and r.get("tokens_per_s") for r in eight_b["rows"]), eight_b["rows"]
+    default = json.loads((tmp_path / "gpu_scale_llama3_8b_default.json").read_text())
+    assert {r["what"] for r in default["rows"] if r.get("tokens_per_s")} == {"capture", "ours", "packed", "dflash",
+                                                                             "dspark"}, default["rows"]
+    eight_b = json.loads((tmp_path / "gpu_scale_llama3_8b_peers.json").read_text())
+    assert {(r["T"], r.get("way")) for r in eight_b["rows"] if r["what"] == "ours" and r.get("tokens_per_s")} == {
+        (64, "default"), (160, "default+ckpt")}, eight_b["rows"]
     big = json.loads((tmp_path / "gpu_scale_qwen3_32b.json").read_text())
     assert [r["what"] for r in big["rows"] if r.get("tokens_per_s")] == ["capture", "ours"], big["rows"]
     plan = json.loads((tmp_path / "plan_qwen3_32b.json").read_text())
     assert plan, proc.stdout[-2000:]
+
+
+def test_the_table_compares_the_fastest_correct_way_with_the_faster_peer_at_each_length():
+    """The check names each way as timed ("flex+compile", not "flex"); a length skipped for the time budget has no
+    capture figure. The H200 run of 2026-11-28 printed no ratio at all and a capture of 0 tok/s for the skipped
+    length."""
+    data = {"device": "NVIDIA H200", "target": "llama3_8b", "ttt": 7, "draft_vocab": 32000, "rows": [
+        {"what": "capture", "T": 8192, "tokens_per_s": 30248.0},
+        {"what": "check", "T": 8192, "ways": {"blockwise": {"correct": True}, "flex+compile": {"correct": True},
+                                              "sdpa": {"correct": False}}},
+        {"what": "ours", "T": 8192, "way": "flex+compile", "tokens_per_s": 25379.0, "peak_gib": 12.8},
+        {"what": "ours", "T": 8192, "way": "sdpa", "tokens_per_s": 40000.0, "peak_gib": 20.0},
+        {"what": "specforge", "T": 8192, "tokens_per_s": 26221.0, "peak_gib": 23.4},
+        {"what": "speculators", "T": 8192, "tokens_per_s": 29510.0, "peak_gib": 26.3},
+        {"what": "ours", "T": 131072, "skipped": "past --budget-s"}]}
+    lines = gpu_scale.table_markdown(data).splitlines()
+    at_8k = next(line for line in lines if line.startswith("| 8192 |"))
+    assert at_8k.endswith("| 0.86x |"), at_8k  # 25379 / 29510: the incorrect sdpa is not ours
+    at_128k = next(line for line in lines if line.startswith("| 131072 |"))
+    assert at_128k.startswith("| 131072 |  |") and "past --budget-s" in at_128k, at_128k
+
+
+def test_each_peer_runs_at_the_lengths_given_for_all_or_for_it():
+    """A lent GPU's minutes go to what is not yet measured: one peer at some lengths, the other at fewer."""
+    assert gpu_scale.peer_lengths("2048,8192", ["specforge", "speculators"]) == {
+        "specforge": [2048, 8192], "speculators": [2048, 8192]}
+    assert gpu_scale.peer_lengths("speculators=2048,32768;specforge=131072", ["specforge", "speculators"]) == {
+        "specforge": [131072], "speculators": [2048, 32768]}
+    assert gpu_scale.peer_lengths("speculators=2048", ["specforge", "speculators"])["specforge"] == []

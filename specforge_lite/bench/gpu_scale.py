@@ -12,8 +12,11 @@ row is scored (the teacher's argmax counted inside the draft vocabulary), as the
 
 Ways of the TTT attention (draft.ttt_attention): blockwise (query blocks in a Python loop), flex (one
 compiled flex-attention kernel per step), sdpa (one SDPA call per step over every step's keys with an
-explicit mask: memory quadratic in T), dense; a way's "+ckpt" recomputes each step in backward
+explicit mask: memory quadratic in T), dense, and default (the settings left null, as a run has them: the
+device's way, draft/objective.py BY_DEVICE); a way's "+ckpt" recomputes each step in backward
 (draft.checkpointing), its "+compile" runs the step's elementwise chains as compiled kernels (draft.compile).
+``--packed T``: the default way also on packed rows (conversations of random lengths) at T and two shorter
+lengths, each checked and timed, as a run's batches come.
 Before timing, each way's loss and gradients at the first length are compared with blockwise's (bf16
 tolerance): an incorrect way is never the chosen one.
 
@@ -58,8 +61,8 @@ TARGETS = {
                                     max_position_embeddings=4096, rms_norm_eps=1e-5,
                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
-DRY_RUN = dict(target="tiny", seq_lens="64,160", ways="blockwise,blockwise+compile,dense,sdpa", draft_vocab=256,
-               methods="dflash,dspark", method_seq_lens="64", repeats=1)
+DRY_RUN = dict(target="tiny", seq_lens="64,160", ways="blockwise,blockwise+compile,dense,sdpa,default",
+               draft_vocab=256, methods="dflash,dspark", method_seq_lens="64", repeats=1, packed=160)
 
 
 def peer_shape(name: str) -> dict:
@@ -136,6 +139,22 @@ def capture(target, teacher, T: int, seed: int):
     captured = target.capture(ids)
     logits, in_vocab = teacher(captured, UnrollObjective.teacher_positions(loss_mask))
     return UnrollInputs(captured.aux, ids, logits, torch.ones_like(in_vocab), loss_mask), captured.final_hidden
+
+
+def packed(inputs, T: int, seed: int):
+    """The first ``T`` rows of ``inputs`` as packed conversations of random lengths (positions restarting at 0
+    where each starts), as data.packing makes them: (UnrollInputs, number of conversations)."""
+    from ..draft.objective import UnrollInputs
+
+    g = torch.Generator().manual_seed(seed)
+    lengths, left = [], T
+    while left > 0:
+        lengths.append(min(left, int(torch.randint(max(T // 8, 1), max(T // 3, 2), (1,), generator=g))))
+        left -= lengths[-1]
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).to(inputs.input_ids.device)
+    head = lambda t: t[:, :T]  # noqa: E731
+    return UnrollInputs([head(a) for a in inputs.aux], head(inputs.input_ids), head(inputs.teacher_logits),
+                        head(inputs.in_vocab), head(inputs.loss_mask), positions), len(lengths)
 
 
 def _sync(device: torch.device) -> None:
@@ -262,14 +281,17 @@ def replace_attention(objective, way: str):
 
 
 def way_options(way: str) -> dict:
-    """The objective's settings of a way "ATTENTION[+ckpt][+compile]"."""
+    """The objective's settings of a way "ATTENTION[+ckpt][+compile]"; the attention "default" leaves the
+    attention and compile settings null: the device's (draft/objective.py ``BY_DEVICE``), as a run's defaults."""
     from ..draft.ttt import TTT_ATTENTION
 
     attention, *options = way.split("+")
-    if attention not in TTT_ATTENTION or set(options) - {"ckpt", "compile"}:
-        raise SystemExit(f"error: way {way!r}: an attention of {', '.join(TTT_ATTENTION)}, then +ckpt and/or "
-                         "+compile")
-    return {"attention": attention, "checkpointing": "ckpt" in options, "compile": "compile" in options}
+    if attention not in (*TTT_ATTENTION, "default") or set(options) - {"ckpt", "compile"}:
+        raise SystemExit(f"error: way {way!r}: an attention of {', '.join(TTT_ATTENTION)} or default, then +ckpt "
+                         "and/or +compile")
+    default = attention == "default"
+    return {"attention": None if default else attention, "checkpointing": "ckpt" in options,
+            "compile": True if "compile" in options else None if default else False}
 
 
 def replace_objective(objective, **changes):
@@ -282,6 +304,14 @@ def replace_objective(objective, **changes):
 def _oom_row(e: BaseException) -> dict:
     torch.cuda.empty_cache()
     return {"oom": True, "error": str(e).splitlines()[0][:160]}
+
+
+def peer_lengths(spec: str, peers: list[str]) -> dict[str, list[int]]:
+    """``--peer-seq-lens``: "T,T" (every peer at these lengths) or "NAME=T,T;NAME=T" (each peer at its own)."""
+    if "=" not in spec:
+        return {name: [int(x) for x in spec.split(",") if x] for name in peers}
+    per = {name: [int(x) for x in lens.split(",") if x] for name, lens in (part.split("=") for part in spec.split(";"))}
+    return {name: per.get(name, []) for name in peers}
 
 
 def run_peer(name: str, a, lens: list[int], folder: Path, shape: dict, over) -> list[dict]:
@@ -357,11 +387,14 @@ def main(argv=None) -> None:
     p.add_argument("--peers", default="", help="specforge,speculators: their drivers (studies/peers)")
     p.add_argument("--peer-python", default="python3")
     p.add_argument("--peer-path", default="", help="prepended to the peers' PYTHONPATH (their wheels)")
-    p.add_argument("--peer-seq-lens", default="2048,8192,32768,65536")
+    p.add_argument("--peer-seq-lens", default="2048,8192,32768,65536",
+                   help="T,T,... for every peer, or NAME=T,T;NAME=T,... for each")
     p.add_argument("--peer-timeout", type=float, default=300, help="seconds for each peer's process, all lengths")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--budget-s", type=float, default=0, help="rows not started after this many seconds are skipped")
     p.add_argument("--online-only", action="store_true", help="one way, no check, no peers: a big target's run")
+    p.add_argument("--packed", type=int, default=0, help="at this length (one of --seq-lens), the default way on "
+                   "packed rows of three lengths, checked and timed")
     p.add_argument("--out", default=None)
     p.add_argument("--table", default=None, metavar="RESULT.json", help="print the table of a result file and exit")
     a = p.parse_args(argv)
@@ -422,7 +455,7 @@ class Run:
         self.target, self.teacher, self.over, self.folder, self.shape = target, teacher, over, folder, shape
         self.ways = [w for w in a.ways.split(",") if w]
         self.peers = [x for x in a.peers.split(",") if x]
-        self.peer_lens = [int(x) for x in a.peer_seq_lens.split(",")]
+        self.peer_lens = peer_lengths(a.peer_seq_lens, self.peers)
 
     def ours_at(self, T: int, draft, objective, first: bool) -> bool:
         """Capture one row of T tokens, then time our draft step on it in each way (at the first length: each
@@ -450,9 +483,28 @@ class Run:
         for way in (a.long_ways.split(",") if long else self.ways)[: 1 if a.online_only else None]:
             _time_way(res, draft, replace_attention(objective, way), inputs, device, autocast,
                       1 if long else a.repeats, T, way, cap, profile=first and not a.online_only)
-        if self.peers and T in self.peer_lens:  # the peers run on these very states
+        if T == a.packed and not a.online_only:
+            self.packed_at(T, draft, objective, inputs)
+        if any(T in lens for lens in self.peer_lens.values()):  # the peers run on these very states
             save_inputs(inputs, final_hidden, self.folder / f"inputs_{T}.safetensors")
         return True
+
+    def packed_at(self, T: int, draft, objective, inputs) -> None:
+        """The run's default step (``default`` way) on packed rows at three lengths up to ``T`` (a run's
+        batches differ in length: compiled kernels must follow), each checked against the fp32 reference on
+        the same rows, then timed."""
+        for length in (T, T - T // 8 - 3, T - T // 4 - 5):
+            rows, conversations = packed(inputs, length, seed=length)
+            row = {"what": "packed", "T": length, "way": "default", "conversations": conversations}
+            try:
+                verdict = check_ways(draft, objective, rows, ["default"], self.autocast)["default"]
+                r = measure(draft_step(draft, replace_attention(objective, "default"), rows, self.autocast),
+                            self.device, self.a.repeats)
+            except torch.cuda.OutOfMemoryError as e:
+                draft.zero_grad(set_to_none=True)
+                self.res.add({**row, **_oom_row(e)})
+                continue
+            self.res.add({**row, **verdict, **r, "tokens_per_s": length / r["seconds"]})
 
     def peers_at(self, lens: list[int]) -> None:
         """Each peer in its own process, one for all these lengths (its compiles paid once), on the saved rows."""
@@ -460,7 +512,8 @@ class Run:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         for name in self.peers:
-            for row in run_peer(name, self.a, lens, self.folder, self.shape, self.over):
+            for row in run_peer(name, self.a, [T for T in lens if T in self.peer_lens[name]], self.folder, self.shape,
+                                self.over):
                 self.res.add({"what": name, **row})
         for T in lens:
             (self.folder / f"inputs_{T}.safetensors").unlink()
@@ -505,17 +558,29 @@ def _time_way(res, draft, objective, inputs, device, autocast, repeats, T, way, 
 
 
 def print_table(data: dict) -> None:
+    print("\n" + table_markdown(data))
+    profiles = profiles_markdown(data["rows"])
+    if profiles:
+        print("\n" + profiles)
+
+
+def table_markdown(data: dict) -> str:
     """The Markdown table of a result file: per length, the draft step's tokens/s and peak of each way and
-    peer, and ours (the fastest correct way) against the faster peer."""
+    peer, and ours (the fastest way the check found correct) against the faster peer."""
     rows = data["rows"]
     check = next((r["ways"] for r in rows if r.get("what") == "check"), {})
-    correct = lambda way: way.split("+")[0] == "blockwise" or check.get(way.split("+")[0], {}).get("correct", False)  # noqa: E731,E501
+
+    def correct(way: str) -> bool:  # (a result file from before the check named ways in full keys the attention)
+        verdict = check.get(way, check.get(way.split("+")[0], {}))
+        return way.split("+")[0] == "blockwise" or verdict.get("correct", False)
+
     cols = sorted({(r["what"], r.get("way", "")) for r in rows if "T" in r and r["what"] not in ("capture", "check")
                    and not r.get("loss_chunk_rows")}, key=lambda c: (c[0] != "ours", c))
-    print(f"\n{data['device']}, target {data['target']} (random weights), TTT {data['ttt']}, draft vocab "
-          f"{data['draft_vocab']}, micro-batch 1; draft step = forward + loss + backward, tokens/s (peak GiB)")
-    print("| T | capture tok/s | " + " | ".join(f"{w} {x}".strip() for w, x in cols) + " | ours / faster peer |")
-    print("|---" * (len(cols) + 3) + "|")
+    lines = [f"{data['device']}, target {data['target']} (random weights), TTT {data['ttt']}, draft vocab "
+             f"{data['draft_vocab']}, micro-batch 1; draft step = forward + loss + backward, tokens/s (peak GiB)",
+             "",
+             "| T | capture tok/s | " + " | ".join(f"{w} {x}".strip() for w, x in cols) + " | ours / faster peer |",
+             "|---" * (len(cols) + 3) + "|"]
     for T in sorted({r["T"] for r in rows if "T" in r}):
         at = {(r["what"], r.get("way", "")): r for r in rows if r.get("T") == T and not r.get("loss_chunk_rows")}
         cap = at.get(("capture", ""), {})
@@ -525,24 +590,26 @@ def print_table(data: dict) -> None:
         peer = max((r["tokens_per_s"] for (w, _), r in at.items() if w in ("specforge", "speculators")
                     and r.get("tokens_per_s") and not r.get("oom")), default=None)
         ratio = f"{ours / peer:.2f}x" if ours and peer else ""
-        print(f"| {T} | {cap.get('tokens_per_s', 0):.0f} | " + " | ".join(cells) + f" | {ratio} |")
-    print_profiles(rows)
+        capture = f"{cap['tokens_per_s']:.0f}" if "tokens_per_s" in cap else _cell(cap or None)
+        lines.append(f"| {T} | {capture} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines)
 
 
-def print_profiles(rows: list[dict]) -> None:
+def profiles_markdown(rows: list[dict]) -> str:
     """Where one step's time went, per profiled row: wall ms, the device's share of it, ms by kind of kernel."""
     profiled = [r for r in rows if r.get("profile", {}).get("by_kind_ms")]
     if not profiled:
-        return
+        return ""
     kinds = [k for k, _ in KERNEL_KINDS] + ["elementwise"]
-    print("\nOne step under the profiler: wall ms, device busy, ms by kind of kernel")
-    print("| step | T | wall ms | busy | " + " | ".join(kinds) + " |")
-    print("|---" * (len(kinds) + 4) + "|")
+    lines = ["One step under the profiler: wall ms, device busy, ms by kind of kernel", "",
+             "| step | T | wall ms | busy | " + " | ".join(kinds) + " |",
+             "|---" * (len(kinds) + 4) + "|"]
     for r in profiled:
         prof = r["profile"]
         who = f"{r['what']} {r.get('way', '')}".strip()
-        print(f"| {who} | {r['T']} | {prof['wall_ms']:.1f} | {prof['busy_ms'] / prof['wall_ms']:.0%} | "
-              + " | ".join(f"{prof['by_kind_ms'].get(k, 0):.1f}" for k in kinds) + " |")
+        lines.append(f"| {who} | {r['T']} | {prof['wall_ms']:.1f} | {prof['busy_ms'] / prof['wall_ms']:.0%} | "
+                     + " | ".join(f"{prof['by_kind_ms'].get(k, 0):.1f}" for k in kinds) + " |")
+    return "\n".join(lines)
 
 
 def _cell(r: dict | None) -> str:
@@ -550,8 +617,12 @@ def _cell(r: dict | None) -> str:
         return ""
     if r.get("oom"):
         return "out of memory"
-    if r.get("skipped") or r.get("error"):
-        return r.get("skipped") or "failed"
+    if r.get("skipped"):
+        return r["skipped"]
+    if r.get("correct") is False:
+        return "incorrect"
+    if r.get("error"):  # (a peer's process cut at --peer-timeout is no failure of its code)
+        return "past --peer-timeout" if r["error"].startswith("ran past --peer-timeout") else "failed"
     peak = r.get("peak_gib")
     return f"{r['tokens_per_s']:.0f}" + (f" ({peak:.1f})" if peak else "")
 
