@@ -124,8 +124,8 @@ class DraftSettings:
     loss_chunk_rows: Optional[int] = None
     # The elementwise chains of each training step (RMSNorm, rope, SwiGLU, the loss's softmax and gradient) as
     # compiled kernels (torch.compile; draft/fused.py): far fewer passes over memory on a GPU, after compiling at
-    # the start. On a CPU it needs a C++ compiler.
-    compile: bool = False
+    # the start. On a CPU it needs a C++ compiler. Null: on a GPU, off elsewhere (draft/objective.py BY_DEVICE).
+    compile: Optional[bool] = None
 
 
 @dataclass

@@ -214,7 +214,7 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
     from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                                FakeTensorMode)
 
-    from .draft.objective import DEFAULT_CHUNK_ROWS, UnrollInputs, UnrollObjective
+    from .draft.objective import BY_DEVICE, UnrollInputs, UnrollObjective
     from .methods import build_objective, draft_method, draft_spec, draft_vocab_size
     from .targets.families import get_family
     from .targets.families.base import architecture_class
@@ -267,7 +267,7 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
             # passes, which fake tensors measure without compiling)
             changes = {"compile": False, **({"checkpointing": True} if checkpointing else {})}
             if config.draft.loss_chunk_rows is None:
-                changes["loss_chunk_rows"] = DEFAULT_CHUNK_ROWS["cuda"]
+                changes["loss_chunk_rows"] = BY_DEVICE["cuda"]["loss_chunk_rows"]
             objective = build_objective(dataclasses.replace(config.draft, **changes))
             # the products as CUDA autocast makes them (trainer.precision=fp32: none)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.trainer.precision != "fp32"):

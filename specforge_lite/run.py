@@ -23,7 +23,7 @@ from .data import BatchStream, DraftVocab, build_draft_vocab, pad_id
 from .data.images import image_inputs
 from .data.vocab import choose_mask_token
 from .device import dtype_name, native_bf16, resolve_dtype
-from .draft import Draft, DraftSpec, UnrollObjective
+from .draft import Draft, DraftSpec, UnrollObjective, by_device
 from .export import load_export
 from .export.for_target import draft_from_weights, target_mismatch
 from .generation import prepare_with_target
@@ -81,6 +81,7 @@ class Run:
         log(f"[target] {describe_target(config, target)}" + (f"; {ctx.world_size} ranks, target "
             f"{'sharded (ZeRO-3)' if config.target.shard == 'zero3' else 'replicated'}" if ctx.enabled else ""))
         log(f"[precision] {describe_precision(config, target)}")
+        log(f"[step] {describe_step(config.draft, target.device)}")
         # rank 0 prepares (and caches) the data first; the other ranks then read the same cache
         if not ctx.is_main:
             ctx.barrier()
@@ -140,6 +141,15 @@ def describe_precision(config: Config, target: Target) -> str:
               f"draft training {training}" + (" (auto)" if config.trainer.precision == "auto" else "")]
     verdict = "native" if support.native else "not native"
     return f"{', '.join(chosen)}; bf16 is {verdict} on {target.device.type}: {support.reason}"
+
+
+def describe_step(draft_settings, device: torch.device) -> str:
+    """One line for the run's log: how the draft's step runs on this device, and which of its settings the device
+    chose (left null: draft/objective.py ``BY_DEVICE``)."""
+    names = [n for n in ("ttt_attention", "compile", "loss_chunk_rows") if hasattr(draft_settings, n)]
+    said = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731 (as the command line says it)
+    return ", ".join(f"draft.{n}={said(by_device(n, getattr(draft_settings, n), device))}"
+                     + (f" ({device.type}'s default)" if getattr(draft_settings, n) is None else "") for n in names)
 
 
 def packing_length(config: Config, target: Target) -> int | None:

@@ -168,3 +168,30 @@ def test_each_method_owns_its_defaults_eagle3s_are_eagle_31s_and_no_documented_c
                      "draft.mask_token_id=1") == (None, None, None)  # (a block draft's spec has no norms)
     refused = setting_problems(load_config(["tracker=none", "draft.use_aux_norm=true", "draft.norm_before_fc=true"]))
     assert any("not both" in p for p in refused)
+
+
+def test_left_null_the_step_takes_the_way_measured_fastest_and_correct_on_its_device():
+    """On a GPU the default step is flex attention with the compiled chains and 4096-row loss chunks (the H200's
+    measurement, docs/benchmarks.md); on a CPU blockwise, eager, 512 rows; a value the user sets is kept."""
+    import torch
+
+    from specforge_lite.draft.objective import by_device
+
+    def on(device: str, draft) -> dict:
+        return {n: by_device(n, getattr(draft, n), torch.device(device))
+                for n in ("ttt_attention", "compile", "loss_chunk_rows")}
+
+    default = load_config(["tracker=none"]).draft
+    assert on("cuda", default) == {"ttt_attention": "flex", "compile": True, "loss_chunk_rows": 4096}
+    assert on("cpu", default) == {"ttt_attention": "blockwise", "compile": False, "loss_chunk_rows": 512}
+    chosen = load_config(["tracker=none", "draft.ttt_attention=sdpa", "draft.compile=false",
+                          "draft.loss_chunk_rows=1024"]).draft
+    assert on("cuda", chosen) == {"ttt_attention": "sdpa", "compile": False, "loss_chunk_rows": 1024}
+    from specforge_lite.run import describe_step
+
+    # the run's log says which way its step takes and that the device chose it
+    assert describe_step(default, torch.device("cuda")) == (
+        "draft.ttt_attention=flex (cuda's default), draft.compile=true (cuda's default), "
+        "draft.loss_chunk_rows=4096 (cuda's default)")
+    assert describe_step(chosen, torch.device("cpu")) == (
+        "draft.ttt_attention=sdpa, draft.compile=false, draft.loss_chunk_rows=1024")

@@ -81,17 +81,23 @@ def sim_accepted_drafts(accs: list[float]) -> float:
     return total
 
 
-# Rows per loss chunk where draft.loss_chunk_rows is null, by device: on a GPU 4096 ran the step faster than 512
-# (docs/benchmarks.md: each chunk adds the lm_head's whole weight gradient once more, and small chunks leave the
-# device underused); elsewhere 512.
-DEFAULT_CHUNK_ROWS = {"cuda": 4096}
+# A step's settings left null take the value of the device it runs on. On a GPU (an H200 at Llama-3.1-8B's shape:
+# docs/benchmarks.md) flex attention with the compiled chains was the fastest correct way of the step, 4x blockwise
+# and 1.2x flex alone at 8k tokens, in less memory than either, and 4096-row loss chunks ran faster than 512 (each
+# chunk adds the lm_head's whole weight gradient once more; small chunks leave the device underused). Elsewhere:
+# blockwise attention (flex has no backward on a CPU), eager chains (compiling there needs a C++ compiler), 512 rows.
+BY_DEVICE = {"cuda": {"ttt_attention": "flex", "compile": True, "loss_chunk_rows": 4096}}
+OTHER_DEVICES = {"ttt_attention": "blockwise", "compile": False, "loss_chunk_rows": 512}
+
+
+def by_device(name: str, setting, device: torch.device):
+    """``setting``, or where it is null, the value of draft.``name`` on ``device``'s kind (``BY_DEVICE``)."""
+    return setting if setting is not None else BY_DEVICE.get(device.type, OTHER_DEVICES)[name]
 
 
 def chunk_size(setting: int | None, rows: torch.Tensor) -> int:
     """Rows per loss chunk over ``rows`` [N, ...]: the setting, 0 for all N at once, null for the device's default."""
-    if setting is None:
-        setting = DEFAULT_CHUNK_ROWS.get(rows.device.type, 512)
-    return setting or max(rows.shape[0], 1)
+    return by_device("loss_chunk_rows", setting, rows.device) or max(rows.shape[0], 1)
 
 
 def chunked(chunk, rows: tuple[torch.Tensor, ...], size: int | None) -> tuple[torch.Tensor, ...]:
@@ -114,16 +120,16 @@ class UnrollObjective:
     """The objective of a draft's unrolled steps: the target's capture and the teacher on it, the unroll (the
     TTT unroll here; a method's subclass may replace it), the loss, its decay over steps and the metrics."""
 
-    def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", attention: str = "blockwise",
+    def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", attention: str | None = None,
                  loss_chunk_rows: int | None = None, checkpointing: bool = False,
-                 sequence: SequenceShard | None = None, compile: bool = False):
+                 sequence: SequenceShard | None = None, compile: bool | None = None):
         """``sequence``: this rank's share of every row under sequence parallelism (draft/sequence_parallel.py);
-        None: whole rows."""
+        None: whole rows. ``attention``, ``compile``, ``loss_chunk_rows`` None: the device's (``BY_DEVICE``)."""
         if ttt_length < 1:
             raise ValueError(f"draft.ttt_length={ttt_length}: unroll at least 1 step")
         if loss not in LOSSES:
             raise ValueError(f"draft.loss={loss!r}: use one of {LOSSES}")
-        if attention not in TTT_ATTENTION:
+        if attention is not None and attention not in TTT_ATTENTION:
             raise ValueError(f"draft.ttt_attention={attention!r}: use one of {TTT_ATTENTION}")
         self.ttt_length, self.decay, self.loss = ttt_length, decay, loss
         self.attention, self.loss_chunk_rows, self.checkpointing = attention, loss_chunk_rows, checkpointing
@@ -177,7 +183,8 @@ class UnrollObjective:
         the masks and the normaliser are computed over whole rows, which every rank holds.
         """
         # (training steps only: an evaluation under no_grad would compile graphs of its own for a few batches)
-        with fused.compiled(self.compile and torch.is_grad_enabled()):
+        compile = by_device("compile", self.compile, x.input_ids.device)
+        with fused.compiled(compile and torch.is_grad_enabled()):
             return self._unroll(draft, x)
 
     def _unroll(self, draft, x: UnrollInputs) -> TTTOutput:
@@ -192,8 +199,8 @@ class UnrollObjective:
             positions = continued_positions(x.position_ids, Tp)
             segments = (positions == 0).long().cumsum(-1)  # 1, 2, ... per conversation; 0 never occurs
         teacher_top = x.teacher_logits.argmax(-1)
-        cache = (TTTCache(segments, self.attention) if self.sequence is None
-                 else self.sequence.cache(segments, self.attention))
+        attention = by_device("ttt_attention", self.attention, x.input_ids.device)
+        cache = (TTTCache(segments, attention) if self.sequence is None else self.sequence.cache(segments, attention))
         input_ids, loss_mask, in_vocab = (padded_rows(t, Tp) for t in (x.input_ids, x.loss_mask, x.in_vocab))
         hidden = draft.project_aux([padded_rows(a, Tp)[:, lo:hi] for a in x.aux])
         # Under autocast the lm_head reads its rows in the autocast dtype: they are gathered in it, halving the

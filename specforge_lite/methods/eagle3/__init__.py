@@ -34,7 +34,7 @@ def spec_fields(draft_settings) -> dict:
 def refused(config) -> list[str]:
     d = config.draft
     problems = norm_problems(d.use_aux_norm, d.norm_before_fc)
-    if d.ttt_attention not in TTT_ATTENTION:
+    if d.ttt_attention is not None and d.ttt_attention not in TTT_ATTENTION:
         problems.append(f"draft.ttt_attention={d.ttt_attention!r}: use one of {', '.join(TTT_ATTENTION)}")
     elif d.ttt_attention == "flex" and not torch.cuda.is_available():
         problems.append("draft.ttt_attention=flex needs a CUDA device (flex attention has no backward on a CPU); use "
