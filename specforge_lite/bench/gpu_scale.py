@@ -570,7 +570,7 @@ def table_markdown(data: dict) -> str:
     rows = data["rows"]
     check = next((r["ways"] for r in rows if r.get("what") == "check"), {})
 
-    def correct(way: str) -> bool:  # (a result file from before the check named ways in full keys the attention)
+    def correct(way: str) -> bool:  # (an older result file keys its check by the attention alone)
         verdict = check.get(way, check.get(way.split("+")[0], {}))
         return way.split("+")[0] == "blockwise" or verdict.get("correct", False)
 
