@@ -84,13 +84,19 @@ def read_config_file(path: Path) -> Config:
         raise UserError(f"{path}: {e}") from None
 
 
+# Another method's settings at the defaults they had when earlier versions saved a run's config.yaml (which holds
+# every setting): draft.ttt_attention was blockwise before the device chose it (null).
+FORMER_DEFAULTS = {"ttt_attention": ("blockwise",)}
+
+
 def method_settings(settings: type, saved: dict) -> dict:
-    """The saved draft settings that ``settings`` has; another method's at that method's default dropped."""
+    """The saved draft settings that ``settings`` has; another method's at that method's default (or a former
+    default) dropped."""
     own = {f.name for f in dataclasses.fields(settings)}
     defaults = {f.name: f.default for m in METHODS.values() for f in dataclasses.fields(m.settings)
                 if f.name not in own}
-    foreign = {key: value for key, value in saved.items()
-               if key not in own and (key not in defaults or defaults[key] != value)}
+    foreign = {key: value for key, value in saved.items() if key not in own and (
+        key not in defaults or (defaults[key] != value and value not in FORMER_DEFAULTS.get(key, ())))}
     if foreign:
         raise ValueError(f"the saved draft settings {foreign} are not settings of a {saved.get('method', DEFAULT)} "
                          "draft: give the config.yaml of a run this version can read, or write its draft settings "
