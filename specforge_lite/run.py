@@ -23,7 +23,7 @@ from .data import BatchStream, DraftVocab, build_draft_vocab, pad_id
 from .data.images import image_inputs
 from .data.vocab import choose_mask_token
 from .device import dtype_name, native_bf16, resolve_dtype
-from .draft import Draft, DraftSpec, UnrollObjective, by_device
+from .draft import Draft, DraftSpec, UnrollObjective, device_settings
 from .export import load_export
 from .export.for_target import draft_from_weights, target_mismatch
 from .generation import prepare_with_target
@@ -146,10 +146,9 @@ def describe_precision(config: Config, target: Target) -> str:
 def describe_step(draft_settings, device: torch.device) -> str:
     """One line for the run's log: how the draft's step runs on this device, and which of its settings the device
     chose (left null: draft/objective.py ``BY_DEVICE``)."""
-    names = [n for n in ("ttt_attention", "compile", "loss_chunk_rows") if hasattr(draft_settings, n)]
     said = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731 (as the command line says it)
-    return ", ".join(f"draft.{n}={said(by_device(n, getattr(draft_settings, n), device))}"
-                     + (f" ({device.type}'s default)" if getattr(draft_settings, n) is None else "") for n in names)
+    return ", ".join(f"draft.{n}={said(value)}" + (f" ({device.type}'s default)" if chosen else "")
+                     for n, (value, chosen) in device_settings(draft_settings, device).items())
 
 
 def packing_length(config: Config, target: Target) -> int | None:

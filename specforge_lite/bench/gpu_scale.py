@@ -570,9 +570,8 @@ def table_markdown(data: dict) -> str:
     rows = data["rows"]
     check = next((r["ways"] for r in rows if r.get("what") == "check"), {})
 
-    def correct(way: str) -> bool:  # (an older result file keys its check by the attention alone)
-        verdict = check.get(way, check.get(way.split("+")[0], {}))
-        return way.split("+")[0] == "blockwise" or verdict.get("correct", False)
+    def correct(way: str) -> bool:
+        return way.split("+")[0] == "blockwise" or check.get(way, {}).get("correct", False)
 
     cols = sorted({(r["what"], r.get("way", "")) for r in rows if "T" in r and r["what"] not in ("capture", "check")
                    and not r.get("loss_chunk_rows")}, key=lambda c: (c[0] != "ours", c))

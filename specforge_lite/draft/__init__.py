@@ -5,10 +5,10 @@ each in its folder, are registered in specforge_lite/methods/."""
 
 from .method import DraftMethod
 from .model import DraftSpec, TargetWiredDraft
-from .objective import TTTOutput, UnrollObjective, by_device, sim_accepted_drafts
+from .objective import TTTOutput, UnrollObjective, by_device, device_settings, sim_accepted_drafts
 from .ttt import TTTCache, ttt_attention
 
 Draft = TargetWiredDraft  # what a registered method's model is
 
 __all__ = ["Draft", "DraftMethod", "DraftSpec", "TTTCache", "TTTOutput", "TargetWiredDraft", "UnrollObjective",
-           "by_device", "sim_accepted_drafts", "ttt_attention"]
+           "by_device", "device_settings", "sim_accepted_drafts", "ttt_attention"]

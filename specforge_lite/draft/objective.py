@@ -95,6 +95,13 @@ def by_device(name: str, setting, device: torch.device):
     return setting if setting is not None else BY_DEVICE.get(device.type, OTHER_DEVICES)[name]
 
 
+def device_settings(draft_settings, device: torch.device) -> dict[str, tuple]:
+    """Each of ``BY_DEVICE``'s settings that ``draft_settings`` has: (its value on ``device``, whether the device
+    chose it)."""
+    return {n: (by_device(n, getattr(draft_settings, n), device), getattr(draft_settings, n) is None)
+            for n in OTHER_DEVICES if hasattr(draft_settings, n)}
+
+
 def chunk_size(setting: int | None, rows: torch.Tensor) -> int:
     """Rows per loss chunk over ``rows`` [N, ...]: the setting, 0 for all N at once, null for the device's default."""
     return by_device("loss_chunk_rows", setting, rows.device) or max(rows.shape[0], 1)
