@@ -4,8 +4,9 @@
 #   bash scripts/gpu_scale.sh           (there: results in $OUT, else runs/gpu_scale/: *.json, *.log)
 # 1. installs the wheels carried in .whl/ours (transformers at the tested version) and .whl/peers (SpecForge,
 #    speculators and what the image lacks: studies/peers/gpu_wheels.sh makes them);
-# 2. the run's default step on a GPU (flex attention, compiled chains: draft/objective.py BY_DEVICE) on packed
-#    rows of three lengths, checked against the fp32 reference, and the DFlash and DSpark steps;
+# 2. the run's default step on a GPU (flex attention, compiled chains: draft/objective.py BY_DEVICE), also with
+#    the lm_head frozen as speculators trains (+frozen_head), on packed rows of three lengths, checked against the
+#    fp32 reference, and the DFlash and DSpark steps;
 # 3. bench gpu_scale on Llama-3.1-8B's shape, what docs/benchmarks.md does not have yet: speculators at 2k and
 #    32k, and 128k tokens, ours (checkpointed) against both peers;
 # 4. (GPU_SCALE_32B_S > 0) Qwen3-32B's shape online at 8k (64 GB of bf16 weights: one H200, or an H100 with
@@ -39,8 +40,8 @@ if [ -z "${GPU_SCALE_DRY:-}" ]; then  # (a dry run uses the environment it is in
   install .whl/peers /tmp/peers-site && peers=(--peers specforge,speculators --peer-path /tmp/peers-site)
 fi
 [ -z "${GPU_SCALE_DRY:-}" ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-timeout -k 10 "${GPU_SCALE_DEFAULT_S:-150}" "$PY" -m specforge_lite.bench gpu_scale "${dry[@]}" --ways default \
-  --seq-lens "$short" --packed "$short" --method-seq-lens "$method_lens" --repeats 1 \
+timeout -k 10 "${GPU_SCALE_DEFAULT_S:-150}" "$PY" -m specforge_lite.bench gpu_scale "${dry[@]}" \
+  --ways default,default+frozen_head --seq-lens "$short" --packed "$short" --method-seq-lens "$method_lens" --repeats 1 \
   --out "$OUT/gpu_scale_llama3_8b_default.json" 2>&1 | tee "$OUT/gpu_scale_llama3_8b_default.log"
 # (--long-from 131072: speculators runs at 2k and 32k before the 128k row, so a run cut short has them)
 timeout -k 10 "${GPU_SCALE_8B_S:-390}" "$PY" -m specforge_lite.bench gpu_scale "${dry[@]}" "${peers[@]}" --repeats 1 \

@@ -14,7 +14,9 @@ Ways of the TTT attention (draft.ttt_attention): blockwise (query blocks in a Py
 compiled flex-attention kernel per step), sdpa (one SDPA call per step over every step's keys with an
 explicit mask: memory quadratic in T), dense, and default (the settings left null, as a run has them: the
 device's way, draft/objective.py BY_DEVICE); a way's "+ckpt" recomputes each step in backward
-(draft.checkpointing), its "+compile" runs the step's elementwise chains as compiled kernels (draft.compile).
+(draft.checkpointing), its "+compile" runs the step's elementwise chains as compiled kernels (draft.compile), its
+"+frozen_head" keeps the lm_head frozen (draft.freeze_lm_head=true, speculators' recipe: one product of the step
+fewer), which the table shows beside the others but never counts as ours against the peers (SpecForge trains it).
 ``--packed T``: the default way also on packed rows (conversations of random lengths) at T and two shorter
 lengths, each checked and timed, as a run's batches come.
 Before timing, each way's loss and gradients at the first length are compared with blockwise's (bf16
@@ -30,6 +32,7 @@ Results go to ``--out`` (JSON, rewritten after every row) and a Markdown table o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -61,7 +64,8 @@ TARGETS = {
                                     max_position_embeddings=4096, rms_norm_eps=1e-5,
                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
-DRY_RUN = dict(target="tiny", seq_lens="64,160", ways="blockwise,blockwise+compile,dense,sdpa,default",
+DRY_RUN = dict(target="tiny", seq_lens="64,160",
+               ways="blockwise,blockwise+compile,dense,sdpa,default,default+frozen_head",
                draft_vocab=256, methods="dflash,dspark", method_seq_lens="64", repeats=1, packed=160)
 
 
@@ -232,21 +236,38 @@ def kernel_profile(wall_ms: float, kernels: list) -> dict:
             "top": [[name[:120], calls, round(ms, 3)] for name, calls, ms in kernels[:12]]}
 
 
-def draft_step(draft, objective, inputs, autocast: bool):
-    """Forward + loss + backward of one unroll; gradients dropped after (no optimizer: as the peers are timed)."""
+def draft_step(draft, objective, inputs, autocast: bool, way: str = ""):
+    """Forward + loss + backward of one unroll (the draft as ``way`` trains it: ``trained_as``); gradients dropped
+    after (no optimizer: as the peers are timed)."""
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with trained_as(draft, way), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             out = objective.unroll(draft, inputs)
         out.loss.backward()
         draft.zero_grad(set_to_none=True)
     return step
 
 
-def _loss_and_grads(draft, objective, inputs, autocast: bool):
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+@contextlib.contextmanager
+def trained_as(draft, way: str):
+    """Within the block the draft trains as ``way`` says: with "+frozen_head", its lm_head frozen."""
+    if "frozen_head" not in way.split("+")[1:]:
+        yield
+        return
+    weight = draft.lm_head.weight
+    trained = weight.requires_grad
+    weight.requires_grad_(False)
+    try:
+        yield
+    finally:
+        weight.requires_grad_(trained)
+
+
+def _loss_and_grads(draft, objective, inputs, autocast: bool, way: str = ""):
+    """(loss, each trained weight's gradient by name) of one unroll."""
+    with trained_as(draft, way), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         loss = objective.unroll(draft, inputs).loss
     loss.backward()
-    grads = torch.cat([p.grad.float().flatten() for p in draft.parameters() if p.grad is not None])
+    grads = {n: p.grad.float().flatten() for n, p in draft.named_parameters() if p.grad is not None}
     draft.zero_grad(set_to_none=True)
     return loss.item(), grads
 
@@ -261,12 +282,13 @@ def check_ways(draft, objective, inputs, ways: list[str], autocast: bool) -> dic
     measured = {}
     for way in ["blockwise", *ways]:
         try:
-            loss, grads = _loss_and_grads(draft, replace_attention(objective, way), inputs, autocast)
+            loss, grads = _loss_and_grads(draft, replace_attention(objective, way), inputs, autocast, way)
         except Exception as e:  # noqa: BLE001 (a way that cannot run here is reported, not fatal)
             measured[way] = {"correct": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             continue
+        got, want = (torch.cat([g[n] for n in grads]) for g in (grads, ref))  # (the weights this way trains)
         measured[way] = {"loss_rel_diff": abs(loss - ref_loss) / max(abs(ref_loss), 1e-30),
-                         "grad_rel_err": float((grads - ref).norm() / ref.norm().clamp_min(1e-30))}
+                         "grad_rel_err": float((got - want).norm() / want.norm().clamp_min(1e-30))}
     bound = 1.25 * measured["blockwise"].get("grad_rel_err", 0.0) + 1e-6
     for r in measured.values():
         if "error" not in r:
@@ -276,19 +298,20 @@ def check_ways(draft, objective, inputs, ways: list[str], autocast: bool) -> dic
 
 def replace_attention(objective, way: str):
     """The objective with TTT attention ``way``; "+ckpt" also recomputes each step in backward
-    (draft.checkpointing), "+compile" runs the step's elementwise chains compiled (draft.compile)."""
+    (draft.checkpointing), "+compile" runs the step's elementwise chains compiled (draft.compile). (A frozen
+    head is the draft's: ``trained_as``.)"""
     return replace_objective(objective, **way_options(way))
 
 
 def way_options(way: str) -> dict:
-    """The objective's settings of a way "ATTENTION[+ckpt][+compile]"; the attention "default" leaves the
-    attention and compile settings null: the device's (draft/objective.py ``BY_DEVICE``), as a run's defaults."""
+    """The objective's settings of a way "ATTENTION[+ckpt][+compile][+frozen_head]"; the attention "default" leaves
+    the attention and compile settings null: the device's (draft/objective.py ``BY_DEVICE``), as a run's defaults."""
     from ..draft.ttt import TTT_ATTENTION
 
     attention, *options = way.split("+")
-    if attention not in (*TTT_ATTENTION, "default") or set(options) - {"ckpt", "compile"}:
-        raise SystemExit(f"error: way {way!r}: an attention of {', '.join(TTT_ATTENTION)} or default, then +ckpt "
-                         "and/or +compile")
+    if attention not in (*TTT_ATTENTION, "default") or set(options) - {"ckpt", "compile", "frozen_head"}:
+        raise SystemExit(f"error: way {way!r}: an attention of {', '.join(TTT_ATTENTION)} or default, then +ckpt, "
+                         "+compile and/or +frozen_head")
     default = attention == "default"
     return {"attention": None if default else attention, "checkpointing": "ckpt" in options,
             "compile": True if "compile" in options else None if default else False}
@@ -376,7 +399,7 @@ def main(argv=None) -> None:
     p.add_argument("--seq-lens", default="2048,8192,32768,65536,131072")
     p.add_argument("--ways", default="blockwise,flex,flex+compile,flex+ckpt,sdpa",
                    help="TTT attention ways to time (draft.ttt_attention; +ckpt: draft.checkpointing=true; "
-                   "+compile: draft.compile=true)")
+                   "+compile: draft.compile=true; +frozen_head: draft.freeze_lm_head=true)")
     p.add_argument("--long-ways", default="flex+ckpt+compile,flex+ckpt", help="the ways timed from --long-from on")
     p.add_argument("--long-from", type=int, default=65536)
     p.add_argument("--ttt", type=int, default=7)
@@ -536,7 +559,7 @@ class Run:
 def _time_way(res, draft, objective, inputs, device, autocast, repeats, T, way, cap, chunk=None, profile=False):
     """One row: the draft step in ``way``, timed (and with ``profile``, one more step under the profiler)."""
     row = {"what": "ours", "T": T, "way": way, **({"loss_chunk_rows": chunk} if chunk else {})}
-    step = draft_step(draft, objective, inputs, autocast)
+    step = draft_step(draft, objective, inputs, autocast, way)
     try:
         r = measure(step, device, repeats)
     except torch.cuda.OutOfMemoryError as e:
@@ -570,8 +593,9 @@ def table_markdown(data: dict) -> str:
     rows = data["rows"]
     check = next((r["ways"] for r in rows if r.get("what") == "check"), {})
 
-    def correct(way: str) -> bool:
-        return way.split("+")[0] == "blockwise" or check.get(way, {}).get("correct", False)
+    def counted(way: str) -> bool:  # (a correct way that does all a peer's step does: a frozen head does less)
+        correct = way.split("+")[0] == "blockwise" or check.get(way, {}).get("correct", False)
+        return correct and "frozen_head" not in way.split("+")
 
     cols = sorted({(r["what"], r.get("way", "")) for r in rows if "T" in r and r["what"] not in ("capture", "check")
                    and not r.get("loss_chunk_rows")}, key=lambda c: (c[0] != "ours", c))
@@ -585,7 +609,7 @@ def table_markdown(data: dict) -> str:
         cap = at.get(("capture", ""), {})
         cells = [_cell(at.get(c)) for c in cols]
         ours = max((r["tokens_per_s"] for (w, x), r in at.items() if w == "ours" and "tokens_per_s" in r
-                    and correct(x)), default=None)
+                    and counted(x)), default=None)
         peer = max((r["tokens_per_s"] for (w, _), r in at.items() if w in ("specforge", "speculators")
                     and r.get("tokens_per_s") and not r.get("oom")), default=None)
         ratio = f"{ours / peer:.2f}x" if ours and peer else ""

@@ -189,12 +189,12 @@ def causal_block_mask(Tq: int, Tk: int, q_offset: int, segments: torch.Tensor | 
                                     seq_lengths=(Tq, Tk))
 
 
-def causal_attention_lse_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int = 0,
-                              segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``causal_attention_lse`` through flex attention; keys and values may have fewer (grouped) heads."""
+def causal_attention_lse_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                              mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """``causal_attention_lse`` through flex attention with ``causal_block_mask``'s ``mask`` of its pattern; keys
+    and values may have fewer (grouped) heads."""
     device, dtype = q.device.type, compute_dtype(q)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # (one dtype: under autocast rope may return fp32 queries)
-    mask = causal_block_mask(q.shape[-2], k.shape[-2], q_offset, segments, q.device)
     out, lse = _flex_attention(device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                                  **_lse_request())
     if not isinstance(lse, torch.Tensor):  # torch >= 2.9: an AuxOutput

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from .attention import causal_attention_lse, causal_attention_lse_flex
+from .attention import causal_attention_lse, causal_attention_lse_flex, causal_block_mask
 
 # blockwise: step-0 attention in query blocks with its log-sum-exp, the same-row keys merged in through it;
 # memory linear in T. flex: the same, the step-0 attention one flex-attention kernel (CUDA). dense: the [T, T]
@@ -63,17 +63,27 @@ class TTTCache(PerLayer):
     step's keys extend them and its queries are the rows after them (``q_offset``)."""
 
     def __init__(self, segments: torch.Tensor | None = None, attention: str = "blockwise",
-                 context: list[KV] | None = None):
+                 context: list[KV] | None = None, block_masks: dict | None = None):
         if attention not in TTT_ATTENTION:
             raise ValueError(f"draft.ttt_attention={attention!r}: use one of {TTT_ATTENTION}")
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.segments = segments
         self.attention = attention
+        # flex attention's block masks by (query rows, key rows, offset), shared by every layer: every unroll
+        # step and layer attends with the same pattern, made once (about sixty small kernels on a GPU each time)
+        self._block_masks = {} if block_masks is None else block_masks
         self._init_layers(context)
 
     def _new_layer(self, context: KV | None) -> "TTTCache":
-        return TTTCache(self.segments, self.attention, None if context is None else [context])
+        return TTTCache(self.segments, self.attention, None if context is None else [context], self._block_masks)
+
+    def block_mask(self, Tq: int, Tk: int, q_offset: int, device: torch.device):
+        """Flex attention's block mask of the step-0 keys' pattern for ``Tq`` query rows from ``q_offset``."""
+        key = (Tq, Tk, q_offset)
+        if key not in self._block_masks:
+            self._block_masks[key] = causal_block_mask(Tq, Tk, q_offset, self.segments, device)
+        return self._block_masks[key]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if not self.keys:
@@ -110,25 +120,91 @@ def ttt_attention(q: torch.Tensor, cache: TTTCache, q_offset: int, scale: float)
     Scores against step-0 keys are causal: attention in query blocks (draft/attention.py) that returns
     its log-sum-exp. Each later step contributes one same-row score; with the log-sum-exp standing for
     all step-0 scores, a softmax over [lse, same-row scores] gives the exact weight of the step-0 output
-    and of each same-row value, as one softmax over all of them would. Equal to ``ttt_attention_dense``.
+    and of each same-row value, as one softmax over all of them would (``merge_same_row``). Equal to
+    ``ttt_attention_dense``.
     """
     if cache.attention == "flex":
-        out0, lse0 = causal_attention_lse_flex(q, cache.keys[0], cache.values[0], scale, q_offset, cache.segments)
+        mask = cache.block_mask(q.shape[-2], cache.keys[0].shape[-2], q_offset, q.device)
+        out0, lse0 = causal_attention_lse_flex(q, cache.keys[0], cache.values[0], scale, mask)
     else:
         out0, lse0 = causal_attention_lse(q, cache.keys[0], cache.values[0], scale, q_offset, cache.segments)
     if len(cache.keys) == 1:
         return out0
-    # Grouped-query heads in place: [B, kv, groups, Tq, d] against keys [B, kv, 1, Tq, d] broadcast, never a copy
-    # of the keys per query head (autograd would keep each one until the backward).
-    kv_heads = cache.keys[0].shape[1]
-    qg = q.unflatten(1, (kv_heads, -1))
-    same_row = [(qg * k.unsqueeze(2)).sum(-1).flatten(1, 2).float() * scale for k in cache.keys[1:]]  # [B, h, Tq]
-    weights = torch.softmax(torch.stack([lse0, *same_row], dim=-1), dim=-1).to(q.dtype)  # [B, h, Tq, 1 + steps]
-    weights = weights.unflatten(1, (kv_heads, -1))
-    out = weights[..., :1] * out0.unflatten(1, (kv_heads, -1))
-    for j, v in enumerate(cache.values[1:]):
-        out = out + weights[..., j + 1, None] * v.unsqueeze(2)
-    return out.flatten(1, 2)
+    return merge_same_row(q, out0, lse0, cache.keys[1:], cache.values[1:], scale)
+
+
+def merge_same_row(q: torch.Tensor, out0: torch.Tensor, lse0: torch.Tensor, keys: list[torch.Tensor],
+                   values: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """The attention output of queries q [B, h, Tq, d] over the step-0 keys (their output ``out0`` [B, h, Tq, d]
+    and log-sum-exp ``lse0`` [B, h, Tq], fp32) and one more key and value per later step at each query's own row
+    (``keys``, ``values``: each [B, kv_heads, Tq, d]): softmax([lse0, q . k_1 * scale, ...]) weighs out0, v_1, ...
+    """
+    return _SameRowMerge.apply(q, out0, lse0, scale, len(keys), *keys, *values)
+
+
+def _by_row(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, h, Tq, d] as [B, kv_heads, Tq, groups, d] (a copy): each row's query heads of one key head together,
+    the operand of one batched product per row."""
+    return x.unflatten(1, (kv_heads, -1)).transpose(2, 3).contiguous()
+
+
+def _rows_stacked(xs: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Per-step tensors [B, kv_heads, Tq, d] as [B, kv_heads, Tq, steps, d]."""
+    return torch.stack([x.to(dtype) for x in xs], 3)
+
+
+def _per_step(x: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[B, kv_heads, Tq, steps, d] as one contiguous tensor per step, each in its ``like``'s dtype."""
+    return [s.to(t.dtype) for s, t in zip(x.permute(3, 0, 1, 2, 4).contiguous().unbind(0), like)]
+
+
+def _by_head(x: torch.Tensor) -> torch.Tensor:
+    """``_by_row``'s layout [B, kv_heads, Tq, groups, ...] back to [B, h, Tq, ...]."""
+    return x.transpose(2, 3).flatten(1, 2)
+
+
+class _SameRowMerge(torch.autograd.Function):
+    """``merge_same_row`` as a few batched products over every step's keys at once (per row: its query heads
+    against its steps' keys), with a backward of its own: as many kernels at the seventh unroll step as at the
+    third. Autograd through a product, weight and sum per step and key ran about six eager ops per key in the
+    forward and twice that in the backward, each a kernel and a pass over the queries on a GPU (15 ms of an 8k row's
+    step at Llama-3-8B's shape on an H200). Keeps for its backward only what the step-0 attention keeps anyway (queries,
+    keys, values, its output) and the fp32 weights [B, h, Tq, 1 + steps]; grouped-query heads read their key
+    head's rows, never a copy of the keys per query head."""
+
+    @staticmethod
+    def forward(ctx, q, out0, lse0, scale, steps, *kv):
+        dtype, kv_heads = q.dtype, kv[0].shape[1]
+        scores = _by_row(q, kv_heads) @ _rows_stacked(kv[:steps], dtype).transpose(-1, -2)  # [B, n, Tq, g, s]
+        lse = lse0.unflatten(1, (kv_heads, -1)).transpose(2, 3).unsqueeze(-1)
+        weights = torch.softmax(torch.cat([lse, scores.float() * scale], -1), -1)  # [B, n, Tq, g, 1 + s]
+        w = weights.to(dtype)
+        mixed = w[..., 1:] @ _rows_stacked(kv[steps:], dtype)  # [B, n, Tq, g, d]
+        out = (w[..., :1].transpose(2, 3) * out0.unflatten(1, (kv_heads, -1)) + mixed.transpose(2, 3)).flatten(1, 2)
+        ctx.save_for_backward(q, out0, weights, *kv)
+        ctx.scale, ctx.steps, ctx.lse_dtype = scale, steps, lse0.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, out0, weights, *kv = ctx.saved_tensors
+        dtype, kv_heads, steps = q.dtype, kv[0].shape[1], ctx.steps
+        grad, w = grad.to(dtype), weights.to(dtype)
+        grad_out0 = (w[..., :1].transpose(2, 3) * grad.unflatten(1, (kv_heads, -1))).flatten(1, 2)
+        # The values' side, then the keys': each side's stacked rows and reordered copies are freed before the
+        # other's are made (a long row's backward peak is met here).
+        g, values = _by_row(grad, kv_heads), _rows_stacked(kv[steps:], dtype)
+        grad_w0 = torch.linalg.vecdot(grad, out0).unflatten(1, (kv_heads, -1)).transpose(2, 3).unsqueeze(-1)
+        grad_w = torch.cat([grad_w0, g @ values.transpose(-1, -2)], -1).float()
+        del values
+        grad_values = _per_step(w[..., 1:].transpose(-1, -2) @ g, kv[steps:])
+        del g
+        grad_logits = weights * (grad_w - (weights * grad_w).sum(-1, keepdim=True))  # softmax's backward
+        grad_scores = (grad_logits[..., 1:] * ctx.scale).to(dtype)  # [B, n, Tq, g, s]
+        grad_q = _by_head(grad_scores @ _rows_stacked(kv[:steps], dtype))
+        grad_keys = _per_step(grad_scores.transpose(-1, -2) @ _by_row(q, kv_heads), kv[:steps])
+        return (grad_q, grad_out0, _by_head(grad_logits[..., 0]).to(ctx.lse_dtype), None, None,
+                *grad_keys, *grad_values)
 
 
 def _visible_context(Tq: int, T0: int, q_offset: int, segments: torch.Tensor | None, device) -> torch.Tensor:
