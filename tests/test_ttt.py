@@ -474,6 +474,22 @@ def _packed_rows(target, draft_vocab_size: int) -> UnrollInputs:
                         torch.rand(B, T, generator=g) > 0.2, (torch.rand(B, T, generator=g) > 0.3).long(), positions)
 
 
+def test_the_host_waits_for_the_device_only_before_the_unrolls_first_product():
+    """Which rows each unroll step scores is found for every step before the draft's first kernel: finding them
+    makes the host wait for the device (a nonzero's count, a tensor read on the host), and a wait inside the
+    unroll would let a GPU idle while the host queues the next kernels (7 waits in a TTT-7 unroll before)."""
+    target, V = tiny_target(), 64
+    draft = tiny_draft(target, draft_vocab_size=V)
+    inputs = _packed_rows(target, V)
+    waits = {torch.ops.aten.nonzero, torch.ops.aten._local_scalar_dense, torch.ops.aten.item}
+    for options in ({}, {"checkpointing": True}):
+        with _Dispatched() as seen:
+            UnrollObjective(ttt_length=7, **options).unroll(draft, inputs).loss.backward()
+        ops = [o.op for o in seen.ops]
+        first_product = next(i for i, op in enumerate(ops) if op in _Dispatched.PRODUCTS)
+        assert [op for op in ops[first_product:] if op in waits] == [], options
+
+
 def _same_results_whatever_the_memory_options(target, draft):
     inputs = _packed_rows(target, draft.spec.draft_vocab_size)
 

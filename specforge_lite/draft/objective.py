@@ -209,6 +209,7 @@ class UnrollObjective:
         attention = by_device("ttt_attention", self.attention, x.input_ids.device)
         cache = (TTTCache(segments, attention) if self.sequence is None else self.sequence.cache(segments, attention))
         input_ids, loss_mask, in_vocab = (padded_rows(t, Tp) for t in (x.input_ids, x.loss_mask, x.in_vocab))
+        scored_whole, scored_mine, rows = self._scored_rows(loss_mask, in_vocab, segments, lo, hi)
         hidden = draft.project_aux([padded_rows(a, Tp)[:, lo:hi] for a in x.aux])
         # Under autocast the lm_head reads its rows in the autocast dtype: they are gathered in it, halving the
         # loss's largest input (every step's rows at once: 14 GiB in fp32 for a 128k-token row at hidden 4096).
@@ -221,16 +222,11 @@ class UnrollObjective:
             if k:  # the next token and this state (EAGLE3), or a parallel draft's mask slot
                 step_ids, hidden = draft.next_step_inputs(step_ids, hidden)
             hidden = self._step(draft, step_ids, hidden, (positions + k)[:, lo:hi], cache)
-            valid = shift_left(loss_mask, 2 + k).bool() & shift_left(in_vocab, 1 + k)
-            if segments is not None:
-                valid &= shift_left(segments, 2 + k) == segments
-            n = valid.sum()  # over whole rows: every rank of a sequence-parallel group divides by the same count
-            mine = valid[:, lo:hi]
-            counts.append((n, mine.sum().detach()))
-            rows = mine.nonzero(as_tuple=True)
-            t_rows = rows[0] * T + rows[1] + lo + 1 + k  # teacher rows (of the [B * T] flattened teacher)
+            n = scored_whole[k]  # over whole rows: every rank of a sequence-parallel group divides by the same count
+            counts.append((n, scored_mine[k]))
+            t_rows = rows[k][0] * T + rows[k][1] + lo + 1 + k  # teacher rows (of the [B * T] flattened teacher)
             weight = (self.decay ** k) / n.clamp(min=1).float()
-            scored.append((hidden[rows] if rows_dtype is None else hidden[rows].to(rows_dtype), t_rows,
+            scored.append((hidden[rows[k]] if rows_dtype is None else hidden[rows[k]].to(rows_dtype), t_rows,
                            weight.expand(len(t_rows))))
         h, t_rows, weights = (torch.cat(parts) for parts in zip(*scored))
         sizes = [len(teacher_rows) for _, teacher_rows, _ in scored]
@@ -248,6 +244,25 @@ class UnrollObjective:
             # under data parallelism, every rank takes part in the gradient reduction.
             total = total.detach() + sum((p * 0).sum() for p in draft.parameters() if p.requires_grad)
         return TTTOutput(total, steps)
+
+    def _scored_rows(self, loss_mask: torch.Tensor, in_vocab: torch.Tensor, segments: torch.Tensor | None, lo: int,
+                     hi: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Per unroll step k: how many rows it scores over whole rows [K] and in this rank's rows [lo, hi) [K], and
+        the (batch, row) indices of this rank's scored rows. Step k scores row t where the token it predicts (t + 2
+        + k) is in the loss mask, its teacher's argmax (t + 1 + k) in the draft vocabulary, and, in packed rows, the
+        predicted token in t's own conversation. All steps' rows are found before the unroll: finding them
+        makes the host wait for the device (a nonzero's count), and a wait at every step would let the device idle
+        while the host queues each next step's first kernels."""
+        valid = []
+        for k in range(self.ttt_length):
+            step = shift_left(loss_mask, 2 + k).bool() & shift_left(in_vocab, 1 + k)
+            if segments is not None:
+                step &= shift_left(segments, 2 + k) == segments
+            valid.append(step)
+        valid = torch.stack(valid)  # [K, B, T]
+        mine = valid[:, :, lo:hi]
+        # (a nonzero per step, back to back: after the first wait the device has nothing queued to wait for)
+        return valid.sum((1, 2)), mine.sum((1, 2)), [step.nonzero(as_tuple=True) for step in mine]
 
     def _step(self, draft, input_ids, hidden, positions, cache: TTTCache) -> torch.Tensor:
         """One unroll step, or (draft.checkpointing) one whose activations are recomputed in backward."""
