@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from specforge_lite.bench import gpu_scale
 
 
@@ -157,3 +159,19 @@ def test_each_peer_runs_at_the_lengths_given_for_all_or_for_it():
     assert gpu_scale.peer_lengths("speculators=2048,32768;specforge=131072", ["specforge", "speculators"]) == {
         "specforge": [131072], "speculators": [2048, 32768]}
     assert gpu_scale.peer_lengths("speculators=2048", ["specforge", "speculators"])["specforge"] == []
+
+
+def test_a_frozen_head_way_trains_every_weight_but_the_lm_head_as_the_default_does():
+    """"+frozen_head" (speculators' recipe) leaves the lm_head without a gradient for the step and every other
+    weight's gradient as the way without it computes it; the head trains again after the way."""
+    cpu = torch.device("cpu")
+    target = gpu_scale.build_target("tiny", cpu, torch.float32)
+    draft, cfg, teacher, build_objective = gpu_scale.build_draft(target, "eagle3", 256, 3, cpu)
+    inputs, _ = gpu_scale.capture(target, teacher, 48, seed=0)
+    objective = gpu_scale.replace_attention(build_objective(cfg), "default")
+    _, trained = gpu_scale._loss_and_grads(draft, objective, inputs, False, "default")
+    _, frozen = gpu_scale._loss_and_grads(draft, objective, inputs, False, "default+frozen_head")
+    assert "lm_head.weight" in trained and set(frozen) == set(trained) - {"lm_head.weight"}
+    for name, grad in frozen.items():
+        torch.testing.assert_close(grad, trained[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert draft.lm_head.weight.requires_grad

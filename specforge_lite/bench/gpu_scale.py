@@ -250,7 +250,7 @@ def draft_step(draft, objective, inputs, autocast: bool, way: str = ""):
 @contextlib.contextmanager
 def trained_as(draft, way: str):
     """Within the block the draft trains as ``way`` says: with "+frozen_head", its lm_head frozen."""
-    if "frozen_head" not in way.split("+")[1:]:
+    if not head_frozen(way):
         yield
         return
     weight = draft.lm_head.weight
@@ -260,6 +260,11 @@ def trained_as(draft, way: str):
         yield
     finally:
         weight.requires_grad_(trained)
+
+
+def head_frozen(way: str) -> bool:
+    """Whether a way trains with the lm_head frozen ("+frozen_head")."""
+    return "frozen_head" in way.split("+")[1:]
 
 
 def _loss_and_grads(draft, objective, inputs, autocast: bool, way: str = ""):
@@ -595,7 +600,7 @@ def table_markdown(data: dict) -> str:
 
     def counted(way: str) -> bool:  # (a correct way that does all a peer's step does: a frozen head does less)
         correct = way.split("+")[0] == "blockwise" or check.get(way, {}).get("correct", False)
-        return correct and "frozen_head" not in way.split("+")
+        return correct and not head_frozen(way)
 
     cols = sorted({(r["what"], r.get("way", "")) for r in rows if "T" in r and r["what"] not in ("capture", "check")
                    and not r.get("loss_chunk_rows")}, key=lambda c: (c[0] != "ours", c))
