@@ -117,7 +117,10 @@ def _check_trained_ids(config: dict, readers: list, server: str | None, report: 
         own = next((fmt for fmt in published_formats() if fmt in readers), None)
         if own is None:
             return
-        trained, intended = own.read_aux_ids(config), server or own.name
+        try:
+            trained, intended = own.published_aux_ids(config), server or own.name
+        except ValueError:  # (its id places name different layers: which it was trained on is unknown, and the
+            return  # format's own check says so)
     if not trained:
         return
     if server is not None and server not in {fmt.name for fmt in readers}:

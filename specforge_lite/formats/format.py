@@ -101,6 +101,12 @@ class ExportFormat:
     # ---- reading a folder another trainer wrote (a method's ``published_formats``) -----------------------
     published_as = ""  # such a folder's layout, as a one-line refusal names it
 
+    def published_aux_ids(self, config: dict) -> list[int] | None:
+        """The aux ids a folder another trainer wrote in this layout was trained on, in OUR convention: the ones the
+        server the folder was written for captures (by default this format's reading); None when it names none (the
+        servers' defaults). A ValueError (one line, with the fix) when the folder cannot tell."""
+        return self.read_aux_ids(config)
+
     def read_published(self, folder, config: dict, tensors: dict) -> tuple[DraftSpec, dict]:
         """(spec, weights under our names) of a folder another trainer wrote in this layout (``tensors``: its
         safetensors), without our provenance block."""

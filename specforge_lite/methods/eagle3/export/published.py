@@ -5,8 +5,11 @@ method lists those two formats as its ``published_formats``; export/published.py
 folder has and checks the weights against the spec read here.
 
 The format classes that write those layouts know them: the decoder config block (``layer_config``), the weight
-names (``our_weight_name``) and the aux-id convention (``read_aux_ids``: SGLang's and SpecForge's ids are layer
-outputs, one less than ours; speculators' are ours). This module inverts what they write, and nothing else.
+names (``our_weight_name``), the aux ids the server the folder was written for feeds (``published_aux_ids``:
+eagle_config's are SGLang's and SpecForge's layer outputs, one less than ours; top-level ones are vLLM's and
+speculators', ours) and ``norm_before_residual`` when the folder leaves it out (``norm_before_residual_default``:
+vLLM's speculators adapter takes true, its Llama-EAGLE3 model false). This module inverts what they write, and
+nothing else.
 
 What a folder leaves unsaid stays open until the target is known (export/published.py ``fit_to_target``): with no
 aux ids the servers capture their default ids of the target, [2, L//2, L-3], and so does a run continuing the draft.
@@ -48,13 +51,14 @@ def _spec(folder: Path, config: dict, layer: dict, form: ExportFormat, weights: 
         raise ValueError(f"rope type {fields['rope_parameters'].get('rope_type')!r}: the Llama draft layer runs "
                          f"{', '.join(LLAMA_ROPE_TYPES)}")
     target_hidden = config.get("target_hidden_size") or fields["hidden_size"]
-    ids = form.read_aux_ids(config) or []
+    ids = form.published_aux_ids(config) or []
     _check_fc_width(folder, weights, ids, target_hidden)
     return Eagle3Spec(**fields, vocab_size=_target_vocab(folder, layer, weights),
                       draft_vocab_size=_draft_vocab(folder, config, weights),
                       target_hidden_size=target_hidden, target_num_layers=UNKNOWN_LAYERS, aux_layer_ids=list(ids),
                       aux_convention=CONVENTION, use_aux_norm=bool(config.get("fc_norm") or config.get("use_aux_norm")),
-                      norm_before_residual=bool(config.get("norm_before_residual", False)),
+                      norm_before_residual=bool(config.get("norm_before_residual",
+                                                           form.norm_before_residual_default)),
                       norm_before_fc=eagle_flag(config, "norm_before_fc"),
                       norm_output=eagle_flag(config, "norm_output"))
 

@@ -11,11 +11,16 @@ EAGLE 3.1: SGLang's Llama EAGLE3 draft is one layer. Builds of 2026 read ``norm_
 none of the three and name extra layers otherwise (``midlayers.{i}``, normed by ``hidden_norm``), so a
 multi-layer draft is refused here and the flags are a warning in ``--check``. No build reads
 ``norm_before_residual``: a draft trained with it is refused.
+
+A Llama-EAGLE3 folder another trainer wrote is read as the server it was written for serves it: eagle_config's
+ids are SGLang's (SpecForge's) place, the top-level ones vLLM's (its layer inputs, and SGLang then captures its
+default ids); one whose two places name different layers is refused, since which server it was trained for is
+unknown. An absent ``norm_before_residual`` is false, as vLLM's Llama-EAGLE3 model takes it (SGLang never reads it).
 """
 
 from __future__ import annotations
 
-from ....formats import ExportFormat, ExportRefused
+from ....formats import PROVENANCE_KEY, ExportFormat, ExportRefused
 from ....formats.layout import eagle_flag
 from ..spec import Eagle3Spec
 from .published import read_folder
@@ -25,6 +30,7 @@ class SGLangFormat(ExportFormat):
     name, server = "sglang", "SGLang"
     # (SpecForge writes for SGLang: a Llama-EAGLE3 folder without our provenance is read as SGLang reads it)
     published_as = "SpecForge's and SGLang's Llama layout (LlamaForCausalLMEagle3)"
+    norm_before_residual_default = False  # (a published folder without the field: vLLM's model default)
 
     def refusals(self, draft) -> list[str]:
         problems = super().refusals(draft)  # (the shared ones first)
@@ -64,21 +70,42 @@ class SGLangFormat(ExportFormat):
         return True
 
     def read_aux_ids(self, config: dict) -> list[int] | None:
-        """SGLang reads eagle_config's ids (else the top-level ones) as layer outputs: ours are one more."""
-        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or \
-            config.get("eagle_aux_hidden_state_layer_ids")
+        """SGLang reads eagle_config's ids as layer outputs (ours are one more), and nothing else: None without
+        them, for it then captures its default ids (model_runner reads ``hf_config.eagle_config`` only)."""
+        ids = _nested_ids(config)
         return [i + 1 for i in ids] if ids else None
+
+    def published_aux_ids(self, config: dict) -> list[int] | None:
+        """A Llama-EAGLE3 folder another trainer wrote was trained on what the server it was written for feeds:
+        SGLang's reading of eagle_config's ids, else vLLM's of the top-level ones (layer inputs, ours as they are);
+        both must name the same layers (top-level = eagle_config's + 1), or which server it was meant for is
+        unknown and the folder is refused."""
+        top, sglang = config.get("eagle_aux_hidden_state_layer_ids"), self.read_aux_ids(config)
+        if top and sglang and list(top) != sglang:
+            raise ValueError(
+                f"its top-level eagle_aux_hidden_state_layer_ids {list(top)} (vLLM feeds the draft the inputs of "
+                f"layers {list(top)}) and eagle_config's {_nested_ids(config)} (SGLang: layer outputs, the inputs of "
+                f"layers {sglang}) name different layers, so one server feeds the draft states it was not trained on "
+                "and the folder does not say which; delete the ids of the server it was not trained for (or write "
+                "the top-level ones as eagle_config's + 1) and read it again")
+        return sglang or (list(top) if top else None)
 
     def check(self, config: dict, shapes: dict, report) -> None:
         unknown = self.unknown_weights(shapes)
         if unknown:
             report.errors.append(f"unknown weight names {unknown[:5]}: SGLang skips them in silence (the weight "
                                  "stays random)")
-        top = config.get("eagle_aux_hidden_state_layer_ids")
-        nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if top and nested and list(top) != list(nested):
+        top, nested = config.get("eagle_aux_hidden_state_layer_ids"), _nested_ids(config)
+        read = self.read_aux_ids(config)
+        if top and nested and PROVENANCE_KEY in config and list(top) != nested:  # (ours writes one list twice)
             report.errors.append(f"top-level ids {top} and eagle_config ids {nested} differ: SGLang reads the "
                                  "eagle_config ones, vLLM the top-level ones")
+        elif top and nested and PROVENANCE_KEY not in config and list(top) != read:  # (another trainer's)
+            report.errors.append(f"top-level ids {top} and eagle_config ids {nested} name different layers: vLLM "
+                                 f"captures the inputs of layers {list(top)}, SGLang those of {read} (its ids are "
+                                 "layer outputs), so one of them feeds the draft states it was not trained on; keep "
+                                 "the ids of the server it was trained for (or write the top-level ones as "
+                                 "eagle_config's + 1)")
         if not nested and top:
             report.warnings.append("eagle_config.eagle_aux_hidden_state_layer_ids is missing: SGLang falls back to "
                                    "its default ids")
@@ -97,15 +124,23 @@ class SGLangFormat(ExportFormat):
                                    "speculators serve it")
         if config.get("draft_vocab_size") is None:
             report.warnings.append("draft_vocab_size is missing: SGLang then takes the target's lm_head")
-        ids = nested or top
         if layers != 1:
             report.servers[self.server] = f"cannot serve it: {layers} layers, SGLang loads one"
         elif residual_normed:
             report.servers[self.server] = "cannot serve it: trained with norm_before_residual, which SGLang ignores"
-        elif ids:
+        elif nested:
             report.servers[self.server] = (
-                f"reads ids {list(ids)} as layer outputs, i.e. the inputs of layers {[i + 1 for i in ids]}"
-                + (" (newer builds add the 1 only when the first id is 1)" if ids[0] != 1 else ""))
+                f"reads ids {list(nested)} as layer outputs, i.e. the inputs of layers {read}"
+                + (" (newer builds add the 1 only when the first id is 1)" if nested[0] != 1 else ""))
+        else:
+            report.servers[self.server] = ("captures its default ids [2, L//2, L-3] of the target (no eagle_config "
+                                           "ids; it never reads the top-level ones)")
 
     def read_published(self, folder, config: dict, tensors: dict) -> tuple[Eagle3Spec, dict]:
         return read_folder(self, folder, config, tensors)
+
+
+def _nested_ids(config: dict) -> list[int] | None:
+    """eagle_config's aux ids (SGLang's place), as written."""
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return list(ids) if ids else None

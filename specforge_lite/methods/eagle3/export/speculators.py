@@ -2,8 +2,10 @@
 
 The Llama draft config moves into ``transformer_layer_config`` and the EAGLE3 fields stay at the top
 level, with a ``speculators_config`` naming the proposal method and the verifier (the target). Ids
-are "input of layer i", as ours. The adapter defaults ``norm_before_residual`` to true when absent, so
-it is always written. Weights carry no ``model.`` prefix and the decoder layer is ``layers.0``; d2t/t2d
+are "input of layer i", as ours, read from the top level only (vLLM's speculators adapter,
+vllm/transformers_utils/configs/speculators/algos.py, copies nothing else). The adapter defaults
+``norm_before_residual`` to true when absent, so it is always written, and a published folder without it is read
+as true. Weights carry no ``model.`` prefix and the decoder layer is ``layers.0``; d2t/t2d
 are written only when the draft vocabulary is smaller than the target's.
 """
 
@@ -25,6 +27,7 @@ class SpeculatorsFormat(ExportFormat):
     name, server, layout = "speculators", "speculators / vLLM", "speculators"
     layer_prefix = "layers.0."
     published_as = "an EAGLE3 draft in speculators' format (speculators_model_type)"
+    norm_before_residual_default = True  # (a published folder without the field: vLLM's speculators adapter)
 
     def write_config(self, spec: Eagle3Spec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:
@@ -82,12 +85,16 @@ class SpeculatorsFormat(ExportFormat):
         if not (sc.get("verifier") or {}).get("architectures"):
             report.warnings.append("speculators_config.verifier names no architectures: the verifier cannot be checked")
         ids = config.get("eagle_aux_hidden_state_layer_ids")
-        if ids:
-            report.servers[self.server] = (
-                f"captures the input of layers {list(ids)}, norm_before_residual="
-                f"{config.get('norm_before_residual', True)} (true when absent), "
-                f"fc_norm={bool(config.get('fc_norm'))}, "
-                f"norm_before_fc={bool(config.get('norm_before_fc'))}, norm_output={bool(config.get('norm_output'))}")
+        if not ids and (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
+            report.errors.append("the aux ids are in eagle_config only: vLLM's speculators adapter reads the top-level "
+                                 "eagle_aux_hidden_state_layer_ids only and captures its default ids in silence; write "
+                                 "the ids the draft was trained on at the top level (the input of layer i)")
+        report.servers[self.server] = (
+            (f"captures the input of layers {list(ids)}" if ids else
+             "captures its default ids [2, L//2, L-3] of the target (no top-level ids)")
+            + f", norm_before_residual={config.get('norm_before_residual', self.norm_before_residual_default)} "
+            f"(true when absent), fc_norm={bool(config.get('fc_norm'))}, "
+            f"norm_before_fc={bool(config.get('norm_before_fc'))}, norm_output={bool(config.get('norm_output'))}")
 
     def read_published(self, folder, config: dict, tensors: dict) -> tuple[Eagle3Spec, dict]:
         return read_folder(self, folder, config, tensors)

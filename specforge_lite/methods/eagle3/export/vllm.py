@@ -30,8 +30,9 @@ class VLLMFormat(ExportFormat):
                                    "the top-level eagle_aux_hidden_state_layer_ids and, without them, captures its "
                                    "default ids; for vLLM, python -m specforge_lite.evaluate --export DIR --run-dir "
                                    "OUT model=... writes it as vLLM reads it in OUT/final")
+        if not ids:
             report.servers[self.server] = "captures its default ids [2, L//2, L-3] of the target (no top-level ids)"
-        if ids:
+        else:
             report.servers[self.server] = (
                 f"captures the input of layers {list(ids)} (id L = pre-norm final state), "
                 f"norm_before_residual={config.get('norm_before_residual', False)}, "
