@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from .config import CONF_DIR, SAVED_CONFIG_FIX, Config, read_config_node, with_recipe
+from .config import CONF_DIR, SAVED_CONFIG_FIX, Config, model_as_given, read_config_node, with_recipe
 from .methods import DEFAULT, METHODS, draft_method
 
 
@@ -63,7 +63,9 @@ def to_config(cfg: Any) -> Config:
     if "draft" in tree:
         tree["draft"] = method_settings(method.settings, tree["draft"])
     merged = OmegaConf.merge(OmegaConf.structured(Config(draft=method.settings())), tree)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    config: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    config.model = model_as_given(config.model)  # (a path the user gave is that target, never the preset's package)
+    return config
 
 
 def read_config_file(path: Path) -> Config:

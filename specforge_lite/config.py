@@ -156,12 +156,14 @@ class GenerationConfig:
     server_model: Optional[str] = None  # openai: the model name the server serves (null: the target's path)
     concurrency: int = 64  # openai: completion requests in flight
     # openai: each request is retried this many times by the openai client (connection errors, timeouts, HTTP
-    # 408/409/429/5xx; exponential backoff from 0.5 s to 8 s, or the server's Retry-After).
+    # 408/409/429/5xx; exponential backoff from 0.5 s to 8 s, or the server's Retry-After), and so is an HTTP 200
+    # holding no answer (a body cut short, no choices).
     max_retries: int = 8
     request_timeout: float = 600.0  # openai: seconds each try of a request may take (queued at the server included)
-    # openai: a conversation whose request still fails after the retries is left out of training, counted and
-    # named; more than this share of the conversations failing stops the run (the answers made are kept, and
-    # the same command asks only for the missing ones).
+    # openai: a conversation whose request still fails after the retries is left out of this run's data (training
+    # or held-out), counted and named, and that data is kept apart as incomplete: the same command asks for the
+    # failed ones again, and for no other. More than this share of all the conversations asked for (both splits
+    # together) failing stops the run (the answers made are kept).
     max_failed_fraction: float = 0.01
     server_memory_fraction: float = 0.25  # openai, vLLM started here: its gpu_memory_utilization (CPU: of RAM)
     batch_size: int = 32  # answers generated at once (lean: KV-cache slots; hf: conversations per generate())
@@ -505,19 +507,46 @@ SCALE_RECIPE = "scale"
 
 def with_recipe(overrides: list[str]) -> list[str]:
     """The overrides with ``recipe=scale`` added where the target is a real one and no recipe is named: a model
-    preset whose weights come from a hub id or a folder, or a folder of the user's own (model.path=... on the
-    default preset). The small offline models (the embedded default, the registry and tiny presets) keep
-    conf/config.yaml's recipe, the 2-core demo's; so do sweeps over several presets."""
-    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    preset whose weights come from a hub id or a folder, or a model of the user's own (model.path=...). The small
+    offline models (the embedded default, the registry and tiny presets) keep conf/config.yaml's recipe, the
+    2-core demo's. A sweep over presets (model=a,b) takes the scale recipe when every preset is a real target;
+    one mixing real and small ones is refused (each needs its own recipe). The recipe goes right after the
+    last override, so that Hydra's flags (--cfg job, --info, --resolve, -m) around them still parse."""
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides if not o.startswith("-")}
     if "recipe" in keys:
         return list(overrides)
     model = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "model"), None)
-    if model is None:
-        own_folder = "model.path" in keys
-        return [*overrides, f"recipe={SCALE_RECIPE}"] if own_folder else list(overrides)
-    if "," in model or model not in available_presets("model") or small_offline_model(model):
+    if "model.path" in keys:
+        real = True
+    elif model is None:
+        real = False
+    else:
+        presets = [p for p in model.split(",") if p in available_presets("model")]
+        small = [p for p in presets if small_offline_model(p)]
+        if small and len(small) < len(presets):
+            raise ValueError(f"model={model} mixes small offline presets ({', '.join(small)}) with real targets: "
+                             "their recipes differ (cpu_20min, scale); sweep each kind on its own, or name recipe=")
+        real = bool(presets) and not small
+    if not real:
         return list(overrides)
-    return [*overrides, f"recipe={SCALE_RECIPE}"]
+    last = max(i for i, o in enumerate(overrides) if "=" in o and not o.startswith("-"))
+    return [*overrides[:last + 1], f"recipe={SCALE_RECIPE}", *overrides[last + 1:]]
+
+
+def model_as_given(model: ModelConfig) -> ModelConfig:
+    """The target the settings name. A preset's registry package or tiny build holds the preset's own model: a
+    model.path the user gave (a hub id, a folder) names another one, so the preset's package and name no longer
+    apply; the name follows the path (logs, the model card, the tracker). Everything else the preset set (the
+    family, the dtype, the chat template) is kept, as the user may have set it."""
+    import dataclasses
+
+    if not model.path or model.name not in available_presets("model"):
+        return model
+    preset = model_preset(model.name)
+    if model.path == preset.path:
+        return model
+    return dataclasses.replace(model, name=Path(model.path.rstrip("/")).name or model.path, registry=None, tiny=None,
+                               source="auto" if model.source == preset.source else model.source)
 
 
 def small_offline_model(preset: str) -> bool:

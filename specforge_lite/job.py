@@ -110,14 +110,26 @@ def steps_per_epoch(config: Config, conversations: int, data_ranks: int) -> floa
 
 
 def describe_recipe(config: Config) -> list[str]:
-    """The run's plan in one line (and a second where the 2-core demo's recipe meets a real target)."""
+    """The run's plan in one line (and a second where the 2-core demo's recipe meets a real target): what is
+    trained, as the settings, the data's sources and a continued draft make it, not as the recipe proposed."""
     from .config import small_offline_model
+    from .data.prepare import mix_sources
 
     d, g, t = config.data, config.data.generation, config.trainer
-    source = d.path if d.source == "path" else "+".join(m.source for m in d.mix) if d.source == "mix" else d.source
+    source = d.path if d.source == "path" else d.source
+    if d.source == "mix":
+        kept = mix_sources(d)
+        source = "+".join(m.source for m in kept) + "".join(
+            f" ({m.source} left out: its requests are answered only with data.regenerate=true)"
+            for m in d.mix if m not in kept)
     answers = (f"the target's own answers (regenerated: engine {g.engine}" + (f" at {g.server_url}" if g.server_url
                else "") + ")") if d.regenerate else "the answers as written"
-    if d.regenerate and g.max_minutes is not None and g.round_conversations < g.max_conversations:
+    if d.source == "offline":
+        source, answers = f"the hidden-state store {d.store}", "its stored states and tokens"
+    draft = (f"continuing the draft of {config.draft.init_from} (its vocabulary, aux ids and shape)"
+             if config.draft.init_from else f"draft vocabulary {config.draft.draft_vocab_size}")
+    if d.regenerate and d.source != "offline" and g.max_minutes is not None and \
+            g.round_conversations < g.max_conversations:
         answers += (f", {g.round_conversations} conversations a round up to {g.max_conversations} while "
                     f"{g.max_minutes:g} min allow")
     length = f"{t.epochs:g} epochs" if t.epochs is not None else f"{t.max_steps} steps"
@@ -126,7 +138,7 @@ def describe_recipe(config: Config) -> list[str]:
     saves = " or ".join(([f"every {t.save_every} steps"] if t.save_every else [])
                         + ([f"every {t.save_every_minutes:g} min"] if t.save_every_minutes else [])) or "at the end"
     lines = [f"[recipe] {config.recipe_name}: {config.model.name} on {source}, {answers}; rows up to {d.max_length} "
-             f"tokens; draft vocabulary {config.draft.draft_vocab_size}, TTT {config.draft.ttt_length}; {length}, "
+             f"tokens; {draft}, TTT {config.draft.ttt_length}; {length}, "
              f"{t.micro_batch_size * t.grad_accum_steps} conversation(s) per step and rank; {t.optimizer} lr {t.lr:g}; "
              f"checkpoints {saves}"]
     if config.recipe_name == "cpu_20min" and not small_offline_model(config.model.name):

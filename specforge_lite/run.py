@@ -20,6 +20,7 @@ import torch
 
 from .config import Config
 from .data import BatchStream, DraftVocab, build_draft_vocab, pad_id
+from .data.prepare import check_rows
 from .data.images import image_inputs
 from .data.vocab import choose_mask_token
 from .device import dtype_name, native_bf16, resolve_dtype
@@ -28,7 +29,9 @@ from .export import load_export
 from .export.for_target import draft_from_weights, target_mismatch
 from .generation import prepare_with_target
 from .methods import build_objective, draft_method, draft_spec, draft_vocab_size, fixed_fields, shape_settings
-from .targets import Target, Teacher, build_target, describe_target, load_tokenizer
+from .targets import (Target, Teacher, build_target, describe_target, load_tokenizer, target_identity,
+                      tokenizer_before_target)
+from .hub import DRAFT_FILES, local_or_hub
 from .targets.acquire import resolve_model_dir
 from .targets.capture import AuxIdsOutOfRange
 from .training.distributed import DistributedContext, use_bf16
@@ -67,6 +70,8 @@ class Run:
         if initial is not None:  # the draft keeps its own aux ids and vocabulary
             aux_layer_ids, vocab = list(initial[0].aux_layer_ids), DraftVocab.from_d2t(initial[1]["d2t"],
                                                                                      initial[0].vocab_size)
+        if ctx.is_main:  # (rank 0 prepares the data: a file it cannot train on stops the run before any weight loads)
+            check_rows(config.data, tokenizer_before_target(config), log)
         try:
             target = build_target(config, aux_layer_ids=aux_layer_ids, ctx=ctx, parts_only=parts_only)
         except AuxIdsOutOfRange as e:  # (init_from sets the ids: draft.aux_layer_ids would change nothing)
@@ -117,15 +122,20 @@ class Run:
             return None
         return self.train_data.shard_ranges()
 
+    def provenance(self) -> dict:
+        """What the run trained from, as loaded: the target (``target_identity``) and the draft's start."""
+        return {"target": target_identity(self.config, self.target),
+                "draft_from": self.config.draft.init_from or "a new draft"}
+
     def tracker(self, run_dir: Path, step: int):
         from omegaconf import OmegaConf
 
-        settings = OmegaConf.to_container(OmegaConf.structured(self.config))
+        settings = {**OmegaConf.to_container(OmegaConf.structured(self.config)), "provenance": self.provenance()}
         return Tracker(self.config.tracker, run_dir, settings, resume_step=step)
 
     def write_stats(self, run_dir: Path) -> None:
         if self.ctx.is_main:
-            stats = {**self.stats, "draft_vocab_coverage": self.vocab.coverage}
+            stats = {**self.stats, "draft_vocab_coverage": self.vocab.coverage, **self.provenance()}
             (Path(run_dir) / "data_stats.json").write_text(json.dumps(stats, indent=1))
 
 
@@ -232,7 +242,7 @@ def _check_fixed_shape(config: Config, spec: DraftSpec) -> None:
 def initial_draft(config: Config, log=print) -> tuple[DraftSpec, dict[str, torch.Tensor]]:
     """draft.init_from: the (spec, weights) of the draft a run continues, from an export folder or a run folder's
     final/. Its method must be the run's (the objective trains that method)."""
-    source = Path(config.draft.init_from).expanduser()
+    source = local_or_hub(config.draft.init_from, "draft.init_from", only=DRAFT_FILES)  # (a public draft's hub id too)
     folder = source / "final" if (source / "final" / "config.json").is_file() else source
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"draft.init_from={config.draft.init_from}: no draft there (an export folder with a "

@@ -42,7 +42,10 @@ def cli() -> None:
 
     args = strip_launcher_args(sys.argv[1:])
     check_arguments(args, CONF_DIR)
-    args = with_recipe(args)  # (a real target: recipe=scale, unless one is named)
+    try:
+        args = with_recipe(args)  # (a real target: recipe=scale, unless one is named)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     sys.argv = [sys.argv[0], *with_draft_group(args)]  # (draft.method=<name> is draft=<name>)
     main()
 

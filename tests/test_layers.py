@@ -18,11 +18,11 @@ from conftest import ROOT
 
 STANDS_ON = {
     # the ground: one-line messages, files written whole, the serving venv, the settings
-    "errors": (), "files": (), "serving": (), "config": ("errors",),
+    "errors": (), "files": (), "serving": (), "config": ("errors",), "hub": ("errors",),  # (a hub id, fetched)
     "records": ("errors", "files"),  # what a run leaves in its folder (metrics, checkpoints), read back
     "device": ("config",),  # the machine, and the precision auto chooses on it
     "data": ("config", "errors", "files"),  # conversations -> samples
-    "targets": ("config", "device", "errors", "files"),  # the frozen target, its capture and its store
+    "targets": ("config", "device", "errors", "files", "hub"),  # the frozen target, its capture and its store
     "generation": ("data", "targets", "serving"),  # the target writing answers
     "draft": ("targets",),  # what every draft method shares: the spec, the model base, the unroll, drafting
     # what every export format shares, knowing no method: the format class, the Llama layout, the check's report

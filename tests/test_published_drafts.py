@@ -119,6 +119,12 @@ def continued_run(peer: str, tmp_path: Path) -> Path:
     return out
 
 
+def sha256_16(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
 @pytest.mark.parametrize("peer", PEERS)
 def test_a_run_continues_it_and_exports_it_with_a_model_card(peer, tmp_path, capsys):
     """draft.init_from=<published folder>: 10 steps from the peer's weights (its aux ids and vocabulary kept),
@@ -139,6 +145,11 @@ def test_a_run_continues_it_and_exports_it_with_a_model_card(peer, tmp_path, cap
     card = (out / "final" / "README.md").read_text()
     target = json.loads((out / "eval_inputs.json").read_text())["target"]
     assert f"continuing `{FIXTURES / peer}`" in card and "10 steps" in card
+    # the records name the target as loaded (its config.json's hash), the draft's source and the data's counts
+    stats, config_hash = json.loads((out / "data_stats.json").read_text()), sha256_16(Path(target) / "config.json")
+    assert stats["target"]["config_sha256"] == evaluation["target"]["config_sha256"] == config_hash
+    assert stats["draft_from"] == str(FIXTURES / peer) and f"sha256 `{config_hash}...`" in card
+    assert f"{stats['train']} training and {stats['heldout']} held-out conversations of {stats['rows']} rows" in card
     assert f"mean acceptance length {evaluation['mean_acceptance_length']:.3f} at k=3" in card
     vllm = json.dumps({"method": "eagle3", "model": str(out / "final"), "num_speculative_tokens": 3})
     assert f"vllm serve {target} \\\n  --speculative-config '{vllm}'" in card
@@ -244,6 +255,120 @@ def test_folders_that_do_not_fit_are_refused_in_one_line_naming_the_file(tmp_pat
     assert spec.aux_layer_ids == [] and fit_to_target(spec, TINY_LAYERS).aux_layer_ids == [2, 4, 5]
     with pytest.raises(ValueError, match=r"reads aux ids \[1, 4, 7\] and this target has 4 layers .* \(model=\.\.\.\)"):
         fit_to_target(load_export(FIXTURES / "speculators")[0], 4)
+
+
+# config.json of public drafts, as their writers leave the aux ids and norm_before_residual: the fixture's own
+# config.json (the peer's save code) with only these fields as the row gives them. SpecForge (SGLang's layout) writes
+# eagle_config, vLLM-side writers of the same layout the top level, the EAGLE reference neither; speculators writes
+# the top level, and a hand-made folder may carry both places. Each row: the ids the engine that reads the folder
+# feeds the draft, in ours (the input of layer i) for the tiny target (8 layers: the servers' default [2, 4, 5]),
+# the norm_before_residual it runs, whether --check passes, and what --check says each server does.
+SGLANG_IDS = '"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5], "use_aux_hidden_state": true}'
+PUBLISHED_CONFIGS = [
+    pytest.param("specforge", "{%s}" % SGLANG_IDS, [2, 4, 6], False, True,
+                 {"SGLang": "the inputs of layers [2, 4, 6]", "vLLM": "its default ids"}, id="sglang-eagle_config"),
+    pytest.param("specforge", '{"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}', [1, 3, 5], False, True,
+                 {"vLLM": "the input of layers [1, 3, 5]", "SGLang": "its default ids"}, id="sglang-top-level"),
+    pytest.param("specforge", '{"eagle_aux_hidden_state_layer_ids": [2, 4, 6], "norm_before_residual": true}',
+                 [2, 4, 6], True, True, {"vLLM": "the input of layers [2, 4, 6] (id L = pre-norm final state), "
+                                                 "norm_before_residual=True", "SGLang": "cannot serve it"},
+                 id="sglang-top-level-normed-residual"),
+    pytest.param("specforge", '{"eagle_aux_hidden_state_layer_ids": [2, 4, 6], %s, "norm_before_residual": false}'
+                 % SGLANG_IDS, [2, 4, 6], False, True,
+                 {"vLLM": "the input of layers [2, 4, 6]", "SGLang": "the inputs of layers [2, 4, 6]"},
+                 id="sglang-both"),
+    pytest.param("specforge", "{}", [2, 4, 5], False, False, {"vLLM": "its default ids", "SGLang": "its default ids"},
+                 id="sglang-neither"),
+    pytest.param("speculators", '{"eagle_aux_hidden_state_layer_ids": [1, 4, 7]}', [1, 4, 7], True, True,
+                 {"speculators / vLLM": "the input of layers [1, 4, 7], norm_before_residual=True"},
+                 id="speculators-top-level-no-flag"),
+    pytest.param("speculators", '{"eagle_aux_hidden_state_layer_ids": [1, 4, 7], "norm_before_residual": false}',
+                 [1, 4, 7], False, True, {"speculators / vLLM": "the input of layers [1, 4, 7], norm_before_residual="
+                                                                "False"}, id="speculators-top-level-flag-false"),
+    pytest.param("speculators", '{"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 4, 7]}}', [2, 4, 5], True,
+                 False, {"speculators / vLLM": "its default ids"}, id="speculators-eagle_config"),
+    pytest.param("speculators", '{"eagle_aux_hidden_state_layer_ids": [1, 4, 7], "eagle_config": '
+                 '{"eagle_aux_hidden_state_layer_ids": [0, 3, 6]}, "norm_before_residual": true}', [1, 4, 7], True,
+                 True,
+                 {"speculators / vLLM": "the input of layers [1, 4, 7], norm_before_residual=True"},
+                 id="speculators-both"),
+    pytest.param("speculators", "{}", [2, 4, 5], True, False, {"speculators / vLLM": "its default ids"},
+                 id="speculators-neither"),
+]
+PLACES = ("eagle_aux_hidden_state_layer_ids", "eagle_config", "norm_before_residual")
+
+
+def published_variant(peer: str, fields: str, folder: Path) -> Path:
+    """The peer's fixture with its aux ids and norm_before_residual as ``fields`` (a JSON text) gives them."""
+    shutil.copytree(FIXTURES / peer, folder)
+    config = {k: v for k, v in peer_config(peer).items() if k not in PLACES}
+    (folder / "config.json").write_text(json.dumps({**config, **json.loads(fields)}, indent=2))
+    return folder
+
+
+def continued_draft(folder: Path):
+    """The target a run continuing (or evaluating) the folder builds, and the draft it trains: draft.init_from read
+    as a run reads it (run.initial_draft), the target built with the draft's ids, the weights fitted to it."""
+    from specforge_lite.compose import load_config
+    from specforge_lite.export.for_target import draft_from_weights
+    from specforge_lite.run import initial_draft
+    from specforge_lite.targets import build_target
+
+    config = load_config([*VOCAB["overrides"], f"draft.init_from={folder}"])
+    spec, weights = initial_draft(config, log=lambda m: None)
+    target = build_target(config, aux_layer_ids=list(spec.aux_layer_ids))
+    return target, draft_from_weights(spec, weights, target)
+
+
+@pytest.mark.parametrize("peer, fields, ids, residual_normed, servable, says", PUBLISHED_CONFIGS)
+def test_a_published_folder_is_read_checked_and_continued_as_its_server_reads_it(peer, fields, ids, residual_normed,
+                                                                                 servable, says, tmp_path):
+    """Wherever the folder keeps its aux ids, the draft is read, evaluated and continued on the layers the engine
+    serving it feeds it (vLLM: the top-level ids as layer inputs; SGLang: eagle_config's as layer outputs, its
+    default without them; both: their defaults without any), with the norm_before_residual that engine runs when
+    the field is absent (vLLM's Llama-EAGLE3 model: false; its speculators adapter: true); --check says the same.
+    Fails when top-level ids are read as SGLang's outputs (+1) or an absent flag as false in speculators' format."""
+    from specforge_lite.export.check import check_export
+
+    folder = published_variant(peer, fields, tmp_path / "draft")
+    spec, _ = load_export(folder)
+    assert fit_to_target(spec, TINY_LAYERS).aux_layer_ids == ids and spec.norm_before_residual is residual_normed
+    target, draft = continued_draft(folder)
+    assert target.aux_layer_ids == ids and draft.spec.aux_layer_ids == ids
+    assert draft.midlayer.norm_before_residual is residual_normed
+    report = check_export(folder)
+    assert report.ok is servable, report.text()
+    for server, reading in says.items():
+        assert reading in report.servers.get(server, ""), report.text()
+
+
+def test_a_speculators_draft_without_norm_before_residual_computes_what_vllm_serves(tmp_path):
+    """The fixture's draft was trained and recorded with norm_before_residual=true: without the field, as vLLM's
+    speculators adapter serves it, it still computes the peer's own logits. Fails when the absent flag reads false."""
+    folder = published_variant("speculators", '{"eagle_aux_hidden_state_layer_ids": [1, 4, 7]}', tmp_path / "draft")
+    spec, weights = load_export(folder)
+    recorded = load_file(str(FIXTURES / "speculators.forward.safetensors"))
+    torch.testing.assert_close(first_step_logits(spec, weights, recorded), recorded["logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_a_folder_whose_two_id_places_name_different_layers_is_refused_in_one_line(tmp_path):
+    """The same numbers at the top level (vLLM: layer inputs) and in eagle_config (SGLang: layer outputs) name
+    layers one apart: one server feeds the draft states it was not trained on, and the folder does not say which.
+    Reading refuses it in one line naming the file and the fix; --check fails saying which layers each reads.
+    Fails when such a folder is read as either server's."""
+    from specforge_lite.export.check import check_export
+
+    folder = published_variant("specforge", '{"eagle_aux_hidden_state_layer_ids": [1, 3, 5], %s}' % SGLANG_IDS,
+                               tmp_path / "draft")
+    with pytest.raises(ValueError) as refused:
+        load_export(folder)
+    message = str(refused.value)
+    assert message.startswith(f"{folder}/config.json: ") and "\n" not in message, message
+    assert "[1, 3, 5]" in message and "[2, 4, 6]" in message and "delete" in message, message
+    report = check_export(folder)
+    assert not report.ok and any("name different layers" in e and "[2, 4, 6]" in e for e in report.errors), \
+        report.text()
+    assert not any("trained on" in w for w in report.warnings), report.text()  # (which ids is not known)
 
 
 def peers_python() -> Path | None:

@@ -213,10 +213,113 @@ def test_rounds_stop_when_the_next_would_end_past_the_budget_and_the_next_run_go
 @pytest.mark.parametrize("generation, regenerate, words", [
     (dict(round_conversations=4), True, "round_conversations is read only together with data.generation.max_minutes"),
     (dict(max_minutes=5.0), True, "max_minutes is read only together with data.generation.round_conversations"),
-    (dict(max_minutes=5.0, round_conversations=4), False, "needs data.regenerate=true"),
+    (dict(max_minutes=5.0, round_conversations=4), True, "set data.generation.max_conversations"),
 ])
 def test_rounds_settings_that_would_not_be_read_are_refused(generation, regenerate, words):
     from specforge_lite.data.prepare import data_setting_problems
 
     problems = data_setting_problems(DataConfig(regenerate=regenerate, generation=GenerationConfig(**generation)))
     assert len(problems) == 1 and words in problems[0], problems
+
+
+def test_regeneration_off_leaves_the_rounds_unread():
+    """data.regenerate=false on a recipe that answers in rounds: no rounds, nothing refused (the natural command
+    was refused, naming data.generation.max_minutes, which the user never set)."""
+    from specforge_lite.data.prepare import data_setting_problems
+
+    rounds = GenerationConfig(max_minutes=5.0, round_conversations=4, max_conversations=12)
+    assert data_setting_problems(DataConfig(regenerate=False, generation=rounds)) == []
+
+
+# ---- requests that fail for good (a serving engine, after its client's retries) -------------------------------------
+def _heldout_questions(n: int, held: int) -> list[str]:
+    """Which of _question_file's questions the held-out split takes (its fixed shuffle)."""
+    import random
+
+    from specforge_lite.data.prepare import _HELDOUT_SEED
+
+    order = list(range(n))
+    random.Random(_HELDOUT_SEED).shuffle(order)
+    return [f"question {i}" for i in order[:held]]
+
+
+def _answering(asked: list, failing=()):
+    """A fake target answering every question but those in ``failing``, whose requests fail for good."""
+    from specforge_lite.data.regenerate import FailedAnswer
+
+    def generate(batch):
+        asked.extend(c[0]["content"] for c in batch)
+        return [FailedAnswer("HTTP 500 after 8 retries: down") if c[0]["content"] in failing
+                else f"Answer to {c[0]['content']}." for c in batch]
+
+    return generate
+
+
+def test_a_rerun_asks_again_for_exactly_the_failed_conversations_and_its_data_holds_them(tmp_path, smollm2,
+                                                                                        monkeypatch):
+    """Failed conversations are left out of one run's data, never frozen into the cache: the prepared data of a run
+    with failures is kept apart as incomplete, and the same command asks for those conversations (and no other)."""
+    from specforge_lite.data import prepare
+
+    _, _, tok = smollm2
+    held = _heldout_questions(22, 2)
+    failing = {held[0], next(f"question {i}" for i in range(22) if f"question {i}" not in held)}
+    cfg = DataConfig(source="path", path=_question_file(tmp_path, 22), heldout_samples=2, regenerate=True,
+                     generation=GenerationConfig(batch_size=4, max_failed_fraction=0.5))
+    asked = []
+    first = prepare_data(cfg, tok, generate=_answering(asked, failing), model_fingerprint="fake", log=lambda m: None)
+    assert (len(first.train), len(first.heldout)) == (19, 1) and len(asked) == 22
+
+    # another rank of the same distributed run reads what rank 0 made (run.py has it wait for rank 0)
+    monkeypatch.setattr(prepare, "_other_rank", lambda: True, raising=False)
+    other = prepare_data(cfg, tok, generate=_answering(asked, set(asked)), model_fingerprint="fake",
+                         log=lambda m: None)
+    assert (len(other.train), len(other.heldout)) == (19, 1) and len(asked) == 22
+    monkeypatch.setattr(prepare, "_other_rank", lambda: False, raising=False)
+
+    asked.clear()
+    second = prepare_data(cfg, tok, generate=_answering(asked), model_fingerprint="fake", log=lambda m: None)
+    assert sorted(asked) == sorted(failing)  # those two alone, the answered ones come from the cache
+    assert (len(second.train), len(second.heldout)) == (20, 2)
+    assert second.stats["regeneration"]["failed_total"] == 0
+    asked.clear()
+    third = prepare_data(cfg, tok, generate=_answering(asked), model_fingerprint="fake", log=lambda m: None)
+    assert asked == [] and len(third.train) == 20  # complete: published under the key, and reused as is
+
+
+def test_heldout_failures_are_counted_in_the_stats_and_the_log(tmp_path, smollm2):
+    _, _, tok = smollm2
+    held = _heldout_questions(12, 2)
+    cfg = DataConfig(source="path", path=_question_file(tmp_path, 12), heldout_samples=2, regenerate=True,
+                     generation=GenerationConfig(max_failed_fraction=0.5))
+    said = []
+    data = prepare_data(cfg, tok, generate=_answering([], {held[1]}), model_fingerprint="fake", log=said.append)
+    regen = data.stats["regeneration"]
+    assert len(data.heldout) == 1 and regen["failed"] == 0 and regen["failed_total"] == 1
+    assert regen["heldout"]["failed"] == 1 and regen["heldout"]["regenerated"] == 1
+    assert [f["opening"] for f in regen["heldout"]["failed_conversations"]] == [held[1]]
+    line = next(m for m in said if "failed after the retries" in m)
+    assert "1 of 2 held-out conversations failed after the retries" in line and repr(held[1]) in line
+    summary = next(m for m in said if m.startswith("[data]"))
+    assert "1 held-out conversation left out after failed requests" in summary and "-incomplete" in summary
+
+
+def test_the_failed_fraction_counts_both_splits_together(tmp_path, smollm2):
+    """At the defaults (64 held-out conversations, max_failed_fraction 0.01), one held-out failure among 164
+    conversations is within the share, not 1 of 64 over it; two are over it, and stop the run with one line."""
+    from specforge_lite.data.regenerate import RegenerationFailed
+
+    _, _, tok = smollm2
+    held = _heldout_questions(164, 64)
+    cfg = DataConfig(source="path", path=_question_file(tmp_path, 164), regenerate=True)
+    data = prepare_data(cfg, tok, generate=_answering([], {held[5]}), model_fingerprint="fake", log=lambda m: None)
+    assert (len(data.train), len(data.heldout)) == (100, 63)
+    assert data.stats["regeneration"]["heldout"]["failed"] == 1
+
+    cfg.generation.seed = 1  # (another key: nothing cached)
+    with pytest.raises(RegenerationFailed) as stop:
+        prepare_data(cfg, tok, generate=_answering([], {held[5], held[6]}), model_fingerprint="fake",
+                     log=lambda m: None)
+    message = str(stop.value)
+    assert "\n" not in message and message.startswith("2 of 164 conversations (training and held-out together)")
+    assert "held-out #" in message and repr(held[6]) in message

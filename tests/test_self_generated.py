@@ -147,13 +147,23 @@ def test_a_source_with_regenerate_false_keeps_its_served_answers(tmp_path, smoll
                                 regenerate=True), tok, log=lambda m: None)
 
 
+def test_without_regeneration_a_mix_leaves_its_self_generated_requests_out_and_says_so(tmp_path, smollm2):
+    """data.regenerate=false alone on the default recipe's mix (refused before: the user had to find the mix)."""
+    _, _, tok = smollm2
+    a = _write(tmp_path / "a.jsonl", 20, "alpha")
+    said = []
+    cfg = DataConfig(source="mix", mix=[MixSource("path", str(a), 1.0), MixSource("self_generated", None, 1.0)],
+                     heldout_samples=4)
+    data = prepare_data(cfg, tok, log=said.append)
+    assert len(data.train) == 16 and all("alpha" in tok.decode(ids) for ids in data.train["input_ids"])
+    assert any("self_generated requests left out" in m for m in said), said
+
+
 def test_mix_mistakes_are_named(tmp_path, smollm2):
     _, _, tok = smollm2
     a = _write(tmp_path / "a.jsonl", 10, "alpha")
     for cfg, words in [
         (DataConfig(source="mix"), "needs data.mix"),
-        (DataConfig(source="mix", mix=[MixSource("path", str(a), 1.0), MixSource("self_generated", None, 1.0)]),
-         "data.regenerate=true"),
         (DataConfig(source="mix", mix=[MixSource("self_generated", None, 1.0)], regenerate=True), "add a file source"),
         (DataConfig(source="mix", mix=[MixSource("path", str(a), 0.0)]), "must be positive"),
     ]:

@@ -20,7 +20,7 @@ from .errors import DataError, MalformedRow
 from .formats import conversation_images, is_pretokenized, normalize_conversation
 from .images import ImageInputs
 from .readers import SUFFIXES, hub_dataset, is_hub_id, iter_rows, source_files, source_name
-from .regenerate import regenerate, regeneration_key
+from .regenerate import FailureBudget, regenerate, regeneration_key, regeneration_units
 from .self_generated import write_requests
 
 _PREP_VERSION = "5"  # bump when tokenisation or masking changes, so stale caches are not reused
@@ -43,7 +43,8 @@ SELF_GENERATED = "self_generated"
 
 
 def mix_sources(cfg: DataConfig) -> list[MixSource]:
-    """The data's sources: data.mix for data.source=mix, else data.source alone."""
+    """The data's sources: data.mix for data.source=mix, else data.source alone. Without regeneration a mix's
+    self_generated requests have no answers, so they are left out (``describe_recipe`` says so)."""
     if cfg.source != "mix":
         return [MixSource(cfg.source, cfg.path, 1.0)]
     if not cfg.mix:
@@ -57,13 +58,10 @@ def mix_sources(cfg: DataConfig) -> list[MixSource]:
     if all(m.source == SELF_GENERATED for m in cfg.mix):
         raise DataError("data.mix holds only self_generated: add a file source (its held-out conversations are the "
                         "evaluation's held-out prompts), e.g. {source: builtin_chitchat, weight: 1}")
-    if any(m.source == SELF_GENERATED for m in cfg.mix) and not cfg.regenerate:
-        raise DataError("self_generated requests have no answers until the target writes them: set "
-                        "data.regenerate=true")
     if any(m.source == SELF_GENERATED and m.regenerate is False for m in cfg.mix):
         raise DataError("data.mix: self_generated with regenerate: false would train on empty answers; drop "
                         "regenerate from that source")
-    return list(cfg.mix)
+    return [m for m in cfg.mix if cfg.regenerate or m.source != SELF_GENERATED]
 
 
 PATH_SOURCES = ("path", "jsonl", "file")
@@ -82,10 +80,11 @@ def data_setting_problems(cfg: DataConfig) -> list[str]:
             ("max_minutes", "round_conversations")
         problems.append(f"data.generation.{given} is read only together with data.generation.{missing} (rounds of "
                         f"answers while there is time): set both, or neither")
-    elif gen.max_minutes is not None and (not cfg.regenerate or gen.max_conversations is None):
+    elif cfg.regenerate and gen.max_minutes is not None and gen.max_conversations is None:
+        # (without regeneration there are no rounds: the recipe's round settings are not read)
         problems.append("data.generation.max_minutes answers the training conversations in rounds up to "
-                        "data.generation.max_conversations: it needs data.regenerate=true and "
-                        "data.generation.max_conversations (the most a run may take)")
+                        "data.generation.max_conversations: set data.generation.max_conversations (the most a run "
+                        "may take)")
     return problems
 
 
@@ -141,6 +140,26 @@ def check_data_sources(cfg: DataConfig) -> None:
             data_file(source)
 
 
+def check_rows(cfg: DataConfig, tokenizer: Any, log=print) -> None:
+    """Every row of the file sources read and rendered through the chat template with the tokenizer alone, before
+    any of the target's weights load: a file too damaged to train on is refused here, not after minutes of loading
+    a large target, and the rows skipped are counted. What is read is kept for ``prepare_data`` (each row read
+    once). Nothing to do where data prepared from the same files with the same tokenizer is cached."""
+    sources = mix_sources(cfg)
+    files = {i: data_file(src) for i, src in enumerate(sources) if src.source != SELF_GENERATED}
+    if not files:
+        return
+    source_key = _fingerprint(list(files.values()), tokenizer, cfg)
+    if any(_complete(folder) for folder in (cache_dir() / "prepared").glob(source_key + "*")):
+        return
+    read = _READ_BEFORE_TARGET[source_key] = _read_and_split(files, sources, cfg, tokenizer, None)
+    skipped = ", ".join(f"{n}x {reason}" for reason, n in read.reasons.most_common(3))
+    log(f"[data] read before the target loads: {read.rows} rows, {sum(read.reasons.values())} skipped"
+        + (f" ({skipped})" if skipped else ""))
+
+
+# check_rows's reading of each source key, taken once by prepare_data
+_READ_BEFORE_TARGET: dict[str, "_Read"] = {}
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
 
 
@@ -216,6 +235,9 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     if cfg.loss_turns not in LOSS_TURNS:
         raise DataError(f"data.loss_turns={cfg.loss_turns!r}: use one of {LOSS_TURNS}")
     sources = mix_sources(cfg)
+    if len(sources) < len(cfg.mix):
+        log(f"[data] data.mix's {SELF_GENERATED} requests left out: only the target answers them "
+            "(data.regenerate=false)")
     files = {i: data_file(src) for i, src in enumerate(sources) if src.source != SELF_GENERATED}
     source_key = _fingerprint(list(files.values()), tokenizer, cfg, images)
     regen_key = regeneration_key(source_key, model_fingerprint, cfg.generation) if cfg.regenerate else None
@@ -225,10 +247,13 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
         return cache_dir() / "prepared" / (source_key + (f"-regen-{regen_key}" if regen_key else "")
                                            + (f"-n{cap}" if regen_key and cap is not None else ""))
 
-    if (prepared(cfg.generation.max_conversations) / "stats.json").is_file():
-        return _load_prepared(prepared(cfg.generation.max_conversations))
+    done = prepared(cfg.generation.max_conversations)
+    if _complete(done):
+        return _load_prepared(done)
+    if _other_rank() and (_incomplete(done) / "stats.json").is_file():
+        return _load_prepared(_incomplete(done))  # what rank 0 made just now, its failed conversations left out
 
-    read = _read_and_split(files, sources, cfg, tokenizer, images)
+    read = _READ_BEFORE_TARGET.pop(source_key, None) or _read_and_split(files, sources, cfg, tokenizer, images)
     overlap = _drop_heldout_openings(read.pools, read.heldout)
     prompts, prompt_images = _heldout_prompts(read.heldout, tokenizer, images)
     path = next(iter(files.values()))
@@ -237,7 +262,6 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     train_convs, heldout_convs, cap, made = _answered(read, sources, cfg, tokenizer, generate, request_writer,
                                                       model_fingerprint, regen_key, log)
     stats.update(made)
-    cached = prepared(cap)
     train, train_err = _tokenized(train_convs, cfg, tokenizer, images)
     heldout, held_err = _tokenized(heldout_convs, cfg, tokenizer, images)
     read.reasons.update(train_err)
@@ -253,13 +277,71 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
             f"data.max_length={cfg.max_length}"
         )
     stats.update(_split_stats(train, heldout, read))
+    regen = stats.get("regeneration") or {}
+    cached = prepared(cap)
+    if regen.get("failed_total"):
+        # conversations missing: never published under the key the next run takes as complete (it would never ask
+        # for them again), but apart, replacing the last such data
+        cached = _incomplete(cached)
+        _discard(cached)
+    elif cached.exists() and not _complete(cached):  # (published by an earlier version with conversations missing)
+        _discard(cached)
     _publish(cached, train, heldout, prompts, prompt_images, stats)
+    if not regen.get("failed_total"):
+        _discard(_incomplete(cached))
     skipped = sum(read.reasons.values())
     names = ", ".join(f"{k}: {v}" for k, v in stats["mix"].items()) if "mix" in stats else source_name(path)
     log(f"[data] {names}: {len(train)} train / {len(heldout)} held-out conversations, {stats['train_tokens']} "
         f"train tokens; {overlap} training conversations dropped for sharing an opening with a held-out prompt"
-        + (f"; skipped {skipped}: {dict(read.reasons)}" if skipped else ""))
+        + (f"; skipped {skipped}: {dict(read.reasons)}" if skipped else "") + _lost(regen, cached))
     return _load_prepared(cached)
+
+
+def _lost(regen: dict, cached: Path) -> str:
+    """What the [data] line says of the conversations whose requests failed for good (nothing when none did)."""
+    if not regen.get("failed_total"):
+        return ""
+    parts = [f"{n} {split}" for n, split in ((regen["failed"], "training"), (regen["heldout"]["failed"], "held-out"))
+             if n]
+    many = regen["failed_total"] > 1
+    return (f"; {' and '.join(parts)} conversation{'s' if many else ''} left out after failed requests (named "
+            f"above): this data is kept apart as incomplete in {cached}, and the same command asks for "
+            f"{'them' if many else 'it'} again")
+
+
+def _incomplete(folder: Path) -> Path:
+    """Where prepared data with conversations missing (their requests failed for good) is kept: a name no run
+    looks up as complete data (only another rank of the run that made it reads it)."""
+    return folder.with_name(folder.name + "-incomplete")
+
+
+def _complete(folder: Path) -> bool:
+    """Prepared data there, every conversation it asked the target for answered."""
+    if not (folder / "stats.json").is_file():
+        return False
+    return not (json.loads((folder / "stats.json").read_text()).get("regeneration") or {}).get("failed")
+
+
+def _other_rank() -> bool:
+    """A distributed run's rank other than 0: run.py has it prepare the data once rank 0 has (and read rank 0's)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+
+
+def _discard(folder: Path) -> None:
+    """A published folder moved out of the way at once (a rename), then deleted."""
+    import os
+    import shutil
+
+    if not folder.exists():
+        return
+    aside = folder.with_name(f".{folder.name}.old-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        folder.rename(aside)
+    except OSError:
+        return  # (another process moved it first)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _answered(read: _Read, sources: list[MixSource], cfg: DataConfig, tokenizer: Any, generate, request_writer,
@@ -392,15 +474,23 @@ def _regenerate_answers(train_convs: list, heldout_convs: list, as_written: set[
     if generate is None:
         raise ValueError("data.regenerate=true needs the target to generate answers (pass generate=...)")
     keep = lambda c: bool(conversation_images(c)) or id(c) in as_written or is_pretokenized(c)  # noqa: E731
+    gen = cfg.generation
     train_convs, kept = _regenerated_first(train_convs, keep)
     heldout_convs, held_kept = _regenerated_first(heldout_convs, keep)
-    train_text, regen_stats = regenerate(train_convs[: len(train_convs) - kept], generate, cfg.generation,
-                                         regen_key + "-train", log=log)
-    train_convs = train_text + train_convs[len(train_convs) - kept :]
-    held_text, _ = regenerate(heldout_convs[: len(heldout_convs) - held_kept], generate, cfg.generation,
-                              regen_key + "-heldout", log=log)
-    heldout_convs = held_text + heldout_convs[len(heldout_convs) - held_kept :]
-    stats = {**regen_stats, "image_conversations_kept_as_is": sum(bool(conversation_images(c)) for c in train_convs),
+    train_asked, held_asked = train_convs[: len(train_convs) - kept], heldout_convs[: len(heldout_convs) - held_kept]
+    # one share of failures for both splits: a held-out failure counts among every conversation asked for
+    budget = FailureBudget(regeneration_units(train_asked, gen) + regeneration_units(held_asked, gen),
+                           gen.max_failed_fraction, shared=True)
+    train_text, regen_stats = regenerate(train_asked, generate, gen, regen_key + "-train", log=log, split="training",
+                                         budget=budget)
+    train_convs = train_text + train_convs[len(train_asked):]
+    held_text, held_stats = regenerate(held_asked, generate, gen, regen_key + "-heldout", log=log, split="held-out",
+                                       budget=budget)
+    heldout_convs = held_text + heldout_convs[len(held_asked):]
+    heldout = {k: held_stats[k] for k in ("regenerated", "empty_answers", "failed", "failed_conversations", "cache")
+               if k in held_stats}
+    stats = {**regen_stats, "heldout": heldout, "failed_total": regen_stats["failed"] + held_stats["failed"],
+             "image_conversations_kept_as_is": sum(bool(conversation_images(c)) for c in train_convs),
              "answers_kept_as_written": sum(id(c) in as_written for c in train_convs)}
     return train_convs, heldout_convs, stats
 

@@ -10,7 +10,9 @@ Here every assistant turn (up to ``max_turns`` per conversation) is replaced by 
 Results are cached under a key of (data, model, settings) in shards written atomically, and every answer of an
 unfinished shard is journaled as it arrives: a killed run resumes without asking for any answer it was given,
 and a finished one is reused as is. A request that fails for good (a serving engine, after its client's
-retries) leaves its conversation out, counted and named; above ``max_failed_fraction`` the run stops.
+retries) leaves its conversation out, counted and named, and its shard unwritten: the same call asks for that
+conversation again (and for no other). Above ``max_failed_fraction`` of the conversations of a FailureBudget (one
+run's training and held-out splits together) the run stops.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ def regeneration_key(source_fingerprint: str, model_fingerprint: str, cfg: Gener
                                              "batch_size")}
     blob = json.dumps([source_fingerprint, model_fingerprint, settings], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def regeneration_units(conversations: list[Messages], cfg: GenerationConfig) -> int:
+    """How many conversations (context=all) or prompts (context=last) regenerate() asks for, its cap applied."""
+    units = len(_units(conversations, cfg))
+    return units if cfg.max_conversations is None else min(units, cfg.max_conversations)
 
 
 def _units(conversations: list[Messages], cfg: GenerationConfig) -> list[Messages]:
@@ -169,6 +177,20 @@ class RegenerationFailed(UserError):
     """More requests failed for good than data.generation.max_failed_fraction allows."""
 
 
+class FailureBudget:
+    """The conversations whose requests may fail for good across the regenerations of one run: more than
+    ``fraction`` of ``total`` (data.prepare: the training and held-out conversations together) stops it. Holds
+    the failures so far, of every split, and where each split lists its own."""
+
+    def __init__(self, total: int, fraction: float, shared: bool = False):
+        self.total, self.fraction, self.shared = total, fraction, shared
+        self.failed: list[dict] = []
+        self.files: list[Path] = []
+
+    def over(self) -> bool:
+        return len(self.failed) > self.fraction * self.total
+
+
 @dataclass(frozen=True)
 class FailedAnswer:
     """What an answer stream yields for a prompt whose request failed for good (a serving engine, after its
@@ -226,7 +248,8 @@ def _opening(messages: Messages, width: int = 40) -> str:
 
 
 def _named(failed: list[dict], shown: int = 5) -> str:
-    named = "; ".join(f"#{f['conversation']} {f['opening']!r} ({f['reason']})" for f in failed[:shown])
+    named = "; ".join(f"{f['split'] + ' ' if 'split' in f else ''}#{f['conversation']} {f['opening']!r} ({f['reason']})"
+                      for f in failed[:shown])
     return named + (f"; and {len(failed) - shown} more" if len(failed) > shown else "")
 
 
@@ -254,8 +277,9 @@ class _Rebuild:
     stays unwritten, so that a rerun asks for that conversation alone."""
 
     def __init__(self, shards: list[list[Messages]], paths: list[Path], todo: list[int], cfg: GenerationConfig,
-                 journal: AnswerJournal):
+                 journal: AnswerJournal, budget: FailureBudget, split: str | None = None):
         self.shards, self.paths, self.cfg, self.journal = shards, paths, cfg, journal
+        self.budget, self.split = budget, split
         turns = 1 if cfg.context == "last" else cfg.max_turns
         self.jobs = {(i, j): ConversationJob(unit, turns) for i in todo for j, unit in enumerate(shards[i])}
         self.left = {i: len(shards[i]) for i in todo}
@@ -263,7 +287,6 @@ class _Rebuild:
         # the answers of shards still to write (the journal also holds those of shards a killed run had written)
         self.known = {(unit, turn): a for (unit, turn), a in known.items() if unit // cfg.batch_size in self.left}
         self.replayed = len(self.known)
-        self.total = sum(len(s) for s in shards)
         self.failed: list[dict] = []
         self.queue = PromptQueue()
         self.bar = None
@@ -318,16 +341,21 @@ class _Rebuild:
     def _fail(self, key: tuple[int, int], reason: str) -> None:
         job = self.jobs[key]
         job.failed = reason
-        self.failed.append({"conversation": self.unit(key), "turn": job.turns, "opening": _opening(job.source),
-                            "reason": reason})
-        if len(self.failed) > self.cfg.max_failed_fraction * self.total:
+        failure = {"conversation": self.unit(key), "turn": job.turns, "opening": _opening(job.source),
+                   "reason": reason, **({"split": self.split} if self.split else {})}
+        self.failed.append(failure)
+        budget = self.budget
+        budget.failed.append(failure)
+        if budget.over():
             self.write_failures()
+            both = " (training and held-out together)" if budget.shared else ""
             raise RegenerationFailed(
-                f"{len(self.failed)} of {self.total} conversations could not be regenerated (their requests failed "
-                f"after the retries), more than data.generation.max_failed_fraction={self.cfg.max_failed_fraction} "
-                f"allows: {_named(self.failed)} (all in {self.failures_path}). Check the server "
-                "(data.generation.server_url) and run the same command: the answers already made are kept in "
-                f"{self.journal.path.parent} and only the missing ones are asked for")
+                f"{len(budget.failed)} of {budget.total} conversations{both} could not be regenerated (their "
+                "requests failed after the retries), more than data.generation.max_failed_fraction="
+                f"{budget.fraction} allows: {_named(budget.failed)} (all in {' and '.join(map(str, budget.files))})."
+                " Check the server (data.generation.server_url) and run the same command: the answers already made "
+                f"are kept in {self.journal.path.parent.parent if budget.shared else self.journal.path.parent} and "
+                "only the missing ones are asked for")
 
     def _done(self, i: int) -> None:
         self.left[i] -= 1
@@ -342,6 +370,8 @@ class _Rebuild:
 
     def write_failures(self) -> None:
         write_jsonl(self.failures_path, self.failed)
+        if self.failures_path not in self.budget.files:
+            self.budget.files.append(self.failures_path)
 
     def unwritten(self, i: int) -> tuple[list[Messages], int]:
         """A shard left unwritten by a failure: its conversations that are complete, and its empty answers."""
@@ -351,7 +381,10 @@ class _Rebuild:
 
 
 def regenerate(conversations: list[Messages], generate: Generate | AnswerStream, cfg: GenerationConfig, key: str,
-               log=print) -> tuple[list[Messages], dict]:
+               log=print, split: str | None = None, budget: FailureBudget | None = None) -> tuple[list[Messages], dict]:
+    """The conversations with the target's answers (those whose request failed for good left out, and asked for
+    again by the next call), and the stats. ``split`` names them in the failures (train, held-out); ``budget``:
+    the failures allowed across this call and others (data.prepare: both splits), else this call's own share."""
     units = _units(conversations, cfg)
     if cfg.max_conversations is not None:
         units = units[: cfg.max_conversations]
@@ -360,7 +393,8 @@ def regenerate(conversations: list[Messages], generate: Generate | AnswerStream,
     shards = [units[i : i + cfg.batch_size] for i in range(0, len(units), cfg.batch_size)]
     paths = [root / f"part-{i:05d}-of-{len(shard)}.jsonl" for i, shard in enumerate(shards)]
     todo = [i for i, path in enumerate(paths) if not path.is_file()]
-    rebuild = _Rebuild(shards, paths, todo, cfg, AnswerJournal(root / "answers.jsonl"))
+    budget = budget or FailureBudget(len(units), cfg.max_failed_fraction)
+    rebuild = _Rebuild(shards, paths, todo, cfg, AnswerJournal(root / "answers.jsonl"), budget, split)
     stream = answer_stream(generate, cfg.batch_size)
     before, t0 = counters(stream), time.perf_counter()
     if todo:
@@ -379,9 +413,12 @@ def regenerate(conversations: list[Messages], generate: Generate | AnswerStream,
     if rebuild.failed:
         stats["failed_conversations"] = rebuild.failed
         rebuild.write_failures()
-        log(f"[regenerate] {len(rebuild.failed)} of {len(units)} conversations failed after the retries and are left "
-            f"out of this run's data (up to data.generation.max_failed_fraction={cfg.max_failed_fraction} may be; "
-            f"the same command asks for them again): {_named(rebuild.failed)} (all in {rebuild.failures_path})")
+        which = f"{split} " if split else ""
+        share = f" of all {budget.total} conversations, both splits together," if budget.shared else ""
+        log(f"[regenerate] {len(rebuild.failed)} of {len(units)} {which}conversations failed after the retries and "
+            f"are left out of this run's data (up to data.generation.max_failed_fraction={cfg.max_failed_fraction}"
+            f"{share} may be; the same command asks for them again): {_named(rebuild.failed)} (all in "
+            f"{rebuild.failures_path})")
     else:
         rebuild.failures_path.unlink(missing_ok=True)
     if todo and elapsed > 0:

@@ -22,6 +22,7 @@ import argparse
 from pathlib import Path
 
 from ..errors import said_in_one_line
+from ..hub import DRAFT_FILES, local_or_hub
 
 
 def main(argv=None) -> None:
@@ -30,8 +31,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m specforge_lite.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", required=True, type=Path, help="a finished run; with --export, the folder to write")
-    p.add_argument("--export", type=Path, default=None, metavar="DRAFT",
-                   help="a draft folder to evaluate (ours, speculators', SpecForge's or SGLang's layout)")
+    p.add_argument("--export", default=None, metavar="DRAFT",
+                   help="a draft folder to evaluate (ours, speculators', SpecForge's or SGLang's layout), or a "
+                        "public draft's hub id")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="with --export: the target and settings")
     p.add_argument("--k", type=int, default=None, help="draft tokens per verification (default: the run's "
                                                        "eval.num_draft_tokens)")
@@ -63,7 +65,8 @@ def main(argv=None) -> None:
                  if v is not None}
     with said_in_one_line():
         if a.export is not None:
-            evaluate_published(a.export, a.run_dir, a.overrides, overrides)
+            evaluate_published(local_or_hub(a.export, "--export", only=DRAFT_FILES), a.run_dir, a.overrides,
+                               overrides)
         else:
             evaluate_finished_run(a.run_dir, overrides)
     print((a.run_dir / "eval.md").read_text())

@@ -18,6 +18,7 @@ from ..data.images import image_inputs
 from ..device import dtype_name
 from ..draft.ttt import TreeCache
 from ..methods import build_objective, draft_method
+from ..targets import target_identity
 from ..targets.teacher import Teacher
 from .heldout import heldout_accuracy
 from .prompts import PromptSet, load_prompt_sets
@@ -272,6 +273,7 @@ def evaluate_export(config: Config, target, tokenizer, data, export_dir: Path, l
         for key in [k for k in s if k.startswith("_")]:
             del s[key]
     return {
+        "target": target_identity(config, target),  # (the model measured on, as loaded)
         "num_draft_tokens": ev.num_draft_tokens,
         "drafting": ev.drafting,
         **({"tree_topk": ev.tree_topk, "tree_budget": ev.tree_budget} if ev.drafting == "tree" else {}),

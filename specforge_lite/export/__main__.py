@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import said_in_one_line
+from ..hub import DRAFT_FILES, local_or_hub
 from . import FORMATS, export_run
 
 
@@ -19,7 +20,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path)
     p.add_argument("--checkpoint", type=Path, default=None, help="a checkpoint folder (default: the newest)")
     p.add_argument("--dtype", default="auto", help="auto (as trained) | bfloat16 | float16 | float32")
-    p.add_argument("--check", type=Path, metavar="DIR", help="validate an export folder and exit (1 on errors)")
+    p.add_argument("--check", metavar="DIR", help="validate an export folder (or a public draft's hub id) and exit "
+                                                   "(1 on errors)")
     p.add_argument("--server", choices=sorted(FORMATS), default=None,
                    help="with --check: the format the folder will be served as (default: the one it was exported "
                         "for); aux ids that server would read other than the trained ones are an error")
@@ -32,11 +34,8 @@ def run(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.check:
         from .check import check_export
 
-        if not a.check.is_dir():
-            raise FileNotFoundError(f"{a.check} is not a folder: give --check an export folder (config.json and "
-                                    "model.safetensors)")
-
-        report = check_export(a.check, a.server)
+        folder = local_or_hub(a.check, "--check", only=DRAFT_FILES)  # (a public draft's hub id too)
+        report = check_export(folder, a.server)
         print(report.text())
         sys.exit(0 if report.ok else 1)
     if a.run_dir is None or a.out is None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..config import ModelConfig, available_presets, cache_dir
 from ..errors import UserError
 from ..files import safetensors_problem
+from ..hub import HubUnavailableError, local_or_hub
 
 
 class ModelUnavailableError(UserError):
@@ -65,9 +66,10 @@ def check_model_files(path: Path) -> Path:
     return path
 
 
-def resolve_model_dir(cfg: ModelConfig) -> str:
-    """A path or hub id that ``from_pretrained`` can load, fetching/converting registry models once; a local
-    folder's files are checked first (``check_model_files``)."""
+def resolve_model_dir(cfg: ModelConfig, config_only: bool = False) -> str:
+    """The folder ``from_pretrained`` loads: a local one, a hub id's snapshot (fetched once into the hub's cache;
+    ``config_only``: its config.json alone), a registry model (fetched and converted once) or a tiny one (built
+    once); its files checked first (``check_model_files``). A path that is none of these is refused in one line."""
     source = cfg.source
     if source == "auto":
         if cfg.tiny is not None and cfg.tiny.architecture:
@@ -94,7 +96,11 @@ def resolve_model_dir(cfg: ModelConfig) -> str:
     if source == "hub":
         if not cfg.path:
             raise unavailable_error(cfg, "model.path is empty")
-        return cfg.path
+        try:
+            folder = local_or_hub(cfg.path, "model.path", only=["config.json"] if config_only else None)
+        except HubUnavailableError as e:
+            raise unavailable_error(cfg, str(e)) from None
+        return str(check_model_files(folder))
     raise ValueError(f"model.source={source!r}: use auto, local, registry, hub or tiny")
 
 

@@ -46,21 +46,48 @@ def describe_target(config: Config, target: Target) -> str:
             f"{target.device}/{target.dtype}")
 
 
+def target_identity(config: Config, target: Target) -> dict:
+    """Which target a run loaded, for its records (data_stats.json, the model card, eval.json, the tracker): the
+    name and path the settings gave, the folder the weights came from, and its config.json's hash (the same hub id
+    or folder name can hold another model tomorrow)."""
+    import hashlib
+
+    config_file = Path(target.location) / "config.json"
+    digest = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16] if config_file.is_file() else None
+    return {"name": config.model.name, "given": config.model.path or config.model.name,
+            "loaded_from": str(target.location), "config_sha256": digest}
+
+
 def load_tokenizer(target: Target, chat_template: str | None = None) -> Any:
     """The target's tokenizer with a chat template: ``chat_template`` (a Jinja file) if given, else the
     tokenizer's own, else the family's documented turn format (base checkpoints ship none)."""
+    return folder_tokenizer(target.location, target.family, chat_template,
+                            getattr(target, "trust_remote_code", False))
+
+
+def tokenizer_before_target(config: Config) -> Any:
+    """The tokenizer ``load_tokenizer`` gives the target of ``config``, read from its folder before any weight
+    loads (fetched or built first where the folder comes from a hub id, a registry package or a tiny preset)."""
+    from .acquire import resolve_model_dir
+
+    model = config.model
+    return folder_tokenizer(resolve_model_dir(model), get_family(model.family), model.chat_template,
+                            model.trust_remote_code)
+
+
+def folder_tokenizer(location: str, family, chat_template: str | None, trust_remote_code: bool) -> Any:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(target.location, trust_remote_code=getattr(target, "trust_remote_code", False))
+    tok = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
     if chat_template:
         path = Path(chat_template).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"model.chat_template={chat_template!r} is not a file; give a Jinja template file")
         tok.chat_template = path.read_text()
     elif tok.chat_template is None:
-        tok.chat_template = target.family.fallback_chat_template
+        tok.chat_template = family.fallback_chat_template
     if tok.chat_template is None:
-        raise ValueError(f"the tokenizer at {target.location} has no chat template and the {target.family.name} family "
+        raise ValueError(f"the tokenizer at {location} has no chat template and the {family.name} family "
                          "has no documented turn format; the loss mask needs one: "
                          "model.chat_template=/path/to/template.jinja")
     return tok
