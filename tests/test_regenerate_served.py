@@ -105,7 +105,7 @@ class LeanCompletions(_Server):
         queue = PromptQueue()
         queue.push(0, list(body["prompt"]), body.get("seed", 0))
         [(_, tokens)] = list(decoder.stream(queue))
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=body.get("skip_special_tokens", True))  # (vLLM's)
         done = "length" if len(tokens) >= body["max_tokens"] else "stop"
         return 200, {"id": f"cmpl-{time.monotonic_ns()}", "object": "text_completion", "created": int(time.time()),
                      "model": MODEL, "choices": [{"index": 0, "text": text, "finish_reason": done, "logprobs": None}],
@@ -373,3 +373,40 @@ def test_self_generated_requests_whose_sampling_failed_are_counted_as_dropped(ti
     poisoned = proxy.failures["500"]
     assert poisoned > 0 and stats["dropped"]["request failed after the retries"] == poisoned
     assert stats["candidates"] == poisoned + len(proxy.answered)
+
+
+class _BrokenHandler(_Handler):
+    def do_POST(self) -> None:
+        self.body()
+        self.server.requests += 1
+        if self.server.kind == "empty":  # a completion without any choice
+            return self.reply(200, json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0,
+                                               "model": MODEL, "choices": []}).encode())
+        self.reply(200, b'{"id": "cmpl-0", "object": "text_completion", "choices": [{"index": 0, "text": "An ans')
+
+
+class BrokenReplies(_Server):
+    """A server answering every completion with HTTP 200 and a body that holds no answer: ``kind`` empty, a
+    completion whose choices list is empty; cut, a JSON body cut off mid-string."""
+
+    def __init__(self, kind: str):
+        super().__init__(_BrokenHandler)
+        self.kind, self.requests = kind, 0
+
+
+@pytest.mark.parametrize("kind, said", [("empty", "HTTP 200 without a completion (an empty choices list)"),
+                                        ("cut", "HTTP 200 with a body that is not JSON (Unterminated string")])
+def test_a_reply_without_an_answer_is_a_failed_request_naming_the_server(tiny, cache, kind, said):
+    """A 200 whose body holds no answer (no choices, a body cut short) is retried, then counted and named as a
+    failed request with the server's address, never a traceback."""
+    server = BrokenReplies(kind)
+    serve(server)
+    try:
+        cfg = replace(CFG, max_retries=1, max_failed_fraction=1.0, concurrency=2)
+        out, stats = regenerate(CONVS[:2], served_answers(server.url, str(tiny[1].location), cfg=cfg), cfg, kind,
+                                log=lambda m: None)
+    finally:
+        close(server)
+    assert out == [] and stats["failed"] == 2 and server.requests == 2 * 2  # each first request and its retry
+    for failure in stats["failed_conversations"]:
+        assert failure["reason"].startswith(said) and f"from {server.url}, after 1 retries" in failure["reason"]

@@ -36,6 +36,7 @@ class TransformersContinuousBatching:
         self.generation = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops,
                                            pad_token_id=tokenizer.pad_token_id or stops[0])
         self.max_new_tokens, self.slots, self.config_class = max_new_tokens, slots, ContinuousBatchingConfig
+        self.stops = stops
         self.tokens_generated = self.prompt_tokens = 0
 
     def batching(self, prompts: list[list[int]]):
@@ -52,6 +53,7 @@ class TransformersContinuousBatching:
 
     def __call__(self, conversations) -> list[str]:
         from ..generation import encode_prompt
+        from ..generation.engines import answer_text
 
         prompts = [encode_prompt(self.tokenizer, c) for c in conversations]
         self.prompt_tokens += sum(map(len, prompts))
@@ -64,7 +66,7 @@ class TransformersContinuousBatching:
         answers = []
         for r in results:
             self.tokens_generated += len(r.generated_tokens)  # the stop token included, as the other engines count
-            answers.append(self.tokenizer.decode(r.generated_tokens, skip_special_tokens=True).strip())
+            answers.append(answer_text(self.tokenizer, r.generated_tokens, self.stops))
         return answers
 
 

@@ -7,7 +7,8 @@ includes the turn's end token (the draft must learn to predict it) but not the w
 
 Some real templates render a past turn differently from the live one: Qwen3 drops the ``<think>``
 block of earlier answers, GPT-OSS's Harmony ends the last answer with ``<|return|>`` and earlier
-ones with ``<|end|>``. A conversation through such a template becomes one sample per assistant turn,
+ones with ``<|end|>``, Gemma 4's generation prompt holds an empty thought channel that no past answer
+keeps. A conversation through such a template becomes one sample per assistant turn,
 each rendered the way the served model sees that turn (history as the template renders history,
 the turn itself as the live answer), with the loss on that turn only.
 
@@ -23,8 +24,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from jinja2 import TemplateError
+
 from .formats import REASONING, REASONING_KEYS, MalformedRow, conversation_images, is_pretokenized
 from .images import ImageInputs
+from .tools import nine_character_ids
 
 # One training sample: token ids, loss mask, and the image files its ids hold placeholders for.
 Sample = tuple[list[int], list[int], list[str]]
@@ -40,9 +44,15 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt
     """The conversation as the target's template writes it, with the tools its first turn carries (formats.py)."""
     tools = messages[0].get("tools") if messages else None
     key = reasoning_key(tokenizer) if any(REASONING in m for m in messages) else REASONING
+    if _has_tool_turns(messages) and _probe(tokenizer, "tools", _tool_probe)[1]:
+        messages = nine_character_ids(messages)
     messages = [_for_template(m, key, images) for m in messages]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **({"tools": tools} if tools else {}))
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **({"tools": tools} if tools else {}))
+    except (TemplateError, TypeError) as e:  # (the template's raise_exception, or a type error inside it)
+        raise MalformedRow(f"{_template_name(tokenizer)} refuses this conversation "
+                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 
 def _for_template(message: dict[str, Any], reasoning: str, images: ImageInputs | None) -> dict[str, Any]:
@@ -72,20 +82,34 @@ def _try_render(tokenizer: Any, messages: list[dict[str, Any]], **kwargs) -> str
         return e
 
 
-def _tool_problem(tokenizer: Any) -> str | None:
-    """What of a tool-calling conversation the template leaves out (None: it renders all of it)."""
-    call = {"id": "call_0", "type": "function", "function": {"name": "probe_called_fn", "arguments": {"x": 1}}}
+def _has_tool_turns(messages: list[dict[str, Any]]) -> bool:
+    return any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+
+
+def _render_tool_probe(tokenizer: Any, call_id: str) -> str | Exception:
+    call = {"id": call_id, "type": "function", "function": {"name": "probe_called_fn", "arguments": {"x": 1}}}
     tools = [{"type": "function", "function": {"name": "probe_offered_fn", "description": "d",
                                                "parameters": {"type": "object", "properties": {}}}}]
-    text = _try_render(tokenizer, [{"role": "user", "content": "q"},
+    return _try_render(tokenizer, [{"role": "user", "content": "q"},
                                    {"role": "assistant", "content": "", "tool_calls": [call]},
-                                   {"role": "tool", "tool_call_id": "call_0", "content": "probe_result_text"}],
+                                   {"role": "tool", "tool_call_id": call_id, "content": "probe_result_text"}],
                        tools=tools)
+
+
+def _tool_probe(tokenizer: Any) -> tuple[str | None, bool]:
+    """(What of a tool-calling conversation the template leaves out, None: it renders all of it; whether it takes
+    only call ids of 9 letters or digits, as Mistral's templates do: a row's ids are then rendered so, by
+    tools.nine_character_ids.)"""
+    text, nine = _render_tool_probe(tokenizer, "call_0"), False
     if isinstance(text, Exception):
-        return f"fails on them ({type(text).__name__}: {str(text).splitlines()[0] if str(text) else ''})"
+        retried = _render_tool_probe(tokenizer, "call00000")
+        if not isinstance(retried, Exception):
+            text, nine = retried, True
+    if isinstance(text, Exception):
+        return f"fails on them ({type(text).__name__}: {str(text).splitlines()[0] if str(text) else ''})", False
     missing = [what for what, mark in (("tools", "probe_offered_fn"), ("tool calls", "probe_called_fn"),
                                        ("tool results", "probe_result_text")) if mark not in text]
-    return f"renders no {', '.join(missing)}" if missing else None
+    return (f"renders no {', '.join(missing)}" if missing else None), nine
 
 
 def reasoning_key(tokenizer: Any) -> str:
@@ -112,11 +136,15 @@ def check_renderable(tokenizer: Any, messages: list[dict[str, Any]]) -> None:
     served target never sees."""
     if is_pretokenized(messages):
         return
-    if messages[0].get("tools") or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-        problem = _probe(tokenizer, "tools", _tool_problem)
+    if messages[0].get("tools") or _has_tool_turns(messages):
+        problem, _ = _probe(tokenizer, "tools", _tool_probe)
         if problem:
             raise MalformedRow(f"{_template_name(tokenizer)} {problem}: set model.chat_template=/path/to/"
                                "template.jinja to the target's template that renders tools (the one its server uses)")
+        # a template that renders tools may still refuse this conversation (Llama 3.1's takes one call per turn):
+        # its server would refuse it too, so the row is skipped with the template's own words, before any answer
+        # is asked for
+        render(tokenizer, messages)
     if any(REASONING in m for m in messages):
         reasoning_key(tokenizer)
 
@@ -131,12 +159,33 @@ class NotPrefixStable(MalformedRow):
 
 def _turn_span(tokenizer: Any, messages: list[dict[str, str]], i: int, images: ImageInputs | None = None
                ) -> tuple[str, str]:
-    """(the prompt for assistant turn i, the render up to and including that turn)."""
+    """(the prompt for assistant turn i, the render up to and including that turn: the prompt and then the turn as
+    the served model writes it after the prompt, _live_turn)."""
     prefix = render(tokenizer, messages[:i], add_generation_prompt=True, images=images)
     upto = render(tokenizer, messages[: i + 1], images=images)
-    if not upto.startswith(prefix):
+    if upto.startswith(prefix):
+        return prefix, upto
+    live = _live_turn(tokenizer, render(tokenizer, messages[:i], images=images), prefix, upto)
+    if live is None:
         raise MalformedRow("the chat template renders an assistant turn differently from its generation prompt")
-    return prefix, upto
+    return prefix, prefix + live
+
+
+def _live_turn(tokenizer: Any, history: str, prefix: str, upto: str) -> str | None:
+    """The turn the served model writes after a generation prompt that opens it with more than the template keeps
+    of it in history: Gemma 4's empty thought channel (``<|turn>model\\n<|channel>thought\\n<channel|>``, dropped
+    from every past answer). The prompt and the rendered turn share the turn's opening tokens; the model writes the
+    rest of the turn after the whole prompt. None where they share no opening or differ before the turn."""
+    if not (prefix.startswith(history) and upto.startswith(history)):
+        return None
+    opening, turn = prefix[len(history):], upto[len(history):]
+    asked = tokenizer(opening, add_special_tokens=False)["input_ids"]
+    enc = tokenizer(turn, add_special_tokens=False, return_offsets_mapping=True)
+    written, offsets = enc["input_ids"], enc["offset_mapping"]
+    shared = next((k for k, (a, b) in enumerate(zip(asked, written)) if a != b), min(len(asked), len(written)))
+    if shared == 0 or shared >= len(written):
+        return None
+    return turn[offsets[shared][0]:]
 
 
 def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], images: ImageInputs | None = None

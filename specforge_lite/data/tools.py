@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from typing import Any
 
 from .errors import MalformedRow
@@ -80,6 +82,36 @@ def tool_result(turn: dict, text: Any) -> dict:
         if turn.get(key):
             message[key] = str(turn[key])
     return message
+
+
+_NINE = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def nine_character_ids(messages: list[dict]) -> list[dict]:
+    """The conversation with each tool call's id, and each result's, as 9 letters or digits: Mistral's templates
+    take no other ("Tool call IDs should be alphanumeric strings with length 9!"; mistral_common and vLLM's Mistral
+    tool parser make them so). An id already so is kept, another becomes 9 hex digits of its hash (the same in the
+    call and in its result), a call without one gets one from its place in the conversation, and a result without
+    one takes the id of the first call before it not yet answered. Each id depends on the turns up to its own, so
+    every prefix of the conversation renders alike."""
+    out, waiting = [], []
+    for i, m in enumerate(messages):
+        if m.get("tool_calls"):
+            calls = [{**c, "id": _nine(c.get("id") or f"{i}.{k}")} for k, c in enumerate(m["tool_calls"])]
+            waiting = [c["id"] for c in calls]
+            m = {**m, "tool_calls": calls}
+        elif m.get("role") == "tool":
+            given = m.get("tool_call_id")
+            call_id = _nine(given) if given else waiting[0] if waiting else _nine(str(i))
+            if call_id in waiting:
+                waiting.remove(call_id)
+            m = {**m, "tool_call_id": call_id}
+        out.append(m)
+    return out
+
+
+def _nine(call_id: str) -> str:
+    return call_id if _NINE.fullmatch(call_id) else hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
 def _json(text: str, what: str) -> Any:

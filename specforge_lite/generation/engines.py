@@ -24,6 +24,17 @@ from ..data.regenerate import FailedAnswer
 from ..errors import UserError
 
 
+def answer_text(tokenizer: Any, tokens: list[int], stop_ids=()) -> str:
+    """An answer's text: its token ids up to the first stop token, decoded with the special tokens kept. A chat
+    template's own markup is special tokens the target writes (Llama 3.1's ``<|python_tag|>``, Mistral's
+    ``[TOOL_CALLS]``, Gemma 4's ``<|tool_call>``): skipped, the draft would train on text the served target never
+    emits, and kept, the answer re-tokenises to the ids it emitted. The stop token is not part of it: the template
+    writes the turn's end."""
+    stops = set(stop_ids)
+    cut = next((j for j, t in enumerate(tokens) if t in stops), len(tokens))
+    return tokenizer.decode(tokens[:cut], skip_special_tokens=False).strip()
+
+
 def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
     """Token ids of a prompt: a conversation, rendered for the assistant to answer next, or a text taken
     as it is (a chat template's user-turn prefix, continued by the target into a request)."""
@@ -72,7 +83,7 @@ class HFGenerator:
         for row in new.tolist():
             cut = next((j for j, t in enumerate(row) if t in self.stop_ids), len(row))
             self.tokens_generated += min(cut + 1, len(row))
-            answers.append(tok.decode(row[:cut], skip_special_tokens=True).strip())
+            answers.append(answer_text(tok, row[:cut]))
         return answers
 
 
@@ -96,7 +107,7 @@ class LeanAnswers:
     def stream(self, queue) -> Iterator[tuple[Any, str]]:
         encoded = _Encoded(queue, self._encode)
         for key, tokens in self.decoder.stream(encoded):
-            yield key, self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+            yield key, answer_text(self.tokenizer, tokens)  # (the decoder leaves the stop token out)
 
     def _encode(self, messages) -> list[int]:
         ids = encode_prompt(self.tokenizer, messages)
@@ -134,7 +145,10 @@ class ServedAnswers:
                  max_retries: int = 8):
         self.base_url, self.model, self.tokenizer = base_url, model, tokenizer
         self.sampling = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                         "extra_body": {"stop_token_ids": sorted(stop_ids), "skip_special_tokens": True}}
+                         # the text as answer_text makes it: special tokens kept, none spaced apart (the server
+                         # leaves the stop token out)
+                         "extra_body": {"stop_token_ids": sorted(stop_ids), "skip_special_tokens": False,
+                                        "spaces_between_special_tokens": False}}
         self.concurrency, self.timeout, self.max_retries = concurrency, timeout, max_retries
         self.tokens_generated = self.prompt_tokens = self.prompt_pad_tokens = 0  # (prompts are never padded)
 
@@ -171,7 +185,9 @@ class ServedAnswers:
         return openai.AsyncOpenAI(base_url=url, api_key="EMPTY", max_retries=self.max_retries, timeout=self.timeout,
                                   http_client=openai.DefaultAsyncHttpxClient(limits=limits))
 
-    async def _complete(self, client, url: str, ids: list[int], seed: int) -> str | FailedAnswer:
+    async def _complete(self, client, url: str, ids: list[int], seed: int, tried: int = 0) -> str | FailedAnswer:
+        import json
+
         import openai
 
         try:
@@ -191,8 +207,20 @@ class ServedAnswers:
             return FailedAnswer(f"no answer within {self.timeout:g} s, {self.max_retries} retries")
         except openai.APIConnectionError as e:
             return FailedAnswer(f"connection failed after {self.max_retries} retries: {_short(str(e.__cause__ or e))}")
-        self.tokens_generated += (reply.usage.completion_tokens or 0) if reply.usage else 0
-        return reply.choices[0].text.strip()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:  # a 200 whose body is cut short
+            broken = f"with a body that is not JSON ({_short(str(e), 80)})"
+        else:
+            choices = getattr(reply, "choices", None)
+            text = getattr(choices[0], "text", None) if isinstance(choices, list) and choices else None
+            if isinstance(text, str):
+                self.tokens_generated += getattr(getattr(reply, "usage", None), "completion_tokens", 0) or 0
+                return text.strip()
+            broken = (f"with a body that is not a completion ({_short(reply, 80)!r})" if isinstance(reply, str) else
+                      "without a completion (an empty choices list)" if choices == [] else "without a completion text")
+        if tried < self.max_retries:  # a 200 holding no answer: retried as the client retries a dropped connection
+            await asyncio.sleep(min(0.5 * 2 ** tried, 8.0))
+            return await self._complete(client, url, ids, seed, tried + 1)
+        return FailedAnswer(f"HTTP 200 {broken} from {url}, after {self.max_retries} retries")
 
 
 def _said(error) -> str:
