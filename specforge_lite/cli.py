@@ -1,6 +1,7 @@
 """``specforge-lite``: one command for every tool, installed with the package.
 
     specforge-lite train [overrides ...]      = python train.py [overrides ...]   (python -m specforge_lite.train)
+    specforge-lite plan model=llama3_8b ...   = python -m specforge_lite.plan model=llama3_8b ...
     specforge-lite export --run-dir RUN ...   = python -m specforge_lite.export --run-dir RUN ...
     specforge-lite <tool> --help              each tool's own help
 
@@ -16,6 +17,7 @@ import sys
 # tool -> (the module python -m runs, what it does)
 TOOLS = {
     "train": ("specforge_lite.train", "train a draft (python train.py): target, data, draft, training, export, eval"),
+    "plan": ("specforge_lite.plan", "size a run before it runs: memory per GPU, the command that fits, its time"),
     "export": ("specforge_lite.export", "rewrite a run's draft for vLLM, SGLang or speculators; --check an export"),
     "evaluate": ("specforge_lite.evaluate", "speculative decoding of an export on prompt sets"),
     "served": ("specforge_lite.evaluate.served", "vLLM serves an export on the run's prompts"),

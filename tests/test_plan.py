@@ -11,6 +11,8 @@ import torch
 from specforge_lite import plan
 from specforge_lite.bench.memory import peak_bytes
 from specforge_lite.compose import load_config
+from specforge_lite.settings import check_settings
+from specforge_lite.targets.shapes import known_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -71,8 +73,15 @@ def test_plan_meets_the_h200_measurement_at_llama3_8b_shape(tmp_path):
     # 8 x 24 GiB: one rank cannot hold the 15 GiB target next to an unpartitioned draft and this row
     assert p["proposal"] is not None and p["proposal"]["overrides"] != "trainer=default"
     assert p["proposal"]["total"] <= (24 - plan.RESERVED_GIB) * GIB
-    assert p["data"] == {"conversations": 1000, "tokens_per_epoch_at_most": 8192000, "steps_per_epoch": 125,
-                         "epochs": 2, "steps": 250}
+    d = p["data"]
+    assert {k: d[k] for k in ("conversations", "tokens_per_epoch_at_most", "data_ranks", "steps_per_epoch", "epochs",
+                              "steps")} == {"conversations": 1000, "tokens_per_epoch_at_most": 8192000,
+                                            "data_ranks": 8, "steps_per_epoch": 125, "epochs": 2, "steps": 250}
+    # its time: this very shape's H200 rates (scales 1), capture and blockwise step at 8192, 125 rows per GPU
+    assert d["time"]["device"] == "NVIDIA H200" and d["time"]["step"]["way"] == "blockwise"
+    assert d["time"]["capture"]["scale"] == pytest.approx(1) and d["time"]["step"]["scale"] == pytest.approx(1)
+    assert d["time"]["epoch_hours"] == pytest.approx(125 * (8192 / 30168.5 + 8192 / 6097.4) / 3600, rel=1e-3)
+    assert p["proposal"]["command"].startswith("torchrun --nproc_per_node 8 train.py model=llama3_8b ")
 
 
 def test_zero_state_per_rank_meets_the_engine():
@@ -99,3 +108,133 @@ def test_a_method_the_fake_run_cannot_size_is_one_line(capsys):
     assert plan.main(["model=llama3_tiny", "draft=dflash", "eval.num_draft_tokens=4"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "draft=dflash" in err and "draft=eagle3" in err
+
+
+# ---- a plan that launches (issue 62), its arguments checked (issue 63) -----------------------------------------
+def test_the_proposal_is_a_command_that_launches(tmp_path):
+    # train.py refuses several processes without DeepSpeed: on 8 GPUs the proposal is never trainer=default but the
+    # whole torchrun command under a DeepSpeed trainer, and the steps per epoch divide by the ranks it launches
+    out = tmp_path / "plan.json"
+    assert plan.main(["model=llama3_tiny", "data.max_length=128", "trainer=default", "trainer.deepspeed.enabled=false",
+                      "--gpus", "8", "--gpu-gib", "80", "--conversations", "1000", "--out", str(out)]) == 0
+    p = json.loads(out.read_text())
+    command = p["proposal"]["command"].split()
+    assert command[:4] == ["torchrun", "--nproc_per_node", "8", "train.py"], command
+    assert "trainer=zero0" in command and "trainer=default" not in command and "model=llama3_tiny" in command
+    launched = load_config(command[4:])  # the command composes, and as a run train.py lets several processes run
+    check_settings(launched)  # (the tiny preset's recipe trains with Muon, which DeepSpeed cannot: AdamW instead)
+    assert launched.trainer.deepspeed.enabled and launched.data.max_length == 128
+    t = launched.trainer
+    assert p["data"]["data_ranks"] == 8
+    assert p["data"]["steps_per_epoch"] == -(-1000 // (t.micro_batch_size * t.grad_accum_steps * 8))
+    # one GPU: one process, python train.py, every conversation on it
+    small = plan.Traced(GIB, GIB // 8, 1000, 0, 0, 0, 0, 0)
+    one = plan.proposal(small, 1, 80, t)
+    assert one[0].overrides == "trainer=default" and plan.data_ranks(one[0], 1, 1) == 1
+    assert plan.launch_command(["model=llama3_8b", "trainer=zero2"], one[0], 1) == \
+        "python train.py model=llama3_8b trainer=default"
+    # every rung proposed for several GPUs runs DeepSpeed
+    assert all(s.zero_stage is not None for s in plan.ladder(2))
+
+
+def test_every_preset_is_sized_with_nothing_downloaded(monkeypatch, tmp_path):
+    # every preset's target shape is in the package (hub models: their config.json's architecture in
+    # targets/hub_shapes/; tiny ones: their own config, without building them): no hub, no registry, no build
+    from specforge_lite.config import available_presets, model_preset
+    from specforge_lite.targets import acquire
+
+    def no_download(cfg, **how):
+        raise AssertionError(f"{cfg.name}: would fetch or build")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path))
+    monkeypatch.setattr(acquire, "resolve_model_dir", no_download)
+    for name in available_presets("model"):
+        text = plan.target_config(model_preset(name)).get_text_config()
+        assert text.hidden_size > 0 and text.num_hidden_layers > 0 and text.max_position_embeddings > 0, name
+    assert not any(tmp_path.iterdir())
+
+
+# Published totals (model cards; Gemma 4 31B: its checkpoint's 31,273,088,876 parameters), in billions.
+CARD_BILLIONS = {"google/gemma-4-E4B-it": 8.0, "google/gemma-4-31B-it": 31.273, "openai/gpt-oss-120b": 116.8,
+                 "meta-llama/Llama-4-Scout-17B-16E-Instruct": 109, "Qwen/Qwen3-30B-A3B": 30.5,
+                 "microsoft/phi-4": 14.7, "google/gemma-3-27b-it": 27.4}
+
+
+def test_shipped_shapes_build_the_models_of_their_cards():
+    # the shapes are the models: built on the meta device (no memory), each holds its card's parameter count
+    from specforge_lite.targets.families.base import architecture_class
+
+    for hub, billions in CARD_BILLIONS.items():
+        config = known_config(hub)
+        with torch.device("meta"):
+            model = architecture_class(config)._from_config(config, dtype=torch.bfloat16)
+        assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, rel=0.01), hub
+
+
+@pytest.mark.parametrize("way", ["dense", "sdpa"])
+def test_a_way_quadratic_in_the_row_is_fitted_past_the_traced_length(way, monkeypatch):
+    # dense and sdpa hold score matrices (T x T per step): past the traced length their bytes follow the parabola
+    # through three traces, not the line through two (38% under at twice the length, as it was)
+    config = load_config(["model=llama3_tiny", f"draft.ttt_attention={way}", "draft.ttt_length=2",
+                          "draft.draft_vocab_size=64", "model.tiny.config.num_hidden_layers=4"])
+    monkeypatch.setattr(plan, "TRACE_MAX_TOKENS", 512)
+    far, direct = plan.traced_at(config, 1024), plan.trace(config, config.trainer.micro_batch_size, 1024)
+    assert far.step_peak == pytest.approx(direct.step_peak, rel=0.03)
+    assert far.step_peak_checkpointed == pytest.approx(direct.step_peak_checkpointed, rel=0.03)
+
+
+def test_the_measured_rates_are_those_of_docs_results():
+    # the time per epoch is estimated from these: each is what its result file says, on the GPU it names
+    for m in plan.MEASURED:
+        data = json.loads((ROOT / "docs/results" / m.source).read_text())
+        assert data["device"] == m.device
+        setup = next(r for r in data["rows"] if r["what"] == "setup")
+        assert m.draft_trainable == pytest.approx(setup["draft_trainable_m"] * 1e6)
+        shape = known_config(load_config([f"model={m.target}"]).model.path)
+        embeddings = 2 * shape.vocab_size * shape.hidden_size  # the table and the lm_head: no capture FLOPs of theirs
+        assert m.computing == pytest.approx(setup["target_params_b"] * 1e9 - embeddings)
+        capture = next(r for r in data["rows"] if r["what"] == "capture" and r["T"] == m.tokens)
+        assert m.capture == pytest.approx(capture["tokens_per_s"], abs=0.1)
+        for way, rate in m.steps.items():
+            row = next(r for r in data["rows"] if r["what"] == "ours" and r["T"] == m.tokens and r["way"] == way)
+            assert rate == pytest.approx(row["tokens_per_s"], abs=0.1), (m.source, m.tokens, way)
+
+
+OUT_OF_RANGE = [
+    (["--gpus", "0"], "--gpus 0"),
+    (["--gpus", "-2"], "--gpus -2"),
+    (["--gpu-gib", "-1"], "--gpu-gib -1"),
+    (["--gpu-gib", "nan"], "--gpu-gib nan"),
+    (["--gpu-gib", "1.5"], "--gpu-gib 1.5"),
+    (["--conversations", "-3"], "--conversations -3"),
+    (["--gpus", "two"], "--gpus"),
+    (["data.max_length=1000000"], "max_position_embeddings (4096)"),
+    (["trainer=zero1", "trainer.optimizer=adamw", "trainer.deepspeed.sequence_parallel=2", "--gpus", "3"],
+     "sequence_parallel=2"),
+    (["trainer=zero9"], "zero3_offload"),
+    (["trainer.lr=abc"], "could not be converted to Float"),
+]
+
+
+@pytest.mark.parametrize("args, named", OUT_OF_RANGE, ids=[" ".join(a) for a, _ in OUT_OF_RANGE])
+def test_an_argument_out_of_range_is_one_line(args, named, capsys):
+    try:
+        code = plan.main(["model=llama3_tiny", *args])
+    except SystemExit as e:  # (argparse's own refusals)
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and named in err and "Traceback" not in err, err
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # (runpy: a module run again)
+def test_a_preset_that_does_not_exist_is_one_line_naming_them(capsys, monkeypatch):
+    # also as specforge-lite plan: the console command's dispatcher runs the same module
+    from specforge_lite import cli
+
+    assert cli.TOOLS["plan"][0] == "specforge_lite.plan"
+    monkeypatch.setattr(sys, "argv", ["specforge-lite"])
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "model=llama3_8bb", "--gpus", "8"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "model=llama3_8bb" in err and "llama3_8b," in err, err

@@ -44,13 +44,13 @@ from pathlib import Path
 
 import torch
 
-from ..targets.shapes import CONFIG_FIELDS
+from ..targets.shapes import shape_fields
 from .seq_scaling import peer_driver
 
 
 def _preset(path: str) -> tuple[str, str, dict]:
-    """A listed hub preset's shape (targets/shapes.py) as (model type, family, config fields)."""
-    model_type, fields = CONFIG_FIELDS[path]
+    """A hub preset's shipped shape (targets/shapes.py) as (model type, family, config fields)."""
+    model_type, fields = shape_fields(path)
     return model_type, model_type, fields
 
 
