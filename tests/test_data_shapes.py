@@ -209,6 +209,40 @@ def test_tool_calls_are_in_the_loss_and_tool_results_are_not(tool_tok):
     assert tokenize_samples(tool_tok, normalize_conversation(SHAREGPT_TOOL_ROW), 1024) == [sample]
 
 
+def _tool_turns(*turns: dict) -> dict:
+    return {"tools": [WEATHER], "messages": [{"role": "user", "content": "Weather in Paris?"}, *turns,
+                                             {"role": "assistant", "content": "It is sunny."}]}
+
+
+CALL = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+
+
+@pytest.mark.parametrize("row, said", [
+    (_tool_turns({"role": "tool", "tool_call_id": "call_1", "content": "18C"}), "answers no tool call"),
+    (_tool_turns(CALL, {"role": "tool", "content": "18C"}, {"role": "tool", "content": "19C"}),
+     "more results than calls"),
+    (_tool_turns(CALL, {"role": "tool", "tool_call_id": "call_9", "content": "18C"}), "'call_9' names none of"),
+    (_tool_turns(CALL, {"role": "user", "content": "and?"}, {"role": "tool", "content": "18C"}),
+     "answers no tool call"),
+    ({"conversations": [{"from": "human", "value": "Weather?"}, {"from": "observation", "value": "18C"},
+                        {"from": "gpt", "value": "Sunny."}]}, "answers no tool call"),
+])
+def test_a_tool_result_without_its_call_is_a_malformed_row(row, said):
+    """Accepted and trained as if whole before; each is a conversation no server would be sent."""
+    with pytest.raises(MalformedRow, match=said):
+        normalize_conversation(row)
+
+
+def test_well_formed_tool_turns_pass_the_check():
+    two = {**CALL, "tool_calls": [CALL["tool_calls"][0], {**CALL["tool_calls"][0], "id": "call_2"}]}
+    answered_out_of_order = _tool_turns(two, {"role": "tool", "tool_call_id": "call_2", "content": "a"},
+                                        {"role": "tool", "tool_call_id": "call_1", "content": "b"})
+    without_id = _tool_turns(CALL, {"role": "tool", "content": "no id: answers the first call"})
+    for row in (TOOL_ROW, SHAREGPT_TOOL_ROW, answered_out_of_order, without_id):
+        normalize_conversation(row)
+
+
 def test_a_template_that_cannot_render_tools_is_named_with_the_fix(tmp_path, smollm2, cache):
     tok = smollm2[2]  # SmolLM2's own template: no tools, no tool calls
     with pytest.raises(MalformedRow, match="renders no tools, tool calls: set model.chat_template="):

@@ -24,7 +24,7 @@ from typing import Any
 from .errors import MalformedRow
 from .images import IMAGE_MARKER
 from .readers import iter_rows  # noqa: F401  (adapt/ and bench/ read rows through here)
-from .tools import calls_from, row_tools, tool_calls, tool_result
+from .tools import calls_from, check_tool_turns, row_tools, tool_calls, tool_result
 
 ROLES = {
     "human": "user", "user": "user",
@@ -99,6 +99,7 @@ def normalize_conversation(row: Any, base_dir: Path | None = None, confine_image
     tools = row_tools(row)
     if tools:  # (carried by the first turn, so that every prefix of the conversation renders them)
         messages[0] = {**messages[0], "tools": tools}
+    check_tool_turns(messages)
     return _with_answers(messages, prompts)
 
 

@@ -84,6 +84,27 @@ def tool_result(turn: dict, text: Any) -> dict:
     return message
 
 
+def check_tool_turns(messages: list[dict]) -> None:
+    """Each tool result answers a call of the assistant turn before it (the results that follow one turn answer its
+    calls, each once): a result with no such call is a row no server would be sent, refused so it is counted and
+    skipped, not trained as if it were whole."""
+    pending: list[str | None] = []  # the calls of the last assistant turn not answered yet (their ids, or None)
+    for m in messages:
+        if m.get("role") == "assistant":
+            pending = [c.get("id") for c in m.get("tool_calls") or []]
+        elif m.get("role") == "tool":
+            if not pending:
+                raise MalformedRow("a tool result answers no tool call (no assistant turn with tool_calls, or "
+                                   "more results than calls, before it)")
+            given = m.get("tool_call_id")
+            named = [i for i, call_id in enumerate(pending) if call_id == given]
+            if given and any(pending) and not named:
+                raise MalformedRow(f"a tool result's tool_call_id {given!r} names none of the calls before it")
+            pending.pop(named[0] if named else 0)
+        else:
+            pending = []
+
+
 _NINE = re.compile(r"[A-Za-z0-9]{9}")
 
 
