@@ -245,8 +245,10 @@ class TestAHomeNeverLosesAVersion:
     def test_a_running_watch_lets_rollback_and_status_through_between_looks(self, tmp_path):
         """H4: a watch holds the home's lock only while it looks and adapts; between looks (here: a 60 s
         interval) a rollback takes the lock at once and status reads, both as separate commands."""
+        from specforge_lite.adapt.loop import DEFAULTS
+
         home, _ = served_home(tmp_path)
-        (home.root / "settings.json").write_text(json.dumps({"judge": "ours", "min_conversations": 64}))
+        (home.root / "settings.json").write_text(json.dumps({**DEFAULTS, "judge": "ours"}))
         inbox = tmp_path / "inbox"
         inbox.mkdir()
         watcher = subprocess.Popen([sys.executable, "-m", "specforge_lite.adapt", "watch", str(inbox), "--home",

@@ -11,7 +11,8 @@
       reports/NNNN/       the judged drafts' evaluations (ours and vLLM's) behind decision NNNN (its line), or
                           the training log of a candidate that failed
       work/               the candidate being made; removed once it is decided or has failed
-      .lock               held by the command writing the home (a watch holds it only while it looks and adapts)
+      .lock               held by the command writing the home (a watch holds it only while it looks and adapts),
+                          which it names; ``run`` and ``init`` are refused while another holds it, naming it
 
 The decisions log is the truth. ``current`` is the version of its last init, promote or rollback event. A
 version is added in steps (``STEPS``): copied under a hidden name, published (renamed into place, complete),
@@ -20,12 +21,15 @@ with the log after a kill at any step: a version published but never logged is r
 link was not swapped is linked. Only an unterminated last line of the log counts as a kill (its event never
 happened; it is cut off before the next line is written). Any other line that does not read, or folders the
 log cannot account for (a lost line), stop every command, named, before anything is changed: a version a
-damaged line might name is never removed.
+damaged line might name is never removed. ``current`` broken in any way (missing, dangling, a loop, naming a file
+or anything but a complete version of the home) is remade from the log; a folder or a file in its place (it may
+hold a draft) is refused until it is moved aside. ``status`` names all of this without changing anything.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -41,7 +45,7 @@ from ..errors import UserError
 from ..files import fsync, write_then_rename
 from ..training.output_dir import LOCK
 
-DECISIONS, CURRENT, REPORTS = "decisions.jsonl", "current", "reports"
+DECISIONS, CURRENT, REPORTS, SETTINGS = "decisions.jsonl", "current", "reports", "settings.json"
 VERSION = re.compile(r"v[0-9]{4}")
 # each event's fields that the home cannot do without (a line without them is damaged)
 EVENT_FIELDS = {"init": ("version",), "promote": ("version",), "reject": (), "fail": (), "skip": (),
@@ -51,6 +55,11 @@ ADDS_A_VERSION = ("init", "promote")
 STEPS = ("copied", "published", "logged", "link made", "linked")
 MEND = ("Nothing was changed: mend that line (one JSON event per line, see docs/adapt.md) or restore the file from "
         "a backup, then run the command again")
+SETTINGS_FIX = ("fix it (one JSON object of the settings adapt init fixed: docs/adapt.md#the-settings-file) or "
+                "restore it from a backup, then run the command again")
+WRITERS = "the next command that writes the home (run, watch or rollback)"
+# a lock held this briefly (a status looking, a watch's look at an empty folder) is waited out without a word
+LOCK_GRACE_S = 0.5
 LOST = ("it has lost lines. Nothing was changed: restore it from a backup, then run the command again (a version "
         "published but never logged is only ever the newest, and never current)")
 
@@ -144,7 +153,29 @@ class Home:
         return self
 
     def settings(self) -> dict:
-        return json.loads((self.root / "settings.json").read_text())
+        """HOME/settings.json, each setting checked (loop.py ``settings_problem``); a file that is missing, does not
+        read or holds a wrong setting stops the command, naming the file and the setting."""
+        from .loop import settings_problem
+
+        path = self.root / SETTINGS
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise AdaptHomeError(f"{path} is missing: restore it from a backup, or write it again (the settings adapt "
+                                 "init fixed, listed in docs/adapt.md#the-settings-file), then run the command "
+                                 "again") from None
+        if not data.strip():
+            raise AdaptHomeError(f"{path} is empty: {SETTINGS_FIX}")
+        try:
+            settings = json.loads(data)
+        except ValueError as e:  # (json's errors, and bytes that are not UTF-8)
+            raise AdaptHomeError(f"{path}: not JSON ({e}): {SETTINGS_FIX}") from None
+        if not isinstance(settings, dict):
+            raise AdaptHomeError(f"{path}: a JSON {type(settings).__name__}, not an object of settings: {SETTINGS_FIX}")
+        problem = settings_problem(settings)
+        if problem:
+            raise AdaptHomeError(f"{path}: {problem}: {SETTINGS_FIX}")
+        return settings
 
     def history(self) -> list[str]:
         """The versions that were current, in order, with rolled-back ones taken off: the last is current."""
@@ -187,6 +218,33 @@ class Home:
         link = self.root / CURRENT
         return os.readlink(link) if link.is_symlink() else None
 
+    def link_state(self, want: str) -> tuple[str, str]:
+        """What ``current`` is on disk against ``want``, the log's current version: ("ok", ""); ("moved", what):
+        a link to another complete version of the home (a swap killed after its line, or a link changed by hand);
+        ("broken", what): missing, dangling, a loop, or naming anything but a complete version of the home; or
+        ("not a link", what): a folder or a file in its place."""
+        link = self.root / CURRENT
+        if not os.path.lexists(link):
+            return "broken", f"{link} is missing"
+        if not link.is_symlink():
+            return "not a link", f"{link} is a {'folder' if link.is_dir() else 'file'}, not a link"
+        target = os.readlink(link)
+        if target == want:
+            return "ok", ""
+        try:
+            real = (self.root / target).resolve(strict=True)
+        except RuntimeError:  # (a loop, as Python before 3.13 says it)
+            return "broken", f"{link} names {target}, a link loop"
+        except OSError as e:
+            return "broken", f"{link} names {target}, " + ("a link loop" if e.errno == errno.ELOOP else
+                                                           "which does not exist")
+        if real.parent != self.root or not VERSION.fullmatch(real.name):
+            return "broken", (f"{link} names {target}, {'a folder' if real.is_dir() else 'a file'} that is not one of "
+                              f"{self.root}'s versions (vNNNN)")
+        if not self.complete(real.name):
+            return "broken", f"{link} names {target}, which is incomplete (no final/config.json)"
+        return ("ok", "") if real.name == want else ("moved", f"{link} names {real.name}")
+
     def consumed(self) -> dict[str, str]:
         """Traffic files already used (read into a decision, or skipped as unreadable): path -> fingerprint."""
         return {f["path"]: f["fingerprint"] for e in self.events() for f in e.get("files", [])}
@@ -199,32 +257,52 @@ class Home:
 
     # ---- the lock --------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def lock(self, log=print) -> Iterator[None]:
-        """Hold the home's lock while the block runs, waiting for another holder to let go (the kernel drops a
-        holder's lock when it ends in any way, kill -9 included)."""
+    def lock(self, log=print, wait: bool = True, doing: str = "") -> Iterator[None]:
+        """Hold the home's lock while the block runs (the kernel drops a holder's lock when it ends in any way,
+        kill -9 included), named in it as ``adapt <doing>``, its pid and host (as a training run holds its output
+        folder: training/output_dir.py). Held by another: waited for (``wait``), or refused, naming the holder."""
         if self.root.exists() and not self.root.is_dir():
             raise AdaptHomeError(f"--home {self.root} is a file, not a folder: name a folder")
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.root / LOCK, "a+") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not _take(handle, LOCK_GRACE_S):
                 handle.seek(0)
-                log(f"[adapt] waiting for {self.root}'s lock, held by {handle.read().strip() or 'another command'} "
-                    "(a watch lets go once its adaptation is decided)")
+                holder = handle.read().strip() or "another command"
+                if not wait:
+                    raise AdaptHomeError(f"{self.root} is being written by another command ({holder}): wait for it to "
+                                         "end, or stop it, then run this again (one command writes a home at a time; "
+                                         "a watch holds it only while it looks and adapts)")
+                log(f"[adapt] waiting for {self.root}'s lock, held by {holder} (a watch lets go once its adaptation "
+                    "is decided)")
                 fcntl.flock(handle, fcntl.LOCK_EX)
             handle.seek(0)
             handle.truncate()
-            handle.write(f"adapt, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}\n")
+            handle.write(f"adapt{' ' + doing if doing else ''}, pid {os.getpid()} on {socket.gethostname()}, since "
+                         f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
             handle.flush()
             yield
 
     @contextlib.contextmanager
-    def holding(self, log=print) -> Iterator[None]:
+    def holding(self, log=print, wait: bool = True, doing: str = "") -> Iterator[None]:
         """The lock, with the home repaired first: how every command that writes the home begins."""
-        with self.lock(log):
+        with self.lock(log, wait, doing):
             self.repair(log)
             yield
+
+    def held_by(self) -> str | None:
+        """Who holds the home's lock now (as it names itself), or None; looked at without waiting or writing (a
+        shared lock taken and let go at once: a writer meanwhile waits it out, ``LOCK_GRACE_S``)."""
+        try:
+            handle = open(self.root / LOCK)
+        except OSError:
+            return None  # (no lock file: nothing ever held it)
+        with handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return handle.read().strip() or "another command"
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            return None
 
     # ---- writing (under the lock) ----------------------------------------------------------------
     def cut_unterminated_tail(self) -> int | None:
@@ -288,7 +366,7 @@ class Home:
         """Point ``current`` back at the version before it, and log it; the version now current. Waits for the
         lock (a watch holds it while it adapts); a promotion made while it waited is not rolled back unasked."""
         seen = self.require().history()[-1]
-        with self.holding(log):
+        with self.holding(log, doing="rollback"):
             history = self.history()
             if history[-1] != seen:
                 raise AdaptHomeError(f"current moved from {seen} to {history[-1]} while rollback waited for the lock: "
@@ -322,24 +400,60 @@ class Home:
             raise AdaptHomeError(f"{self.root / DECISIONS} does not account for {'; '.join(found)}: {LOST}")
         return unlogged
 
+    def unfinished(self, events: list[dict]) -> list[tuple[str, str]]:
+        """What a command left half-done (at work now, or killed): (what it is, what the next command that writes
+        the home does with it), as ``repair`` (and, for work/, the next adaptation) finishes or undoes it."""
+        again = "; its traffic was not logged as used, so the next run or watch on it adapts again"
+        removes = f"{WRITERS} removes it"
+        out = [(f"{p}, a promoted candidate's copy, not published", removes + again)
+               for p in sorted(self.root.glob(".staging-*"))]
+        out += [(f"{self.root / v}, published, its promotion not logged", removes + again)
+                for v in self.unlogged(events)]
+        out += [(f"{p}, a new current link not put in place", removes)
+                for p in sorted(self.root.glob(f".{CURRENT}.*"))]
+        path = self.root / DECISIONS
+        data = path.read_bytes() if path.is_file() else b""
+        if data and not data.endswith(b"\n"):
+            line = data.count(b"\n") + 1
+            out.append((f"{path}:{line}, a line not finished (its event has not happened)", f"{WRITERS} drops it"))
+        if (self.root / "work").exists():
+            out.append((f"{self.root / 'work'}, a candidate not decided", "the next run or watch removes it and "
+                        "starts the adaptation over (its traffic was not logged as used)"))
+        return out
+
     def repair(self, log=print) -> None:
         """Make the folder agree with the decisions log after a kill (see the module docstring); everything is
         checked before anything is removed."""
         events = self.events()
-        link = self.root / CURRENT
-        if link.exists() and not link.is_symlink():
-            raise AdaptHomeError(f"{link} is a {'folder' if link.is_dir() else 'file'}, not a link: move it aside (it "
-                                 "may hold a draft), then run the command again; the decisions log names the version")
+        history = self.history()
+        kind, said = self.link_state(history[-1]) if history else ("ok", "")
+        if kind == "not a link":
+            raise AdaptHomeError(f"{said}: move it aside (it may hold a draft), then run the command again; the "
+                                 f"decisions log names the version ({history[-1]})")
         unlogged = self.unlogged(events)
         cut = self.cut_unterminated_tail()
         if cut:
             log(f"[adapt] {self.root / DECISIONS}:{cut}: dropped a line a kill cut short (its event never happened)")
         for leftover in [*self.root.glob(".staging-*"), *self.root.glob(f".{CURRENT}.*")]:
+            if leftover.name.startswith(".staging-"):
+                log(f"[adapt] removing {leftover.name}: killed while it was copied, before its promotion was logged")
             shutil.rmtree(leftover) if leftover.is_dir() and not leftover.is_symlink() else leftover.unlink()
         for name in unlogged:  # published, then killed before its decision was logged
             log(f"[adapt] removing {name}: killed before its promotion was logged")
             shutil.rmtree(self.root / name)
-        history = self.history()
-        if history and self.complete(history[-1]) and self.linked() != history[-1]:
-            log(f"[adapt] current -> {history[-1]} (as the decisions log says)")
+        if history and self.complete(history[-1]) and kind != "ok":
+            log(f"[adapt] {said}: current -> {history[-1]} (as the decisions log says)")
             self.point_at(history[-1])
+
+
+def _take(handle, grace: float) -> bool:
+    """Take ``handle``'s exclusive lock if it is free, or freed within ``grace`` seconds; whether it was."""
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)

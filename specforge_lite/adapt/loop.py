@@ -40,6 +40,33 @@ DEFAULTS = {
     "eval_prompts": 24,  # prompts per judged set
     "max_new_tokens": 48,  # tokens generated per judged prompt
 }
+# what each setting in HOME/settings.json must be (``settings_problem``); timeout_minutes may be absent (a home made
+# before it: TIMEOUT_MINUTES), minutes and timeout_minutes null (no budget, no timeout)
+KINDS = {"judge": "judge", "margin": "number", "tolerance": "number", "replay_ratio": "share",
+         "heldout_fraction": "share", "min_conversations": "count", "steps": "count", "minutes": "number or null",
+         "timeout_minutes": "number or null", "k": "count", "eval_prompts": "count", "max_new_tokens": "count"}
+
+
+def settings_problem(settings: dict) -> str | None:
+    """What is wrong with a home's settings (HOME/settings.json read as a JSON object), or None: a setting missing
+    or unknown, or not of its kind (a number, a count, a share in [0, 1), a judge)."""
+    unknown = sorted(set(settings) - set(KINDS))
+    if unknown:
+        return f"{', '.join(unknown)} {'is not a setting' if len(unknown) == 1 else 'are not settings'} (the " \
+               f"settings: {', '.join(KINDS)})"
+    missing = [k for k in KINDS if k not in settings and k != "timeout_minutes"]
+    if missing:
+        return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
+    for key, value in settings.items():
+        kind, number = KINDS[key], isinstance(value, (int, float)) and not isinstance(value, bool)
+        wrong = {"judge": value not in JUDGES, "number": not number, "number or null": value is not None and not number,
+                 "count": not (number and isinstance(value, int) and value >= 0),
+                 "share": not (number and 0 <= value < 1)}[kind]
+        if wrong:
+            want = {"judge": f"one of {', '.join(JUDGES)}", "count": "a whole number, 0 or more",
+                    "share": "a share in [0, 1)"}.get(kind, f"a {kind}")
+            return f"{key} is {json.dumps(value)}: it must be {want}"
+    return None
 
 
 def check_judge(judge: str) -> None:
@@ -57,7 +84,8 @@ def check_judge(judge: str) -> None:
 # ---- init -----------------------------------------------------------------------------------------------
 def base_config(draft: Path, overrides: list[str]):
     """The configuration candidates start from: a run's own config.yaml (with ``key=value`` overrides on
-    top), or, for an export folder, train.py's composition of the overrides (model=..., data=...)."""
+    top), or, for an export folder, train.py's composition of the overrides (model=..., data=...) for the
+    export's own target and method (``export_target``)."""
     from omegaconf import OmegaConf
 
     from ..compose import load_config, to_config
@@ -65,9 +93,37 @@ def base_config(draft: Path, overrides: list[str]):
     if (draft / "config.yaml").is_file() and (draft / "final" / "config.json").is_file():
         return to_config(OmegaConf.merge(OmegaConf.load(draft / "config.yaml"), OmegaConf.from_dotlist(overrides)))
     if (draft / "config.json").is_file():
-        return load_config(overrides)
+        return load_config([*export_target(draft, overrides), *overrides])
     raise AdaptHomeError(f"--draft {draft}: no draft there (a finished run folder with config.yaml and final/, or an "
                          "export folder with config.json)")
+
+
+def export_target(draft: Path, overrides: list[str]) -> list[str]:
+    """The overrides that give an export folder its own target and method: the target its config.json names
+    (speculators' verifier; as evaluate --export reads it), unless the overrides name one (model=...,
+    model.path=...), and the method its provenance block records, unless they name one. An export that names no
+    target is refused, saying how to name it: the embedded default's target is never taken in silence."""
+    from ..evaluate.finished import target_overrides
+    from ..export.published import named_target
+    from ..formats import PROVENANCE_KEY
+
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    try:
+        exported = json.loads((draft / "config.json").read_bytes())
+        named = named_target(draft) if isinstance(exported, dict) else None
+    except (ValueError, AttributeError) as e:
+        raise AdaptHomeError(f"--draft {draft}: its config.json does not read ({e}): export the draft again, or give "
+                             "another --draft") from None
+    if not named and not keys & {"model", "model.path"}:
+        run = draft.parent if draft.name == "final" and (draft.parent / "config.yaml").is_file() else None
+        raise AdaptHomeError(f"--draft {draft}: its config.json does not name the target it drafts for "
+                             "(speculators' verifier, or this project's provenance block): name it after --draft, e.g. model=llama3_8b (a preset) or "
+                             "model.path=meta-llama/Llama-3.1-8B-Instruct (a hub id or a local folder)"
+                             + (f", or give the run that wrote it: --draft {run}" if run else ""))
+    spec = (exported.get(PROVENANCE_KEY) or {}).get("spec") if isinstance(exported, dict) else None
+    method = spec.get("method") if isinstance(spec, dict) else None
+    return [*target_overrides(draft, overrides),
+            *([f"draft={method}"] if isinstance(method, str) and not keys & {"draft", "draft.method"} else [])]
 
 
 def regression_prompts(source: Path | None, per_set: int) -> list[dict]:
@@ -82,7 +138,7 @@ def regression_prompts(source: Path | None, per_set: int) -> list[dict]:
 def init(home: Home, draft: Path, overrides: list[str], settings: dict, regression: Path | None = None,
          regression_per_set: int = 4, log=print) -> str:
     """Make ``draft`` version v0001 of a new home and fix its settings; its name."""
-    with home.lock(log):
+    with home.lock(log, wait=False, doing="init"):
         return _init(home, draft, overrides, settings, regression, regression_per_set, log)
 
 
@@ -203,8 +259,9 @@ def _failed(home: Home, error: Exception, work: Path, log=print, **fields) -> di
 
 def run(home: Home, paths: list[Path], log=print) -> dict | None:
     """``adapt run``: one adaptation on the files named and each folder's traffic files not used yet (as
-    ``watch`` takes them), under the home's lock; the logged event, or None when there was nothing new."""
-    with home.holding(log):
+    ``watch`` takes them), under the home's lock (refused, naming the holder, while another command holds it); the
+    logged event, or None when there was nothing new."""
+    with home.holding(log, wait=False, doing="run"):
         files = traffic_files(home, paths, log)
         if not files:
             log(f"[adapt] nothing new in {', '.join(map(str, paths))}: every traffic file there was used already")
@@ -299,7 +356,7 @@ def watch(home: Home, folder: Path, interval: float = 30, settle: float = 10, on
     wanted = home.settings()["min_conversations"]
     log(f"[adapt] watching {folder} (adapting every {wanted} new conversations)")
     while True:
-        with home.holding(log):
+        with home.holding(log, doing="watch"):
             look(home, folder, settle, wanted, log)
         if once:
             return
