@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -120,11 +121,11 @@ def test_a_new_users_natural_commands_do_what_they_say_or_stop_in_one_line(tmp_p
     assert shown.returncode == 0 and "recipe_name: scale" in shown.stdout, shown.stderr
     typo = run_train("model.path=/models/typo", "tracker=none", f"output_dir={tmp_path / 'run'}")
     assert typo.returncode == 1 and "Traceback" not in typo.stderr
-    assert typo.stderr.startswith("error: model 'typo' (/models/typo) is not reachable: model.path=/models/typo: no "
-                                  "such folder"), typo.stderr
+    assert typo.stderr.startswith("error: model.path=/models/typo: no such folder; give an existing folder, or a hub "
+                                  "id as org/name\n("), typo.stderr
     assert "[target]" not in typo.stdout and typo.stdout.startswith("[recipe] scale: typo on")
     hub = run_train("model.path=Qwen/Qwen3-8B", "model.family=qwen3", "tracker=none", f"output_dir={tmp_path / 'h'}")
-    assert hub.returncode == 1 and "model.path=Qwen/Qwen3-8B is not in the local hub cache" in hub.stderr
+    assert hub.returncode == 1 and hub.stderr.startswith("error: model.path=Qwen/Qwen3-8B is not in the local hub cache")
     assert "smollm2" not in hub.stdout + hub.stderr.split("\n")[0]
 
 
@@ -134,8 +135,10 @@ def test_a_file_the_run_cannot_train_on_is_refused_before_any_weight_loads(tmp_p
     from specforge_lite.data import DataError
     from specforge_lite.run import Run
 
-    # (no answers, no regeneration; each run's own rows: data prepared from the same rows is cached, and checked)
-    rows = [{"messages": [{"role": "user", "content": f"q {i} of {tmp_path}"}]} for i in range(6)]
+    # (no answers, no regeneration; rows of this test run's own: data prepared from the same rows is cached, and
+    # so taken as checked)
+    run = uuid.uuid4().hex
+    rows = [{"messages": [{"role": "user", "content": f"q {i} of {run}"}]} for i in range(6)]
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     said = []
     config = load_config(["model=llama3_tiny", "data=sharegpt", f"data.path={tmp_path / 'chats.jsonl'}",
@@ -149,3 +152,17 @@ def test_a_file_the_run_cannot_train_on_is_refused_before_any_weight_loads(tmp_p
     Run.online(config, log=said.append)
     assert said[0].startswith("[data] read before the target loads: 6 rows, 5 skipped (5x no assistant answer")
     assert said[1].startswith("[target]")
+
+
+def test_every_export_names_the_target_it_drafts_for(tmp_path):
+    """Only speculators' layout named its target: an export in another format, evaluated or adapted without
+    model=..., was refused (or, before that, taken as the embedded default's draft)."""
+    from conftest import tiny_draft, tiny_target
+    from specforge_lite.evaluate.finished import target_overrides
+    from specforge_lite.export import export_draft
+
+    draft = tiny_draft(tiny_target(aux_ids=[2, 4, 6]))
+    for fmt in ("vllm", "sglang", "speculators"):
+        out = export_draft(draft.trainable_state_dict(), draft.spec, fmt, tmp_path / fmt,
+                           verifier={"name_or_path": "meta-llama/Llama-3.1-8B-Instruct"})
+        assert target_overrides(out, []) == ["model=llama3_8b"], fmt

@@ -102,8 +102,8 @@ def target_overrides(draft_dir: Path, overrides: list[str]) -> list[str]:
     name = named_target(draft_dir)
     if not name:
         raise ValueError(f"{draft_dir}/config.json does not name the target it drafts for (speculators' "
-                         "speculators_config.verifier.name_or_path; SpecForge's and SGLang's layout has no such "
-                         "field): name it, e.g. model=llama3_8b (a preset) or "
+                         "speculators_config.verifier.name_or_path, or this project's provenance block; SpecForge's "
+                         "and SGLang's layout has no such field): name it, e.g. model=llama3_8b (a preset) or "
                          "model.path=meta-llama/Llama-3.1-8B-Instruct (a hub id or a local folder)")
     preset = next((p for p in available_presets("model") if model_preset(p).path == name), None)
     if preset:

@@ -21,7 +21,8 @@ from ..methods import DEFAULT, METHODS, draft_method, read_spec
 from ..records import latest_checkpoint, load_checkpoint, unusable_checkpoints
 from .card import write_model_card
 from .check import AGAIN
-from .published import fit_to_target, meta_state, published_formats, read_published, weight_mismatch
+from .published import (fit_to_target, meta_state, published_formats, read_published, vocab_map_problem,
+                        weight_mismatch)
 
 
 class _Formats(Mapping):
@@ -68,8 +69,9 @@ def export_refusals(form: ExportFormat, draft) -> list[str]:
 def export_draft(weights: dict[str, torch.Tensor], spec: DraftSpec, fmt: str, out_dir: Path, dtype: str = "auto",
                  embedding: torch.Tensor | None = None, warn=None, verifier: dict | None = None,
                  num_speculative_tokens: int = 3) -> Path:
-    """Write ``fmt``'s config.json and model.safetensors. ``verifier`` (speculators): the target's
-    ``name_or_path`` and ``architectures``; ``num_speculative_tokens``: its proposal length."""
+    """Write ``fmt``'s config.json and model.safetensors. ``verifier``: the target's ``name_or_path`` (recorded in
+    every format's provenance block, so that the folder names the target it drafts for) and ``architectures``
+    (speculators' config); ``num_speculative_tokens``: its proposal length."""
     form = export_format(fmt, spec.method)
     if spec.hidden_act != DRAFT_ACT:
         raise ValueError(f"this draft was trained with hidden_act={spec.hidden_act!r}; the servers' EAGLE3 draft is a "
@@ -82,6 +84,8 @@ def export_draft(weights: dict[str, torch.Tensor], spec: DraftSpec, fmt: str, ou
     if problems:
         raise ExportRefused("; ".join(problems))
     config = form.write_config(spec, torch_dtype, verifier or {}, num_speculative_tokens, warn)
+    if (verifier or {}).get("name_or_path"):
+        config[PROVENANCE_KEY]["target"] = verifier["name_or_path"]
     tensors = draft_weights(weights, torch_dtype, form.with_vocab_maps(spec), embedding)
     return write_export(out_dir, config, {form.weight_name(k): v for k, v in tensors.items()})
 
@@ -128,9 +132,17 @@ def load_export(export_dir: Path) -> tuple[DraftSpec, dict[str, torch.Tensor]]:
         weights = {form.our_weight_name(k): v for k, v in tensors.items()}
     else:
         spec, weights = read_published(export_dir, config, tensors)
+    if "d2t" not in weights and spec.draft_vocab_size != spec.vocab_size:
+        raise ValueError(f"{export_dir}: draft_vocab_size {spec.draft_vocab_size} and vocab_size {spec.vocab_size} "
+                         "but no d2t among its weights: which target token each draft id stands for is unknown; the "
+                         f"folder is damaged: {AGAIN}")
     if "d2t" not in weights:  # full draft vocabulary: identity maps
         weights["d2t"] = torch.zeros(spec.draft_vocab_size, dtype=torch.long)
         weights["t2d"] = torch.ones(spec.vocab_size, dtype=torch.bool)
+    problem = vocab_map_problem(weights, spec.draft_vocab_size, spec.vocab_size)
+    if problem:  # (before a run or evaluation indexes the target's vocabulary with it)
+        raise ValueError(f"{export_dir}: {problem}; the folder is damaged, or its config.json is not the one its "
+                         f"weights were saved with: {AGAIN}")
     problem = weight_mismatch(meta_state(spec), weights)
     if problem:
         raise ValueError(f"{export_dir}: its weights do not fit the draft its config.json records ({problem}): the "

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..draft.model import DraftSpec
-from ..formats import UNKNOWN_LAYERS, ExportFormat
+from ..formats import PROVENANCE_KEY, UNKNOWN_LAYERS, ExportFormat
 from ..methods import METHODS, draft_method
 from ..targets.capture import default_aux_layer_ids
 
@@ -59,6 +59,51 @@ def weight_mismatch(own: dict[str, torch.Tensor], weights: dict[str, torch.Tenso
     return "; ".join(p for p in parts if p) or None
 
 
+def vocab_map_problem(weights: dict[str, torch.Tensor], draft_vocab_size: int, vocab_size: int) -> str | None:
+    """What keeps a draft's vocabulary maps from drafting for a target vocabulary of ``vocab_size``, or None: d2t
+    (target id = draft id + d2t[draft id]) must send each of the ``draft_vocab_size`` draft ids to its own id of
+    the target's vocabulary, and t2d, when there is one, mark exactly the target ids d2t reaches. (Run, evaluation
+    and servers index the target's vocabulary with these: an id outside it is an IndexError there.)"""
+    d2t, t2d = weights.get("d2t"), weights.get("t2d")
+    if d2t is None:
+        return None
+    if not _integers(d2t):
+        return f"d2t holds {d2t.dtype} values, not integer offsets (target id = draft id + d2t[draft id])"
+    if tuple(d2t.shape) != (draft_vocab_size,):
+        return f"d2t has shape {tuple(d2t.shape)}, draft_vocab_size {draft_vocab_size} implies ({draft_vocab_size},)"
+    targets = d2t.long() + torch.arange(draft_vocab_size)
+    outside = ((targets < 0) | (targets >= vocab_size)).nonzero().flatten()
+    if outside.numel():
+        i, more = int(outside[0]), outside.numel() - 1
+        return (f"d2t maps draft id {i} to target id {int(targets[i])}, outside the target's vocabulary (vocab_size "
+                f"{vocab_size}: ids 0..{vocab_size - 1})" + (f", and {more} more draft ids" if more else ""))
+    ordered, order = targets.sort(stable=True)
+    same = (ordered[1:] == ordered[:-1]).nonzero().flatten()
+    if same.numel():
+        j = int(same[0])
+        a, b = sorted((int(order[j]), int(order[j + 1])))
+        return (f"d2t maps draft ids {a} and {b} both to target id {int(ordered[j])} ({same.numel()} such "
+                "collisions): each draft id stands for a token of its own")
+    if t2d is None:
+        return None
+    if not (t2d.dtype == torch.bool or (_integers(t2d) and bool(((t2d == 0) | (t2d == 1)).all()))):
+        return f"t2d holds {t2d.dtype} values, not a mask (bools) of the target ids d2t maps to"
+    if tuple(t2d.shape) != (vocab_size,):
+        return f"t2d has shape {tuple(t2d.shape)}, vocab_size {vocab_size} implies ({vocab_size},)"
+    mapped = torch.zeros(vocab_size, dtype=torch.bool)
+    mapped[targets] = True
+    differ = (t2d.bool() != mapped).nonzero().flatten()
+    if differ.numel():
+        t = int(differ[0])
+        return (f"t2d marks {int(t2d.bool().sum())} target ids and d2t maps to {draft_vocab_size} (first difference: "
+                f"target id {t}, {'marked and not mapped to' if mapped[t] == 0 else 'mapped to and not marked'})")
+    return None
+
+
+def _integers(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
 def meta_state(spec: DraftSpec) -> dict[str, torch.Tensor]:
     """The state dict our draft of ``spec`` has (shapes only, nothing allocated); the aux ids, which fix only how
     many states fc reads, stand in as 0..n-1 when the folder names none."""
@@ -69,10 +114,10 @@ def meta_state(spec: DraftSpec) -> dict[str, torch.Tensor]:
 
 
 def named_target(folder: Path) -> str | None:
-    """The target a draft folder names (speculators' verifier), or None."""
+    """The target a draft folder names (speculators' verifier, or the one our provenance block records), or None."""
     config = json.loads((Path(folder) / "config.json").read_text())
     verifier = (config.get("speculators_config") or {}).get("verifier") or {}
-    return verifier.get("name_or_path") or None
+    return verifier.get("name_or_path") or (config.get(PROVENANCE_KEY) or {}).get("target") or None
 
 
 def fit_to_target(spec: DraftSpec, num_layers: int) -> DraftSpec:

@@ -98,8 +98,9 @@ def resolve_model_dir(cfg: ModelConfig, config_only: bool = False) -> str:
             raise unavailable_error(cfg, "model.path is empty")
         try:
             folder = local_or_hub(cfg.path, "model.path", only=["config.json"] if config_only else None)
-        except HubUnavailableError as e:
-            raise unavailable_error(cfg, str(e)) from None
+        except HubUnavailableError as e:  # (a preset's own model: with the ways to run offline; the user's: as said)
+            raise (unavailable_error(cfg, str(e)) if cfg.name in available_presets("model") else
+                   ModelUnavailableError(str(e))) from None
         return str(check_model_files(folder))
     raise ValueError(f"model.source={source!r}: use auto, local, registry, hub or tiny")
 
