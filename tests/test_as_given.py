@@ -125,7 +125,8 @@ def test_a_new_users_natural_commands_do_what_they_say_or_stop_in_one_line(tmp_p
                                   "id as org/name\n("), typo.stderr
     assert "[target]" not in typo.stdout and typo.stdout.startswith("[recipe] scale: typo on")
     hub = run_train("model.path=Qwen/Qwen3-8B", "model.family=qwen3", "tracker=none", f"output_dir={tmp_path / 'h'}")
-    assert hub.returncode == 1 and hub.stderr.startswith("error: model.path=Qwen/Qwen3-8B is not in the local hub cache")
+    assert hub.returncode == 1
+    assert hub.stderr.startswith("error: model.path=Qwen/Qwen3-8B is not in the local hub cache")
     assert "smollm2" not in hub.stdout + hub.stderr.split("\n")[0]
 
 

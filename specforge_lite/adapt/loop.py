@@ -117,8 +117,9 @@ def export_target(draft: Path, overrides: list[str]) -> list[str]:
     if not named and not keys & {"model", "model.path"}:
         run = draft.parent if draft.name == "final" and (draft.parent / "config.yaml").is_file() else None
         raise AdaptHomeError(f"--draft {draft}: its config.json does not name the target it drafts for "
-                             "(speculators' verifier, or this project's provenance block): name it after --draft, e.g. model=llama3_8b (a preset) or "
-                             "model.path=meta-llama/Llama-3.1-8B-Instruct (a hub id or a local folder)"
+                             "(speculators' verifier, or this project's provenance block): name it after --draft, "
+                             "e.g. model=llama3_8b (a preset) or model.path=meta-llama/Llama-3.1-8B-Instruct (a hub "
+                             "id or a local folder)"
                              + (f", or give the run that wrote it: --draft {run}" if run else ""))
     spec = (exported.get(PROVENANCE_KEY) or {}).get("spec") if isinstance(exported, dict) else None
     method = spec.get("method") if isinstance(spec, dict) else None
