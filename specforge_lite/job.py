@@ -19,7 +19,7 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
 
     from .data.prepare import check_data_sources
     from .offline import store_run
-    from .run import Run
+    from .run import Run, use_expandable_segments
     from .settings import check_settings
     from .training.distributed import init_distributed, process_group
     from .training.loop import train
@@ -30,6 +30,7 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
         log(line)
     if config.data.source != "offline":
         check_data_sources(config.data)
+    use_expandable_segments(config.model.device)  # (CUDA's allocator reads it once: before the group and the target)
     with process_group(lambda: init_distributed(config.trainer)) as ctx:  # (destroyed when the run ends)
         if not ctx.is_main:
             log = lambda message: None  # noqa: E731  (rank 0 speaks for the run)

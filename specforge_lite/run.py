@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from .data import BatchStream, DraftVocab, build_draft_vocab, pad_id
 from .data.prepare import check_rows
 from .data.images import image_inputs
 from .data.vocab import choose_mask_token
-from .device import dtype_name, native_bf16, resolve_dtype
+from .device import dtype_name, native_bf16, resolve_device, resolve_dtype
 from .draft import Draft, DraftSpec, UnrollObjective, device_settings
 from .export import load_export
 from .export.for_target import draft_from_weights, target_mismatch
@@ -66,6 +68,7 @@ class Run:
         given, e.g. an export's; else built from the training data). ``parts_only``: the target's
         embedding, final norm and lm_head only, read from its safetensors (what a store's ingest needs)."""
         ctx = ctx or DistributedContext()
+        allocator = use_expandable_segments(config.model.device)  # (before anything allocates on CUDA)
         initial = initial_draft(config, log) if config.draft.init_from else None
         if initial is not None:  # the draft keeps its own aux ids and vocabulary
             aux_layer_ids, vocab = list(initial[0].aux_layer_ids), DraftVocab.from_d2t(initial[1]["d2t"],
@@ -86,7 +89,7 @@ class Run:
         log(f"[target] {describe_target(config, target)}" + (f"; {ctx.world_size} ranks, target "
             f"{'sharded (ZeRO-3)' if config.target.shard == 'zero3' else 'replicated'}" if ctx.enabled else ""))
         log(f"[precision] {describe_precision(config, target)}")
-        log(f"[step] {describe_step(config.draft, target.device)}")
+        log(f"[step] {describe_step(config.draft, target.device, allocator)}")
         # rank 0 prepares (and caches) the data first; the other ranks then read the same cache
         if not ctx.is_main:
             ctx.barrier()
@@ -153,12 +156,53 @@ def describe_precision(config: Config, target: Target) -> str:
     return f"{', '.join(chosen)}; bf16 is {verdict} on {target.device.type}: {support.reason}"
 
 
-def describe_step(draft_settings, device: torch.device) -> str:
+def describe_step(draft_settings, device: torch.device, allocator: str | None = None) -> str:
     """One line for the run's log: how the draft's step runs on this device, and which of its settings the device
-    chose (left null: draft/objective.py ``BY_DEVICE``)."""
+    chose (left null: draft/objective.py ``BY_DEVICE``); ``allocator``: what CUDA's allocator runs with
+    (``allocator_setting``)."""
     said = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731 (as the command line says it)
-    return ", ".join(f"draft.{n}={said(value)}" + (f" ({device.type}'s default)" if chosen else "")
-                     for n, (value, chosen) in device_settings(draft_settings, device).items())
+    return ", ".join([f"draft.{n}={said(value)}" + (f" ({device.type}'s default)" if chosen else "")
+                      for n, (value, chosen) in device_settings(draft_settings, device).items()]
+                     + ([allocator] if allocator else []))
+
+
+# PyTorch's CUDA caching allocator reads its settings once, when CUDA starts in the process. Expandable segments
+# let it grow a segment instead of reserving a new block for each new size: the rows of a run differ in length,
+# and without them the freed blocks of other sizes pile up until a late step runs out of memory with gigabytes
+# reserved but unallocated (docs/troubleshooting.md).
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_CONF_NEW = "PYTORCH_ALLOC_CONF"  # (PyTorch >= 2.9's name, read when the CUDA one is unset)
+EXPANDABLE = "expandable_segments:True"
+SET_BY_RUN = "SPECFORGE_LITE_SET_ALLOC_CONF"  # the value a run set (a later run of the process: not the user's)
+
+
+def allocator_setting(environ: MutableMapping[str, str] | dict, device: str,
+                      cuda_initialized: bool = False) -> tuple[dict[str, str], str | None]:
+    """What a run on ``device`` (the resolved model.device: cpu, cuda, cuda:N) sets in its environment for CUDA's
+    allocator, and how its [step] line says it (None: not a CUDA run, nothing to say). Expandable segments unless
+    the user set the allocator's variable (either name: theirs is left as it is), set only while CUDA has not
+    started (``cuda_initialized``: after, the variable would change nothing)."""
+    if torch.device(device).type != "cuda":
+        return {}, None
+    if environ.get(SET_BY_RUN) is not None and environ.get(ALLOC_CONF) == environ[SET_BY_RUN]:
+        return {}, f"{ALLOC_CONF}={environ[ALLOC_CONF]} (set by the run; set the variable yourself to choose another)"
+    for name in (ALLOC_CONF, ALLOC_CONF_NEW):
+        if name in environ:
+            return {}, f"{name}={environ[name]} (yours: left as set)"
+    if cuda_initialized:
+        return {}, (f"{ALLOC_CONF} not set: CUDA was initialised before the run could set it (export "
+                    f"{ALLOC_CONF}={EXPANDABLE} before starting for fewer late out-of-memory errors)")
+    return ({ALLOC_CONF: EXPANDABLE, SET_BY_RUN: EXPANDABLE},
+            f"{ALLOC_CONF}={EXPANDABLE} (set by the run; set the variable yourself to choose another)")
+
+
+def use_expandable_segments(device: str, environ: MutableMapping[str, str] | None = None) -> str | None:
+    """Apply ``allocator_setting`` for model.device ``device`` (auto: cuda where there is one) to the process's
+    environment, before anything allocates on CUDA; what the [step] line says of it."""
+    environ = os.environ if environ is None else environ
+    changes, said = allocator_setting(environ, str(resolve_device(device)), torch.cuda.is_initialized())
+    environ.update(changes)
+    return said
 
 
 def packing_length(config: Config, target: Target) -> int | None:

@@ -3,7 +3,16 @@ folder does not say (the target, the method, the data, what it was measured to a
 exact vLLM and SGLang commands, and which versions the project tests).
 
 Everything comes from the files of the run and the export (config.yaml, eval.json, eval_inputs.json, the export's
-config.json), so the card is rewritten whenever one of them changes: after the export, and after an evaluation.
+config.json), so the card is rewritten whenever one of them changes: after the export, after an evaluation, and
+before a push (``hub_id``: the serve commands then name the hub repository instead of this machine's folder).
+
+It opens with the YAML front matter the Hugging Face hub reads (``front_matter``; the fields of its model-card
+metadata spec that a draft has): ``base_model`` (the target's hub id; none for a local folder or a model built
+here) with ``base_model_relation: adapter`` (a draft runs only beside its target: without it the hub would list the
+draft as a finetune of the target), ``library_name`` (the engine the export is made for: vllm, or sglang for the
+sglang export), ``pipeline_tag: text-generation``, ``tags`` (speculative-decoding, the method, the engines that
+serve it, specforge_lite) and ``datasets`` (the hub datasets it was trained on). No ``license``: the project cannot
+know what the target's licence asks of a draft trained on its outputs, so the author adds it.
 """
 
 from __future__ import annotations
@@ -16,11 +25,13 @@ from pathlib import Path
 from ..formats import PROVENANCE_KEY
 
 CARD = "README.md"
+_HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # org/name, as the hub spells a model id
 CONSTRAINTS = Path(__file__).resolve().parents[2] / "scripts" / "serving-constraints.txt"
 
 
-def write_model_card(export_dir: Path, run_dir: Path) -> Path:
-    """README.md in ``export_dir`` (an export of the run in ``run_dir``); returns its path."""
+def write_model_card(export_dir: Path, run_dir: Path, hub_id: str | None = None) -> Path:
+    """README.md in ``export_dir`` (an export of the run in ``run_dir``); returns its path. ``hub_id``: the hub
+    repository the folder is pushed to, which its serve commands then name."""
     export_dir, run_dir = Path(export_dir), Path(run_dir)
     config = json.loads((export_dir / "config.json").read_text())
     run = _read_yaml(run_dir / "config.yaml")
@@ -28,12 +39,68 @@ def write_model_card(export_dir: Path, run_dir: Path) -> Path:
     target = _target(run, _read_json(run_dir / "eval_inputs.json"))
     path = export_dir / CARD
     stats = _read_json(run_dir / "data_stats.json")
-    path.write_text(_render(export_dir, run_dir, config, run, evaluation, target, stats))
+    path.write_text(_render(export_dir, run_dir, config, run, evaluation, target, stats, hub_id))
     return path
 
 
+def front_matter(config: dict, run: dict) -> str:
+    """The card's hub metadata (YAML, as huggingface_hub writes it) for an export's config.json and its run's
+    config.yaml."""
+    from huggingface_hub import ModelCardData
+
+    from . import FORMATS
+
+    provenance = config[PROVENANCE_KEY]
+    spec, form = provenance["spec"], FORMATS[provenance.get("format", "vllm")]
+    library = "sglang" if form.name == "sglang" else "vllm"
+    tags = ["speculative-decoding", spec.get("method", "eagle3")]
+    tags += ["p-eagle"] if spec.get("parallel_drafting") else []
+    tags += ["vllm"] + (["sglang"] if not _sglang_problems(spec) else [])
+    tags += ["speculators"] if form.name == "speculators" else []
+    base = _hub_target(run, provenance)
+    data = ModelCardData(base_model=base, library_name=library, pipeline_tag="text-generation",
+                         tags=[*tags, "specforge_lite"], datasets=_hub_datasets(run) or None,
+                         **({"base_model_relation": "adapter"} if base else {}))
+    return data.to_yaml()
+
+
+def _hub_target(run: dict, provenance: dict) -> str | None:
+    """The target's hub id (the run's model.path, else the one the export names), when it is one: not a folder
+    here, not a model built here (a tiny preset), not a path the settings say is local."""
+    model = run.get("model") or {}
+    if model.get("source") in ("local", "tiny"):
+        return None
+    name = model.get("path") or (provenance.get("target") if not model else None)
+    return name if name and _is_hub_repo(name) else None
+
+
+def _is_hub_repo(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not _HUB_REPO.fullmatch(name) or Path(name).expanduser().exists():
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _hub_datasets(run: dict) -> list[str]:
+    """The hub datasets (data.path=hf:org/name[:split], alone or in data.mix) the draft was trained on."""
+    data = run.get("data") or {}
+    paths = [data.get("path")] + [m.get("path") for m in data.get("mix") or [] if isinstance(m, dict)]
+    found = []
+    for path in paths:
+        if isinstance(path, str) and path.startswith("hf:"):
+            name = path.removeprefix("hf:").partition(":")[0]
+            if _is_hub_repo(name) and name not in found:
+                found.append(name)
+    return found
+
+
 def _render(export_dir: Path, run_dir: Path, config: dict, run: dict, evaluation: dict, target: str,
-            stats: dict) -> str:
+            stats: dict, hub_id: str | None = None) -> str:
     from . import FORMATS
     from ..methods import draft_method
 
@@ -54,23 +121,31 @@ def _render(export_dir: Path, run_dir: Path, config: dict, run: dict, evaluation
             ("format", f"`{form.name}` ({', '.join(config.get('architectures') or [])})"),
             ("acceptance", _acceptance(evaluation, run_dir))]
     table = "\n".join(["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)])
-    return f"""# {method.label(spec)} draft for {target}
+    written = f"`{export_dir}`, from the run `{run_dir}`"
+    if hub_id:
+        written = f"pushed to `{hub_id}` from {written}"
+    draft = hub_id or export_dir  # (what a server is given as the draft)
+    return f"""---
+{front_matter(config, run)}
+---
 
-Written by specforge_lite (`{export_dir}`, from the run `{run_dir}`).
+# {method.label(spec)} draft for {target}
+
+Written by specforge_lite ({written}).
 
 {table}
 
 ## Serve it with vLLM
 
-{_vllm(export_dir, config, form, target, k)}
+{_vllm(draft, config, form, target, k)}
 
 ## Serve it with SGLang
 
-{_sglang(export_dir, run_dir, spec, form, target, k)}
+{_sglang(draft, run_dir, spec, form, target, k)}
 """
 
 
-def _vllm(export_dir: Path, config: dict, form, target: str, k: int) -> str:
+def _vllm(export_dir: Path | str, config: dict, form, target: str, k: int) -> str:
     if form.name == "sglang":
         return ("This folder is the `sglang` export (ids in SGLang's convention): vLLM would read them one layer "
                 "early. Serve the run's `vllm` export with vLLM.")
@@ -86,13 +161,19 @@ def _vllm(export_dir: Path, config: dict, form, target: str, k: int) -> str:
             + (" (fixed: the block the draft was trained on)" if form.fixed_draft_tokens(config) else "") + ".")
 
 
-def _sglang(export_dir: Path, run_dir: Path, spec: dict, form, target: str, k: int) -> str:
+def _sglang_problems(spec: dict) -> list[str]:
+    """Why SGLang cannot serve a draft of this spec (none: it can, from the sglang export)."""
     from . import FORMATS, export_refusals
     from ..methods import read_spec
 
     problems = export_refusals(FORMATS["sglang"], read_spec(spec))
     if 0 in spec["aux_layer_ids"]:
         problems.append("aux id 0 (the embedding output) has no SGLang id")
+    return problems
+
+
+def _sglang(export_dir: Path | str, run_dir: Path, spec: dict, form, target: str, k: int) -> str:
+    problems = _sglang_problems(spec)
     if problems:
         return f"SGLang cannot serve this draft: {'; '.join(problems)}."
     folder, export = export_dir, ""
