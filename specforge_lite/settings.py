@@ -6,8 +6,14 @@ together, each naming the key and the fix, so a run never trains for hours to be
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import shutil
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -29,10 +35,8 @@ def setting_problems(config: Config) -> list[str]:
         return [*problems, str(e)]
     problems += method.refused(config)
     d = config.draft
-    if d.compile and not torch.cuda.is_available() and not shutil.which(cpp_compiler()):
-        fix = "point $CXX at an installed one or unset it" if os.environ.get("CXX") else "install g++ (apt install g++)"
-        problems.append(f"draft.compile=true on a CPU needs the C++ compiler torch.compile builds its kernels with, "
-                        f"{cpp_compiler()}, which is not found: {fix}, or set draft.compile=false")
+    if d.compile and not torch.cuda.is_available():
+        problems += compiler_problems()
     if d.freeze_lm_head and not (d.init_lm_head_from_target or d.init_from):
         problems.append("draft.freeze_lm_head=true with draft.init_lm_head_from_target=false: a frozen lm_head would "
                         "keep its random rows; set draft.init_lm_head_from_target=true (or continue a draft with "
@@ -70,6 +74,63 @@ def setting_problems(config: Config) -> list[str]:
 def cpp_compiler() -> str:
     """The C++ compiler torch.compile builds CPU kernels with on Linux: $CXX, else g++."""
     return os.environ.get("CXX") or "g++"
+
+
+# How long the C++ compiler may take over a three-line file before it is taken for hung (a working one: well under
+# a second; a loaded machine or a cold network file system: seconds).
+COMPILER_CHECK_SECONDS = 60
+_PROBE = "#include <cmath>\n#include <cstdint>\nextern \"C\" int64_t probe(double x) { return std::lround(x); }\n"
+
+
+def compiler_problems() -> list[str]:
+    """draft.compile=true on a CPU: the C++ compiler torch.compile builds its kernels with, found and tried on a
+    tiny file as Inductor builds its kernels (a shared object), or why it cannot be used, with the fix."""
+    compiler = cpp_compiler()
+    named = f"$CXX={compiler}" if os.environ.get("CXX") else compiler
+    fix = "point $CXX at a working compiler or unset it (g++ is the default)" if os.environ.get("CXX") else \
+        "install or repair g++ (apt install g++), or point $CXX at a working compiler"
+    found = shutil.which(compiler)
+    if found is None and os.path.isfile(compiler):
+        problem = "is not executable: make it executable (chmod +x)"
+    elif found is None:
+        fix = "point $CXX at an installed one or unset it" if os.environ.get("CXX") else "install g++ (apt install g++)"
+        return [f"draft.compile=true on a CPU needs the C++ compiler torch.compile builds its kernels with, "
+                f"{compiler}, which is not found: {fix}, or set draft.compile=false"]
+    else:
+        problem = _compiler_problem(found, COMPILER_CHECK_SECONDS)
+    if problem is None:
+        return []
+    return [f"draft.compile=true on a CPU needs the C++ compiler torch.compile builds its kernels with: {named} "
+            f"{problem}; {fix}, or set draft.compile=false"]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_problem(compiler: str, seconds: float) -> str | None:
+    """What goes wrong when ``compiler`` builds a shared object of a three-line file (within ``seconds``), or None;
+    tried once per compiler in a process. A hung compiler is killed with everything it started."""
+    with tempfile.TemporaryDirectory(prefix="specforge-lite-cxx-") as tmp:
+        folder = Path(tmp)
+        (folder / "probe.cpp").write_text(_PROBE)
+        with open(folder / "output.txt", "w+b") as output:  # (a file: a killed compiler's children hold no pipe)
+            try:
+                proc = subprocess.Popen([compiler, "-shared", "-fPIC", "probe.cpp", "-o", "probe.so"], cwd=folder,
+                                        stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+            except OSError as e:  # (a script without #!, a binary for another machine)
+                return f"cannot be run ({e.strerror or e})"
+            try:
+                status = proc.wait(timeout=seconds)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return f"did not compile a three-line C++ file within {seconds:g} s (it hangs)"
+            output.seek(0)
+            said = [line.strip() for line in output.read().decode(errors="replace").splitlines() if line.strip()]
+        if status != 0 or not (folder / "probe.so").is_file():
+            last = f": {said[-1][:200]}" if said else ""
+            return f"failed to compile a three-line C++ file (exit status {status}{last})"
+    return None
 
 
 def check_settings(config: Config) -> None:

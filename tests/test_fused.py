@@ -221,3 +221,44 @@ def test_draft_compile_without_a_cpp_compiler_is_refused_before_anything_is_buil
         run(load_config(["model=llama3_tiny", "tracker=none", "draft.compile=true"]), tmp_path / "run",
             log=lambda m: None)
     assert not (tmp_path / "run").exists()
+
+
+def _fake_compiler(tmp_path, name: str, body: str, executable: bool = True):
+    """A stand-in for $CXX: a shell script that answers --version (torch's own probe) and then does ``body``."""
+    path = tmp_path / name
+    path.write_text(f'#!/bin/sh\ncase "$1" in --version) echo "fake 1.0"; exit 0;; esac\n{body}\n')
+    path.chmod(0o755 if executable else 0o644)
+    return path
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU draft.compile builds Triton kernels, no C++ compiler")
+@pytest.mark.parametrize("name, body, executable, said", [
+    pytest.param("not-executable", "exit 0", False, r"is not executable: make it executable \(chmod \+x\)",
+                 id="not-executable"),
+    pytest.param("exits-1", 'echo "fake: error: cannot find cc1plus" >&2; exit 1', True,
+                 r"failed to compile a three-line C\+\+ file \(exit status 1: fake: error: cannot find cc1plus\)",
+                 id="exits-1"),
+    pytest.param("hangs", "sleep 30", True, r"did not compile a three-line C\+\+ file within 1 s", id="hangs"),
+])
+def test_draft_compile_with_a_cpp_compiler_that_does_not_work_is_refused_before_anything_is_built(
+        name, body, executable, said, tmp_path, monkeypatch):
+    """$CXX names a compiler that exists but cannot build torch.compile's kernels (not executable, failing, hung):
+    the settings check tries it on a tiny file (within settings.COMPILER_CHECK_SECONDS, once per compiler) and
+    refuses draft.compile=true in one line naming $CXX and the fix, before the run folder or the target exist.
+    Failed: the check only looked the name up (a failing compiler passed it, to end the first step in an
+    InductorError traceback; a hung one, in a wait without end)."""
+    import time
+
+    from specforge_lite import settings
+    from specforge_lite.compose import load_config
+    from specforge_lite.job import run
+
+    compiler = _fake_compiler(tmp_path, name, body, executable)
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setattr(settings, "COMPILER_CHECK_SECONDS", 1, raising=False)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=rf"draft.compile=true on a CPU needs the C\+\+ compiler torch.compile builds "
+                                         rf"its kernels with: \$CXX={compiler} {said}.*or set draft.compile=false"):
+        run(load_config(["model=llama3_tiny", "tracker=none", "draft.compile=true", "trainer.max_steps=1"]),
+            tmp_path / "run", log=lambda m: None)
+    assert not (tmp_path / "run").exists() and time.monotonic() - started < 15

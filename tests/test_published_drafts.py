@@ -394,3 +394,67 @@ def test_the_fixtures_are_what_the_peers_save_code_writes(tmp_path):
         stamps = ("transformers_version", "speculators_version")
         fresh, kept = (json.loads((root / peer / "config.json").read_text()) for root in (tmp_path, FIXTURES))
         assert {k: v for k, v in fresh.items() if k not in stamps} == {k: v for k, v in kept.items() if k not in stamps}
+
+
+def _shift(name: str, at: int, by: int):
+    def edit(w):
+        w[name][at] += by
+    return edit
+
+
+# a published folder's vocabulary maps (target id = draft id + d2t[draft id]; t2d marks the target ids d2t reaches),
+# each damaged one way: the fixtures' d2t maps draft ids 0..255 to ascending target ids of 49152, starting 0, 1, 2
+DAMAGED_MAPS = [
+    pytest.param(_shift("d2t", -1, 5000), "d2t maps draft id 255 to target id 53296, outside the target's vocabulary "
+                 "(vocab_size 49152: ids 0..49151)", id="past-the-vocabulary"),
+    pytest.param(_shift("d2t", 5, -100), "d2t maps draft id 5 to target id -95, outside", id="negative"),
+    pytest.param(_shift("d2t", 1, -1), "d2t maps draft ids 0 and 1 both to target id 0", id="duplicate"),
+    pytest.param(lambda w: w.update(d2t=w["d2t"].float()), "d2t holds torch.float32 values", id="float-dtype"),
+    pytest.param(lambda w: w.update(d2t=w["d2t"][:-1]), "d2t (255,), expected (256,)", id="short"),
+    pytest.param(lambda w: [w.pop("d2t"), w.pop("t2d")], "missing ['d2t', 't2d']", id="no-maps"),
+    pytest.param(lambda w: w.update(t2d=torch.ones_like(w["t2d"])), "t2d marks 49152 target ids and d2t maps to 256 "
+                 "(first difference: target id", id="t2d-whole-vocabulary"),
+    pytest.param(lambda w: w.update(t2d=w["t2d"].float() * 2), "t2d holds torch.float32 values", id="t2d-dtype"),
+]
+
+
+@pytest.mark.parametrize("edit, message", DAMAGED_MAPS)
+def test_a_draft_whose_vocabulary_maps_do_not_fit_is_refused_in_one_line(edit, message, tmp_path):
+    """d2t sending a draft id outside the target's vocabulary (past it, or negative), two draft ids to one target
+    id, of a non-integer dtype or the wrong length, and a t2d that is not the mask of d2t's targets: reading the
+    folder refuses it in one line naming the folder and the mismatch. Failed with the IndexError of the first run
+    or evaluation step that indexed the target's vocabulary with it (or, for a duplicate or a wrong t2d, with no
+    word at all)."""
+    folder = tmp_path / "draft"
+    shutil.copytree(FIXTURES / "specforge", folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    edit(weights)
+    save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError) as refused:
+        load_export(folder)
+    text = str(refused.value)
+    assert text.startswith(str(folder)) and message in text and "\n" not in text, text
+
+
+def test_a_draft_mapping_outside_the_vocabulary_is_refused_before_the_target_loads(tmp_path, monkeypatch):
+    """As a user meets it: python -m specforge_lite.evaluate --export of such a folder ends in one error: line
+    naming the folder (no target built); --check fails on it. Failed with an IndexError traceback after the target
+    loaded, and --check passed the folder."""
+    import specforge_lite.evaluate.finished as finished
+    from specforge_lite.evaluate.__main__ import main
+    from specforge_lite.export.check import check_export
+
+    folder = tmp_path / "draft"
+    shutil.copytree(FIXTURES / "specforge", folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["d2t"][-3:] += 60000
+    save_file(weights, str(folder / "model.safetensors"))
+    monkeypatch.setattr(finished, "build_target", lambda *a, **k: pytest.fail("the target was built"), raising=False)
+    with pytest.raises(SystemExit) as refused:
+        main(["--export", str(folder), "--run-dir", str(tmp_path / "eval"), *VOCAB["overrides"]])
+    said = str(refused.value.code)
+    assert said.startswith(f"error: {folder}: ") and "d2t maps draft id 253 to target id " in said, said
+    assert "outside the target's vocabulary (vocab_size 49152: ids 0..49151), and 2 more draft ids" in said, said
+    assert len(said.splitlines()) == 2  # (the error line, and how to see the traceback)
+    report = check_export(folder)
+    assert not report.ok and any("outside the target's vocabulary" in e for e in report.errors), report.text()

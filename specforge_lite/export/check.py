@@ -65,7 +65,26 @@ def check_export(folder: str | Path, server: str | None = None) -> Report:
     for fmt in readers:
         fmt.check(config, shapes, report)
     _check_trained_ids(config, readers, server, report)
+    _check_vocab_maps(files, shapes, int(layer["vocab_size"]), report)
     return report
+
+
+def _check_vocab_maps(files: list[Path], shapes: dict, vocab: int, report: Report) -> None:
+    """d2t's and t2d's values, once their shapes pass: each draft id sent to a token of its own inside the target's
+    vocabulary, and t2d marking those (a server indexes the vocabulary with them)."""
+    from safetensors import safe_open
+
+    from .published import vocab_map_problem
+
+    if "d2t" not in shapes or any(("d2t" in e or "t2d" in e) for e in report.errors):
+        return
+    maps = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            maps.update({k: handle.get_tensor(k) for k in ("d2t", "t2d") if k in handle.keys()})
+    problem = vocab_map_problem(maps, int(maps["d2t"].numel()), vocab)
+    if problem:
+        report.errors.append(f"{problem}: servers would index the target's vocabulary with it; {AGAIN}")
 
 
 def _read_config(path: Path, report: Report) -> dict | None:
