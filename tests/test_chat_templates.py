@@ -16,21 +16,12 @@ import pytest
 import torch
 
 from specforge_lite.data import MalformedRow, normalize_conversation
+from test_data_shapes import TOOL_ROW, WEATHER  # (a tool-calling row, as OpenAI clients send it)
 from specforge_lite.data.chat import check_renderable, render, tokenize_samples
 from specforge_lite.generation.engines import HFGenerator, LeanAnswers, ServedAnswers
 
 TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "templates"
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
-TOOL_ROW = {"tools": [WEATHER], "messages": [
-    {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-    {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"},
-    {"role": "assistant", "content": "It is 18C and sunny in Paris."}]}
 
 
 @dataclass(frozen=True)
