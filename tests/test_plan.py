@@ -238,3 +238,12 @@ def test_a_preset_that_does_not_exist_is_one_line_naming_them(capsys, monkeypatc
         cli.main(["plan", "model=llama3_8bb", "--gpus", "8"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "model=llama3_8bb" in err and "llama3_8b," in err, err
+
+
+def test_a_target_with_no_dense_mlp_width_is_one_line(capsys, monkeypatch):
+    # Qwen3.5-35B-A3B's config names no intermediate_size (its MLPs are all experts): a traceback from the draft's
+    # config class before; now one line saying what the draft's layer is sized from
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert plan.main(["model=qwen3_5_35b_a3b"]) == 2
+    err = capsys.readouterr().err
+    assert "names no intermediate_size" in err and err.count("\n") == 1 and "Traceback" not in err

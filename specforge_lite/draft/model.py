@@ -96,6 +96,10 @@ class DraftSpec:
             rope = dict(rope["full_attention"])
         if rope.get("rope_type", "default") not in _LLAMA_ROPE_TYPES:  # e.g. Gemma 4's partial "proportional"
             rope = {"rope_type": "default", "rope_theta": float(rope.get("rope_theta", 10000.0))}
+        if get("intermediate_size") is None:  # (the draft's MLP width is the target's dense one)
+            raise ValueError(f"the target's config names no intermediate_size (a mixture of experts with no dense MLP, "
+                             f"{get('model_type')}): this version takes the draft layer's MLP width from it and "
+                             "cannot size a draft for this target yet")
         return cls(
             hidden_size=target_hidden_size,
             intermediate_size=get("intermediate_size"),
