@@ -316,6 +316,11 @@ class TrainerConfig:
     # this much, whatever a step costs); null: by steps only.
     save_every_minutes: Optional[float] = None
     keep_checkpoints: int = 2  # the newest this many are kept
+    # Keep the best checkpoint by this metric of the periodic held-out evaluation (eval.every_steps or
+    # eval.every_minutes), higher is better: heldout_sim_accepted_drafts or heldout_acc_<k> (k < draft.ttt_length).
+    # checkpoints/best names it beside latest (it is never pruned), and a resume keeps the best so far. null: off.
+    keep_best: Optional[str] = None
+    export_best: bool = False  # export the best checkpoint's weights (trainer.keep_best) as final/ instead of the last
     resume: str = "auto"  # auto: continue from the newest checkpoint in output_dir | never | PATH
     # Stop cleanly at this step (the schedule still follows max_steps): split a job across allocations.
     stop_at_step: Optional[int] = None
@@ -370,6 +375,11 @@ class EvalConfig:
     temperature: float = 0.0
     seed: int = 0  # of the sampling generator
     heldout_batches: int = 16  # held-out conversations for teacher-forced accuracy
+    # Also measure that held-out TTT accuracy during training, every this many steps and/or minutes (logged with
+    # the step as heldout/acc_<k>, heldout/sim_accepted_drafts to metrics.jsonl and the tracker; what
+    # trainer.keep_best chooses by). null: at the end only. Acceptance on prompts is measured at the end only.
+    every_steps: Optional[int] = None
+    every_minutes: Optional[float] = None  # also (or instead) every this many minutes of training
     # Acceptance is also reported per context-length bucket (tokens before the drafted position), split at
     # these lengths: the default buckets are <1k, 1k-4k, 4k-16k and >=16k.
     context_length_edges: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
@@ -479,6 +489,7 @@ RANGES = {
     "eval.num_prompts": "[1, inf)", "eval.max_new_tokens": "[1, inf)", "eval.num_draft_tokens": "[1, inf)",
     "eval.baseline_prompts": "[0, inf)", "eval.tree_topk": "[1, inf)", "eval.tree_budget": "[1, inf)",
     "eval.temperature": "[0, inf)", "eval.heldout_batches": "[0, inf)",
+    "eval.every_steps": "[1, inf)", "eval.every_minutes": "(0, inf)",
     "store.samples_per_shard": "[1, inf)", "store.batch_size": "[1, inf)", "store.topk": "[1, inf)",
 }
 

@@ -50,7 +50,7 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
                     f"{config.trainer.max_steps} steps (trainer.epochs)")
             result = train(config.trainer, job.objective, job.teacher, draft, job.batches(), run_dir,
                            lambda step: job.tracker(run_dir, step), draft.spec.to_dict(), log=log, ctx=ctx,
-                           steps_per_epoch=per_epoch)
+                           steps_per_epoch=per_epoch, periodic=periodic_eval(config, job))
             return finish(job, result, draft, run_dir, log)  # export, evaluation, served check
 
 
@@ -101,6 +101,23 @@ def _evaluate(run, summary: dict, result, run_dir: Path, log) -> None:
         if run.config.eval.serve:
             summary["served"] = served_check(run_dir, log)
     log("[done] " + ", ".join(f"{k}: {v}" for k, v in summary.items()))
+
+
+def periodic_eval(config: Config, run):
+    """The run's periodic held-out evaluation (job.py), or None when eval.every_steps/every_minutes are null."""
+    ev = config.eval
+    if ev.every_steps is None and ev.every_minutes is None:
+        return None
+    from .data.chat import pad_id
+    from .data.images import image_inputs
+    from .evaluate.heldout import heldout_accuracy
+    from .methods import build_objective
+    from .training.periodic import PeriodicEval
+
+    # the end-of-run evaluation's objective (not sharded across a sequence-parallel group: every rank measures all)
+    objective, pad, images = build_objective(config.draft), pad_id(run.tokenizer), image_inputs(run.target)
+    return PeriodicEval(lambda module: heldout_accuracy(objective, run.teacher, module, run.data.heldout, pad,
+                                                        ev.heldout_batches, images), ev.every_steps, ev.every_minutes)
 
 
 def steps_per_epoch(config: Config, conversations: int, data_ranks: int) -> float:

@@ -28,7 +28,7 @@ from .training.optim import DECAYS, OPTIMIZERS
 
 
 def setting_problems(config: Config) -> list[str]:
-    problems = out_of_range(config) + data_setting_problems(config.data)
+    problems = out_of_range(config) + data_setting_problems(config.data) + periodic_problems(config)
     try:
         method = draft_method(config.draft.method)
     except ValueError as e:
@@ -138,3 +138,30 @@ def check_settings(config: Config) -> None:
     problems = setting_problems(config)
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def periodic_problems(config: Config) -> list[str]:
+    """What keeps eval.every_steps / every_minutes and trainer.keep_best / export_best from doing their job, each
+    in one line with the fix."""
+    ev, t = config.eval, config.trainer
+    periodic = ev.every_steps is not None or ev.every_minutes is not None
+    problems = []
+    from .training.periodic import keep_best_names
+
+    names = keep_best_names(config.draft.ttt_length)
+    if t.keep_best is not None and t.keep_best not in names:
+        problems.append(f"trainer.keep_best={t.keep_best!r}: use one of {', '.join(names)} (higher is better), "
+                        "or null for no best checkpoint")
+    elif t.keep_best is not None and not periodic:
+        problems.append(f"trainer.keep_best={t.keep_best} chooses by the held-out evaluation during training: set "
+                        "eval.every_steps or eval.every_minutes")
+    if t.export_best and t.keep_best is None:
+        problems.append("trainer.export_best=true needs trainer.keep_best (the metric the best checkpoint is chosen "
+                        "by), e.g. trainer.keep_best=heldout_sim_accepted_drafts")
+    if periodic and config.data.source == "offline":
+        problems.append("eval.every_steps/eval.every_minutes with data.source=offline: a store-trained run has no "
+                        "held-out conversations to measure; set both to null")
+    elif periodic and (ev.heldout_batches == 0 or config.data.heldout_samples == 0):
+        problems.append("eval.every_steps/eval.every_minutes measure on held-out conversations: set "
+                        "eval.heldout_batches and data.heldout_samples to 1 or more, or both to null")
+    return problems

@@ -9,8 +9,9 @@ It is written under a temporary name, flushed to disk (every file, then the fold
 place once every rank has written its part, so a run killed at any moment, or a machine losing power,
 leaves either the previous checkpoint or the new one, never half of one. Re-saving a step that exists
 moves the old folder aside until the new one is in place: some complete copy is always on disk.
-``latest`` names the newest complete folder. ``CheckpointManager`` is what the loop sees: the stateful
-parts saved and restored together.
+``latest`` names the newest complete folder; ``best`` (trainer.keep_best) names the folder whose periodic held-out
+metric was highest, with the metric, value and step (JSON), and that folder is never pruned.
+``CheckpointManager`` is what the loop sees: the stateful parts saved and restored together.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..records import (REPLACED, SPEC, STATE, WEIGHTS, CheckpointError, checkpoi
 from ..records import OPTIMIZER_META, OPTIMIZER_TENSORS
 from .distributed import use_bf16
 
+BEST = "best"  # checkpoints/best: the best checkpoint by trainer.keep_best (JSON: checkpoint, step, metric, value)
 PRUNED = ".pruned-"  # an older checkpoint on its way out, out of the listing before any file goes
 VOCAB_MAPS = ("d2t", "t2d")  # the draft's vocabulary mapping, saved with its weights
 # Trainer settings a checkpoint records and a resume compares: those a resumed run applies from its first step
@@ -168,10 +170,20 @@ def load_rng(path: Path, rank: int) -> bool:
     return True
 
 
+def read_best(root: Path) -> dict | None:
+    """What ``checkpoints/best`` says (checkpoint, step, metric, value), or None where there is none."""
+    try:
+        best = json.loads((Path(root) / BEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return best if isinstance(best, dict) and {"checkpoint", "step", "metric", "value"} <= set(best) else None
+
+
 def _prune(root: Path, keep: int) -> None:
-    """Remove the older checkpoints: each is renamed out of the listing first, so a kill in the middle of
-    its removal never leaves a half-deleted ``step_*`` folder listed."""
-    done = sorted(p for p in root.glob("step_*") if p.is_dir())
+    """Remove the older checkpoints, never the best one (``best``): each is renamed out of the listing first,
+    so a kill in the middle of its removal never leaves a half-deleted ``step_*`` folder listed."""
+    best = (read_best(root) or {}).get("checkpoint")
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != best)
     for old in done[: max(0, len(done) - max(keep, 1))]:
         doomed = root / f"{PRUNED}{old.name}"
         os.replace(old, doomed)
@@ -194,6 +206,7 @@ class CheckpointManager:
         self.run_dir, self.cfg, self.spec, self.ctx = Path(run_dir), cfg, spec, ctx
         self.engine, self.stream, self.budget = engine, stream, budget
         self.spec_defaults = spec_defaults or {}
+        self.best: dict | None = None  # trainer.keep_best: the best so far (``read_best``), kept across a resume
 
     def resume(self, log=print) -> tuple[int, int]:
         """Restore every part from the checkpoint ``trainer.resume`` names; (step, tokens seen)."""
@@ -230,9 +243,42 @@ class CheckpointManager:
         load_rng(path, ctx.rank)  # (none for a rank the writing run did not have)
         if self.budget is not None:
             self.budget.elapsed = float(state.get("elapsed_s", 0.0))  # (not recorded before trainer.max_minutes)
+        self._resume_best(state["step"], log)
         log(f"[train] resumed from {path} at step {state['step']}"
             + (f" (written by {saved_world} ranks, now {ctx.world_size})" if saved_world != ctx.world_size else ""))
         return state["step"], state["tokens_seen"]
+
+    def _resume_best(self, step: int, log) -> None:
+        """The best so far, from ``checkpoints/best``: kept where it is by the same metric, at or before the
+        resumed step, and its folder is there (a best from a later step, or by another metric, is dropped)."""
+        best = read_best(checkpoint_root(self.run_dir))
+        if best is None or self.cfg.keep_best is None:
+            return
+        folder = checkpoint_root(self.run_dir) / best["checkpoint"]
+        if best["metric"] != self.cfg.keep_best or best["step"] > step or not folder.is_dir():
+            log(f"[train] the best checkpoint {best['checkpoint']} ({best['metric']}={best['value']}) does not "
+                f"carry over (trainer.keep_best={self.cfg.keep_best}, resumed at step {step}): a new best is chosen")
+            return
+        self.best = best
+        log(f"[train] best so far: {best['checkpoint']} ({best['metric']}={best['value']:.4g})")
+
+    def improves(self, value: float) -> bool:
+        """Whether ``value`` of trainer.keep_best beats the best so far (higher is better)."""
+        return self.cfg.keep_best is not None and (self.best is None or value > self.best["value"])
+
+    def mark_best(self, folder: Path, step: int, value: float) -> None:
+        """``checkpoints/best`` names ``folder`` (already saved), replaced atomically as ``latest`` is."""
+        self.best = {"checkpoint": Path(folder).name, "step": step, "metric": self.cfg.keep_best,
+                     "value": float(value)}
+        if self.ctx.is_main:
+            write_then_rename(checkpoint_root(self.run_dir) / BEST,
+                              lambda tmp: tmp.write_text(json.dumps(self.best, indent=1)))
+
+    def best_weights(self) -> dict[str, torch.Tensor] | None:
+        """The best checkpoint's weights (trainer.export_best), or None where there is none."""
+        if self.best is None:
+            return None
+        return load_checkpoint(checkpoint_root(self.run_dir) / self.best["checkpoint"])[0]
 
     def settings(self) -> dict:
         settings = {key: getattr(self.cfg, key) for key in (*APPLIED_ON_RESUME, *REFUSED_ON_RESUME)}

@@ -20,6 +20,7 @@ from .checkpoint import CheckpointManager
 from .distributed import DistributedContext
 from .engine import build_engine
 from .optim import Budget
+from .periodic import PeriodicEval, best_metric_key
 
 
 # steps in a row that may score no token before the run stops: one such batch happens (a batch of short
@@ -104,14 +105,18 @@ class TrainResult:
     last_metrics: dict = field(default_factory=dict)
     checkpoint: Path | None = None
     weights: dict = field(default_factory=dict)  # the full trained weights (gathered from ZeRO shards)
+    best: dict | None = None  # trainer.keep_best: checkpoints/best (checkpoint, step, metric, value)
 
 
 def train(cfg: TrainerConfig, objective: UnrollObjective, teacher: Teacher, draft: torch.nn.Module,
           stream: BatchStream, run_dir: Path, tracker_factory, spec: dict, log=print,
-          ctx: DistributedContext | None = None, steps_per_epoch: float | None = None) -> TrainResult:
+          ctx: DistributedContext | None = None, steps_per_epoch: float | None = None,
+          periodic: PeriodicEval | None = None) -> TrainResult:
     """The loop every rank runs. Each rank draws its own share of every global batch (``stream``),
     metrics are summed over ranks before logging, and only rank 0 logs and writes shared files.
-    ``steps_per_epoch``: optimizer steps per pass over the training data, for the metrics' epoch count."""
+    ``steps_per_epoch``: optimizer steps per pass over the training data, for the metrics' epoch count.
+    ``periodic``: the held-out evaluation during training (eval.every_steps / every_minutes), whose row joins
+    that step's metrics and chooses the best checkpoint (trainer.keep_best)."""
     ctx = ctx or DistributedContext()
     budget = Budget(cfg)
     engine = build_engine(draft, cfg, ctx, budget)
@@ -157,13 +162,14 @@ def train(cfg: TrainerConfig, objective: UnrollObjective, teacher: Teacher, draf
             unscored = check_scored(step, tally.scored, unscored, log)
             tokens_seen += tally.tokens
             tok_window += tally.tokens
+            held = periodic(engine.module) if periodic is not None and periodic.due(step, ctx) else {}
 
-            if ctx.is_main and (step % cfg.log_every == 0 or step == stop_at or budget.spent(step)):
+            if ctx.is_main and (step % cfg.log_every == 0 or step == stop_at or budget.spent(step) or held):
                 elapsed = time.perf_counter() - t_window
                 scores = tally.metrics(ranks=ctx.data_world_size)
                 metrics = {"step": step, "loss": scores.pop("loss"), **engine.lrs, "grad_norm": grad_norm,
                            "tokens_seen": tokens_seen, "tokens_per_s": tok_window / max(elapsed, 1e-9),
-                           "elapsed_s": time.perf_counter() - started, **scores}
+                           "elapsed_s": time.perf_counter() - started, **scores, **held}
                 if steps_per_epoch:
                     metrics["epoch"] = step / steps_per_epoch
                 tracker.log(metrics)
@@ -173,9 +179,15 @@ def train(cfg: TrainerConfig, objective: UnrollObjective, teacher: Teacher, draf
                                     tok_s=f"{metrics['tokens_per_s']:.0f}")
             if bar is not None:
                 bar.update(1)
-            if (cfg.save_every > 0 and step % cfg.save_every == 0) or time_to_save(cfg, saved_at, ctx):
+            # (decided by rank 0's measurement: every rank then saves)
+            best = held.get(best_metric_key(cfg.keep_best)) if held and cfg.keep_best else None
+            improved = ctx.all_reduce_sum(torch.tensor([float(best is not None and ctx.is_main
+                                                              and checkpoints.improves(best))])) > 0 if held else False
+            if (cfg.save_every > 0 and step % cfg.save_every == 0) or time_to_save(cfg, saved_at, ctx) or improved:
                 last_ckpt = checkpoints.save(step, tokens_seen)
                 saved_at = time.perf_counter()
+            if improved:
+                checkpoints.mark_best(last_ckpt, step, best)
         if last_ckpt is None or not last_ckpt.name.endswith(f"{step:08d}"):
             last_ckpt = checkpoints.save(step, tokens_seen)
     finally:
@@ -189,5 +201,10 @@ def train(cfg: TrainerConfig, objective: UnrollObjective, teacher: Teacher, draf
                           f"checkpoint {last_ckpt} holds it, and the same command resumes from there")
     if budget.seconds is not None and budget.spent(step) and step < cfg.max_steps:
         log(f"[train] time budget of {cfg.max_minutes} min spent at step {step} (trainer.max_minutes)")
+    weights = engine.full_state_dict()
+    if cfg.export_best and checkpoints.best is not None:
+        weights = checkpoints.best_weights()
+        log(f"[train] final/ is the best checkpoint {checkpoints.best['checkpoint']} ({cfg.keep_best}="
+            f"{checkpoints.best['value']:.4g}), not the last step's (trainer.export_best)")
     return TrainResult(step=step, finished=step >= cfg.max_steps or budget.spent(step), last_metrics=metrics,
-                       checkpoint=last_ckpt, weights=engine.full_state_dict())
+                       checkpoint=last_ckpt, weights=weights, best=checkpoints.best)
