@@ -226,7 +226,9 @@ def test_input_errors_are_one_message_said_before_the_target_is_built(tmp_path):
     proc = run(["train.py", "model=llama3_tiny", "data.source=path", f"data.path={bad}", f"output_dir={tmp_path / 'b'}",
                 "tracker=none"], timeout=300)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "\nerror: 3 of 4 rows" in proc.stderr and f"(first at {bad}:2)" in proc.stderr
+    # (read and rendered with the tokenizer alone: said before any weight loads, the message alone on stderr)
+    assert proc.stderr.startswith("error: 3 of 4 rows") and f"(first at {bad}:2)" in proc.stderr
+    assert "[target]" not in proc.stdout
     # a mistyped config group lists the groups and keys that exist (Hydra's own message lists neither)
     proc = run(["train.py", "modle=llama3_tiny", f"output_dir={tmp_path / 'c'}"], timeout=300)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr and not (tmp_path / "c").exists()
