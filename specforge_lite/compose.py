@@ -5,11 +5,20 @@ composes or reads a run's config (tests, evaluation, adaptation, the offline sto
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from .config import CONF_DIR, SAVED_CONFIG_FIX, Config, model_as_given, read_config_node, with_recipe
+from .config import (CONF_DIR, SAVED_CONFIG_FIX, TRACKER_KINDS, Choice, Config, choices, model_as_given,
+                     read_config_node, with_recipe)
 from .methods import DEFAULT, METHODS, draft_method
+from .targets.families import FAMILIES
+
+# Settings whose values are the names of a registry that a plug-in extends (a family added in targets/families/),
+# or a name or a list of names (tracker.kind, which OmegaConf cannot type as a Choice): checked against the names
+# as they are when composed.
+REGISTRIES: dict[str, Callable[[], typing.Iterable[str]]] = {"model.family": lambda: FAMILIES,
+                                                             "tracker.kind": lambda: TRACKER_KINDS}
 
 
 def register_configs() -> None:
@@ -52,10 +61,77 @@ def draft_setting_problems(overrides: list[str]) -> list[str]:
     return problems
 
 
+def override_problems(overrides: list[str]) -> list[str]:
+    """What Hydra would refuse of the command line's overrides, or compose without refusing, each said in one line
+    (``draft_setting_problems``, ``choice_problems``)."""
+    return draft_setting_problems(overrides) + choice_problems(overrides)
+
+
+def choice_problems(overrides: list[str]) -> list[str]:
+    """Each override giving a closed choice (a ``Choice`` field of config.py or a method's settings, a registry's
+    names: ``REGISTRIES``) a value it does not have, as "key=value: not one of a, b": Hydra's own refusal spans
+    lines, and ``--cfg job`` would print a registry's unknown name as a valid setting. Each value of a sweep
+    (``key=a,b``) is checked; Hydra's other sweep forms and interpolations are left to the composition."""
+    chosen = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "draft"), DEFAULT)
+    draft = METHODS[chosen].settings if chosen in METHODS else None  # (a sweep over methods: each job's own)
+    problems = []
+    for override in overrides:
+        key, given, value = override.lstrip("+").partition("=")
+        allowed = None if not given or override.startswith(("~", "-")) else allowed_values(key, draft)
+        if allowed is None or any(c in value for c in "([{$"):
+            continue
+        for one in value.split(","):
+            one = one.strip().strip("'\"")
+            if one not in allowed[0]:
+                problems.append(not_one_of(key, one, allowed[1]))
+    return problems
+
+
+def not_one_of(key: str, value: Any, offered: list[str]) -> str:
+    return f"{key}={value}: not one of {', '.join(offered)}"
+
+
+def allowed_values(key: str, draft: type | None) -> tuple[set[str], list[str]] | None:
+    """The values a setting may be given (an earlier version's names included) and those it offers, for a closed
+    choice; None for any other setting. ``draft``: the chosen method's settings class (None: unknown)."""
+    if key in REGISTRIES:
+        names = sorted(REGISTRIES[key]())
+        return set(names), names
+    kind: Any = Config
+    for part in key.split("."):
+        if kind is Config and part == "draft":
+            kind = draft
+            continue
+        if not (dataclasses.is_dataclass(kind) and part in {f.name for f in dataclasses.fields(kind)}):
+            return None
+        kind = typing.get_type_hints(kind)[part]
+    optional = type(None) in typing.get_args(kind)
+    kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind) if optional else kind
+    if not (isinstance(kind, type) and issubclass(kind, Choice)):
+        return None
+    null = ["null"] if optional else []
+    return {*kind.__members__, *null}, [*choices(kind), *null]
+
+
+def registry_problems(config: Config) -> list[str]:
+    """Each ``REGISTRIES`` setting of a composed config (a preset's, a saved run's) that names no registered
+    entry, as "key=value: not one of a, b"."""
+    problems = []
+    for key in REGISTRIES:
+        value: Any = config
+        for part in key.split("."):
+            value = getattr(value, part)
+        accepted, offered = allowed_values(key, None)  # type: ignore[misc]
+        problems += [not_one_of(key, one, offered) for one in (value if isinstance(value, list) else [value])
+                     if one not in accepted]
+    return problems
+
+
 def to_config(cfg: Any) -> Config:
     """An OmegaConf node (from Hydra or a saved run's config.yaml) as the typed dataclass tree. A run saved
     before each method had its own settings holds every method's: those of the others at their defaults are
-    dropped; one set otherwise is refused (the file is not what its method says)."""
+    dropped; one set otherwise is refused (the file is not what its method says), and so is a registry's name
+    that names nothing registered (``registry_problems``)."""
     from omegaconf import DictConfig, OmegaConf
 
     tree = OmegaConf.to_container(cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg), resolve=True)
@@ -65,6 +141,9 @@ def to_config(cfg: Any) -> Config:
     merged = OmegaConf.merge(OmegaConf.structured(Config(draft=method.settings())), tree)
     config: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     config.model = model_as_given(config.model)  # (a path the user gave is that target, never the preset's package)
+    problems = registry_problems(config)
+    if problems:
+        raise ValueError("; ".join(problems))
     return config
 
 
@@ -92,8 +171,9 @@ FORMER_DEFAULTS = {"ttt_attention": ("blockwise",)}
 
 
 def method_settings(settings: type, saved: dict) -> dict:
-    """The saved draft settings that ``settings`` has; another method's at that method's default (or a former
-    default) dropped."""
+    """The saved draft settings that ``settings`` has (an earlier version's read in its names: ``saved``);
+    another method's at that method's default (or a former default) dropped."""
+    saved = settings.saved(saved)
     own = {f.name for f in dataclasses.fields(settings)}
     defaults = {f.name: f.default for m in METHODS.values() for f in dataclasses.fields(m.settings)
                 if f.name not in own}
@@ -112,7 +192,7 @@ def load_config(overrides: list[str] | None = None, config_name: str = "config")
     from hydra import compose, initialize_config_dir
 
     overrides = with_draft_group(with_recipe(list(overrides or [])))
-    problems = draft_setting_problems(overrides)
+    problems = override_problems(overrides)
     if problems:
         raise ValueError("; ".join(problems))
     register_configs()

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Any, ClassVar, Optional
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # (inside the package: an installed wheel carries it)
 
@@ -21,6 +22,28 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specforge_lite"
     )
     return Path(root)
+
+
+class Choice(str, Enum):
+    """The values a closed choice of the settings may take: a field of this type refuses any other when the config
+    is composed (compose.py says which, with the values), before anything runs. Each member is named as its value
+    (what a YAML file and the command line write, and what OmegaConf saves) and is that string, so code compares a
+    setting with a plain string and prints it as its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @staticmethod
+    def _generate_next_value_(name: str, start: int, count: int, last_values: list) -> str:
+        return name  # (a member made by name alone, as in Choice("X", "a b"), is its name)
+
+
+def choices(kind: type[Choice]) -> list[str]:
+    """The values of a choice, in order (an earlier version's name for one, an alias, is read but not offered)."""
+    return [member.value for member in kind]
 
 
 @dataclass
@@ -54,6 +77,14 @@ class TinyModelSource:
     image_processor: dict = field(default_factory=dict)
 
 
+class ModelSource(Choice):
+    auto = "auto"
+    local = "local"
+    registry = "registry"
+    hub = "hub"
+    tiny = "tiny"
+
+
 @dataclass
 class ModelConfig:
     """The target: which model, where its weights come from, and how it is loaded (model=<preset> sets these)."""
@@ -61,11 +92,13 @@ class ModelConfig:
     name: str = "custom"  # the preset's name, used in logs and exports
     # A hub id ("meta-llama/Llama-3.1-8B-Instruct") or a local folder with config.json + weights.
     path: str = ""
-    # auto: a local folder if `path` is one, else the registry package if set, else the hub.
-    source: str = "auto"  # auto | local | registry | hub | tiny
+    # auto: a local folder if `path` is one, else the registry package if set, else the hub; tiny: a model.tiny build
+    source: ModelSource = ModelSource.auto
     registry: Optional[RegistrySource] = None
     tiny: Optional[TinyModelSource] = None  # set by the <family>_tiny presets (source: tiny)
-    family: str = "llama"  # specforge_lite/targets/families/<module> holding this family's quirks
+    # specforge_lite/targets/families/<module> holding this family's quirks: a name of its FAMILIES, which a family
+    # added there extends (so a name, checked against them when the settings are composed: compose.py)
+    family: str = "llama"
     dtype: str = "auto"  # auto (bf16 where the device runs it natively, else fp32) | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attn_implementation: str = "sdpa"  # transformers' attention kernel for the target (sdpa | eager | ...)
@@ -75,18 +108,59 @@ class ModelConfig:
     chat_template: Optional[str] = None
 
 
+class TargetBackend(Choice):
+    hf = "hf"
+    lean = "lean"
+    vllm = "vllm"
+    custom = "lean"  # (the lean backend's earlier name, read in a saved config)
+
+
+class TargetShard(Choice):
+    none = "none"
+    zero3 = "zero3"
+
+
 @dataclass
 class TargetConfig:
     """How the frozen target runs during training (the same weights either way)."""
 
     # hf: the transformers modules with capture hooks. lean: our lean forward for the families that
     # have one (unpadded, only the requested layers' states kept); families without one say so in their
-    # preset and use the transformers modules. ("custom" is read as lean, its earlier name.)
-    backend: str = "hf"  # hf | lean
+    # preset and use the transformers modules. ("custom" is read as lean, its earlier name.) vllm: a vLLM server
+    # runs the target and writes each batch's states for the trainer, which keeps only the embedding, final norm
+    # and lm_head (targets/served.py; docs/distributed.md, "A target served by vLLM").
+    backend: TargetBackend = TargetBackend.hf
     # none: every rank holds the whole target (fastest while it fits one device). zero3: its parameters
     # are partitioned across ranks with DeepSpeed ZeRO-3 and gathered layer by layer in the forward, for
     # a target larger than one device (70B in bf16 is 140 GB); needs a distributed launch.
-    shard: str = "none"  # none | zero3
+    shard: TargetShard = TargetShard.none
+    # target.backend=vllm: the URL (http://host:port/v1) of a vLLM server the user started with the extraction
+    # options (the command is in the docs and in the error a server without them gets); null: the run starts one
+    # from the serving environment (scripts/setup_serving.sh) at its first capture and stops it at its end.
+    server_url: Optional[str] = None
+    # More of vLLM's options for the server the run starts, e.g. ["--tensor-parallel-size", "8"].
+    server_args: list[str] = field(default_factory=list)
+    # Seconds a capture request, the write of its file, or a named server gone away may take before the try is
+    # given up (the batch is then asked again).
+    server_timeout: float = 600.0
+    # Times a batch whose capture failed (the server gone or stalled, a short file) is asked again, after the
+    # server the run started is restarted; then the run stops, naming the batch (nothing of it trained).
+    server_retries: int = 3
+    # Where the server the run starts writes each request's states (read and deleted at once); null: a fresh
+    # folder in /dev/shm (shared memory) where there is one, else in the temporary folder.
+    buffer_dir: Optional[str] = None
+
+
+class DraftAttention(Choice):
+    eager = "eager"  # the TTT attention pattern in plain PyTorch (draft/ttt.py), the one written
+
+
+class TokenLoss(Choice):
+    """draft.loss of the methods that take one (draft/objective.py token_loss)."""
+
+    soft_ce = "soft_ce"
+    acceptance = "acceptance"
+    tv = "tv"
 
 
 @dataclass
@@ -95,11 +169,12 @@ class DraftSettings:
     its own options and is what draft=<name> selects (compose.py): an option a method does not read
     is not one of its settings."""
 
+    # the values each of the method's own numbers may take, as in ``RANGES`` (named without "draft.")
+    ranges: ClassVar[dict[str, str]] = {}
     method: str = ""  # the method these settings are for (methods/<name>/), set by its settings class
     # Decoder layers: EAGLE3's 1 is what every server loads; more are plain Llama layers after the first
     # (served by vLLM; SGLang loads one layer).
     num_layers: int = 1
-    ttt_length: int = 7  # EAGLE3: training-time-test unroll steps (the EAGLE3 paper: 7); block drafts: tokens per block
     draft_vocab_size: int = 32000  # capped at the target vocabulary
     # Capture ids in the convention of specforge_lite/targets/capture.py; null derives [2, L//2, L-3].
     aux_layer_ids: Optional[list[int]] = None
@@ -107,7 +182,7 @@ class DraftSettings:
     # (data/vocab.py choose_mask_token: the tokenizer's mask token, else an unused special token), recorded in
     # the checkpoint and the export.
     mask_token_id: Optional[int] = None
-    attn_implementation: str = "eager"  # eager: the attention in plain PyTorch
+    attn_implementation: DraftAttention = DraftAttention.eager  # eager: the attention in plain PyTorch (draft/ttt.py)
     step_loss_decay: float = 0.8  # step (or slot) k's loss weight is decay**k
     init_lm_head_from_target: bool = True  # the draft's lm_head starts as the target's rows of the draft vocabulary
     # The lm_head keeps the rows it starts from (speculators' default): the draft learns to speak in the target's
@@ -127,6 +202,23 @@ class DraftSettings:
     # the start. On a CPU it needs a C++ compiler. Null: on a GPU, off elsewhere (draft/objective.py BY_DEVICE).
     compile: Optional[bool] = None
 
+    @classmethod
+    def saved(cls, fields: dict) -> dict:
+        """The draft settings a run saved (its config.yaml, maybe of an earlier version) in these settings' names."""
+        return fields
+
+
+class GenerationContext(Choice):
+    all = "all"
+    last = "last"
+
+
+class GenerationEngine(Choice):
+    auto = "auto"
+    lean = "lean"
+    hf = "hf"
+    openai = "openai"
+
 
 @dataclass
 class GenerationConfig:
@@ -134,7 +226,7 @@ class GenerationConfig:
 
     # all: each answer sees the conversation so far (earlier answers already regenerated);
     # last: each answer sees only the user turn before it (single-turn samples).
-    context: str = "all"
+    context: GenerationContext = GenerationContext.all
     max_turns: Optional[int] = None  # assistant turns regenerated per conversation (null: every one)
     max_conversations: Optional[int] = None  # cap on training conversations regenerated (null: all)
     # with max_minutes: the training conversations answered in rounds of this many, each a longer prefix of the
@@ -151,7 +243,7 @@ class GenerationConfig:
     # layout and Gemma 3). hf: transformers' generate (every family; a batch runs until its longest answer
     # ends). auto: lean where the family has a lean forward. openai: a serving engine's OpenAI-compatible
     # completions endpoint (vLLM, SGLang), server_url, or vLLM started from the serving environment.
-    engine: str = "auto"
+    engine: GenerationEngine = GenerationEngine.auto
     server_url: Optional[str] = None  # openai: e.g. http://127.0.0.1:8000/v1 (null: start vLLM, stop it after)
     server_model: Optional[str] = None  # openai: the model name the server serves (null: the target's path)
     concurrency: int = 64  # openai: completion requests in flight
@@ -195,6 +287,25 @@ class MixSource:
     regenerate: Optional[bool] = None
 
 
+class DataSource(Choice):
+    builtin_chitchat = "builtin_chitchat"
+    builtin_shapes = "builtin_shapes"
+    path = "path"
+    jsonl = "path"  # (path's earlier names, read in a saved config)
+    file = "path"
+    mix = "mix"
+    offline = "offline"
+
+
+# ("global" is a Python keyword: the choice is made by name)
+StoreOrder = Choice("StoreOrder", "global shard", module=__name__)
+
+
+class LossTurns(Choice):
+    all = "all"
+    last = "last"
+
+
 @dataclass
 class DataConfig:
     """The training conversations: where they come from, how they are cut and masked, and regeneration."""
@@ -202,8 +313,9 @@ class DataConfig:
     # builtin_chitchat: the bundled chitchat-dataset conversations (MIT), converted to ShareGPT JSONL.
     # path: data.path, a JSONL/JSON/Parquet/Arrow file or folder of them, a datasets save_to_disk folder, or a hub
     # dataset as hf:org/name[:split]; any row shape of docs/data.md (conversations, tools, reasoning, token ids).
-    # mix: the sources of data.mix, each taking its weight's share of the training conversations.
-    source: str = "builtin_chitchat"
+    # builtin_shapes: image conversations, for vision targets. mix: the sources of data.mix, each taking its
+    # weight's share of the training conversations. offline: a hidden-state store (data.store).
+    source: DataSource = DataSource.builtin_chitchat
     path: Optional[str] = None  # data.source=path: the file, folder or hf: id (refused under any other source)
     # data.source=mix: e.g. [{source: builtin_chitchat, weight: 1}, {source: path, path: my.jsonl, weight: 2},
     # {source: self_generated, weight: 1}]. The training conversations interleave the sources by weight up to
@@ -216,15 +328,15 @@ class DataConfig:
     # data.source=offline: global (one shuffle over all samples: the online order) | shard (shards in a
     # shuffled order, each one's samples shuffled: reads stay in one file at a time, for stores larger than
     # the page cache).
-    store_order: str = "global"
+    store_order: StoreOrder = StoreOrder["global"]
     max_length: int = 2048  # tokens per conversation; longer ones are cut here
     # Pack each micro-batch's conversations into as few rows of max_length tokens as they fit: no compute on
     # padding, same loss (attention and the TTT targets stay inside each conversation). Text targets only
     # (not Qwen3-VL, not the recurrent Qwen3-Next/3.5), read online. Raise trainer.micro_batch_size to fill rows.
     packing: bool = False
-    # Which assistant turns carry the loss: all | last (only each conversation's last answer, the rest of the
+    # Which assistant turns carry the loss: all, or last (only each conversation's last answer, the rest of the
     # conversation its context: multi-turn data trained the way the last turn is served).
-    loss_turns: str = "all"
+    loss_turns: LossTurns = LossTurns.all
     max_samples: Optional[int] = None  # cap on training conversations after the held-out split
     heldout_samples: int = 64  # conversations held out from training for evaluation
     # A run stops with an error when more than this share of rows is malformed.
@@ -277,6 +389,22 @@ class StoreConfig:
     topk: int = 32  # teacher=topk: logits kept per token
 
 
+class Optimizer(Choice):
+    adamw = "adamw"
+    muon = "muon"
+
+
+class Schedule(Choice):
+    cosine = "cosine"
+    linear = "linear"
+
+
+class Precision(Choice):
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 @dataclass
 class TrainerConfig:
     """The training loop: steps, batches, optimizer and schedule, precision, checkpoints (trainer=<preset>)."""
@@ -291,7 +419,7 @@ class TrainerConfig:
     # orthogonalised, its RMS matched to AdamW's) over the layers' matrices and AdamW over the rest (norms,
     # the lm_head and other token-indexed matrices: our split, training/optim.py TOKEN_INDEXED); one process
     # only (not under trainer.deepspeed).
-    optimizer: str = "adamw"
+    optimizer: Optimizer = Optimizer.adamw
     # muon: the matrices' peak learning rate, logged as muon_lr. null: trainer.lr, the same rate as AdamW's
     # (Muon's step is scaled to AdamW's RMS, so AdamW's rates carry over). speculators' unset --muon-lr is 10x
     # its --lr instead: give trainer.muon_lr=10x trainer.lr for theirs.
@@ -300,11 +428,11 @@ class TrainerConfig:
     # muon: Newton-Schulz iterations per step (torch's and speculators' 5); fewer make a CPU step cheaper
     muon_ns_steps: int = 5
     warmup_ratio: float = 0.015  # share of the run spent warming the learning rate up linearly
-    schedule: str = "cosine"  # the decay after the warmup: cosine | linear (speculators')
+    schedule: Schedule = Schedule.cosine  # the decay after the warmup: cosine, or linear (speculators')
     min_lr_ratio: float = 0.0  # the decay ends at lr * min_lr_ratio
     grad_clip: float = 0.5  # the gradients' global norm is clipped to this (0: off)
     # auto: bf16 (autocast, fp32 master weights) where the device runs bf16 natively, else fp32 (device.py)
-    precision: str = "auto"  # auto | fp32 | bf16
+    precision: Precision = Precision.auto
     seed: int = 0  # of the draft's initialisation, the data order and every random generator
     log_every: int = 1  # steps between metrics lines
     # Passes over the training conversations: max_steps becomes the steps they take (the conversations over
@@ -317,7 +445,8 @@ class TrainerConfig:
     save_every_minutes: Optional[float] = None
     keep_checkpoints: int = 2  # the newest this many are kept
     # Keep the best checkpoint by this metric of the periodic held-out evaluation (eval.every_steps or
-    # eval.every_minutes), higher is better: heldout_sim_accepted_drafts or heldout_acc_<k> (k < draft.ttt_length).
+    # eval.every_minutes), higher is better: heldout_sim_accepted_drafts or heldout_acc_<k> (k below the positions
+    # the draft method scores: EAGLE3's draft.ttt_length, a block draft's draft tokens).
     # checkpoints/best names it beside latest (it is never pruned), and a resume keeps the best so far. null: off.
     keep_best: Optional[str] = None
     export_best: bool = False  # export the best checkpoint's weights (trainer.keep_best) as final/ instead of the last
@@ -334,15 +463,34 @@ class TrainerConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
 
+TRACKER_KINDS = ("wandb", "tensorboard", "mlflow", "none")
+
+
 @dataclass
 class TrackerConfig:
-    """Where metrics go beside <run>/metrics.jsonl (tracker=wandb|none)."""
+    """Where metrics go beside <run>/metrics.jsonl (tracker=wandb|tensorboard|mlflow|none)."""
 
-    kind: str = "wandb"  # wandb | none (metrics.jsonl is always written)
-    project: str = "specforge_lite"  # the wandb project
-    mode: str = "offline"  # offline writes under <run>/wandb; online needs network and a login
-    group: Optional[str] = None  # the wandb group (a --multirun sweep: the sweep's folder name)
-    name: Optional[str] = None  # the wandb run name (a --multirun sweep: the job's overrides)
+    # wandb | tensorboard | mlflow | none, or several at once: tracker.kind=[wandb,tensorboard] (metrics.jsonl is
+    # always written). (Any: OmegaConf types no union of a name and a list; training/tracking.py checks the values.)
+    kind: Any = "wandb"
+    project: str = "specforge_lite"  # the wandb project; MLflow's experiment
+    mode: str = "offline"  # wandb: offline writes under <run>/wandb; online needs network and a login
+    group: Optional[str] = None  # the wandb group, an MLflow tag (a --multirun sweep: the sweep's folder name)
+    name: Optional[str] = None  # the wandb and MLflow run name (a --multirun sweep: the job's overrides)
+
+
+def tracker_kinds(kind: Any) -> list[str]:
+    """The trackers tracker.kind names (a name or a list of them), none left out."""
+    return [k for k in ([kind] if isinstance(kind, str) else list(kind)) if k != "none"]
+
+
+class Drafting(Choice):
+    chain = "chain"
+    tree = "tree"
+
+
+class ServedCheck(Choice):
+    vllm = "vllm"
 
 
 @dataclass
@@ -367,7 +515,7 @@ class EvalConfig:
     # tree_topk children per expanded node and tree_topk nodes expanded per depth, the tree_budget best
     # nodes verified in one target forward (SGLang: --speculative-num-steps=num_draft_tokens,
     # --speculative-eagle-topk=tree_topk, --speculative-num-draft-tokens=tree_budget+1).
-    drafting: str = "chain"
+    drafting: Drafting = Drafting.chain
     tree_topk: int = 4  # drafting=tree: children per expanded node, nodes expanded per depth
     tree_budget: int = 16  # drafting=tree: draft nodes verified per target forward
     # 0: greedy verification (output = the target's greedy output). > 0: speculative sampling, whose output
@@ -377,16 +525,20 @@ class EvalConfig:
     heldout_batches: int = 16  # held-out conversations for teacher-forced accuracy
     # Also measure that held-out TTT accuracy during training, every this many steps and/or minutes (logged with
     # the step as heldout/acc_<k>, heldout/sim_accepted_drafts to metrics.jsonl and the tracker; what
-    # trainer.keep_best chooses by). null: at the end only. Acceptance on prompts is measured at the end only.
+    # trainer.keep_best chooses by). null: at the end only.
     every_steps: Optional[int] = None
     every_minutes: Optional[float] = None  # also (or instead) every this many minutes of training
+    # With every_steps/every_minutes: also the mean acceptance length of speculative decoding (greedy, chain,
+    # eval.num_draft_tokens and eval.max_new_tokens) on this many held-out prompts, as heldout/acceptance_length.
+    # 0: accuracy only (acceptance costs a decode per prompt: seconds each on a CPU).
+    every_prompts: int = 0
     # Acceptance is also reported per context-length bucket (tokens before the drafted position), split at
     # these lengths: the default buckets are <1k, 1k-4k, 4k-16k and >=16k.
     context_length_edges: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
     # vllm: after our evaluation, vLLM serves the export on the same prompts (evaluate/served.py; needs the
     # serving environment): its acceptance is reported beside ours, and the run fails if an output differs
     # from the target's greedy output. null: not served (python -m specforge_lite.evaluate.served RUN later)
-    serve: Optional[str] = None
+    serve: Optional[ServedCheck] = None
 
 
 @dataclass
@@ -464,8 +616,9 @@ def model_preset(name: str) -> ModelConfig:
 # Every number a run reads and the values it may take, as an interval ("[" "]": the bound allowed, "(" ")": not),
 # checked before anything is built; a null (an Optional left unset) is not checked.
 RANGES = {
-    "draft.num_layers": "[1, inf)", "draft.ttt_length": "[1, inf)", "draft.draft_vocab_size": "[1, inf)",
+    "draft.num_layers": "[1, inf)", "draft.draft_vocab_size": "[1, inf)",
     "draft.mask_token_id": "[0, inf)", "draft.step_loss_decay": "(0, 1]", "draft.loss_chunk_rows": "[1, inf)",
+    "target.server_timeout": "(0, inf)", "target.server_retries": "[0, inf)",
     "data.max_length": "[2, inf)", "data.max_samples": "[1, inf)", "data.heldout_samples": "[0, inf)",
     "data.max_malformed_fraction": "[0, 1]", "data.num_proc": "[1, inf)",
     "data.self_generated.temperature": "[0, inf)", "data.self_generated.top_p": "(0, 1]",
@@ -489,17 +642,23 @@ RANGES = {
     "eval.num_prompts": "[1, inf)", "eval.max_new_tokens": "[1, inf)", "eval.num_draft_tokens": "[1, inf)",
     "eval.baseline_prompts": "[0, inf)", "eval.tree_topk": "[1, inf)", "eval.tree_budget": "[1, inf)",
     "eval.temperature": "[0, inf)", "eval.heldout_batches": "[0, inf)",
-    "eval.every_steps": "[1, inf)", "eval.every_minutes": "(0, inf)",
+    "eval.every_steps": "[1, inf)", "eval.every_minutes": "(0, inf)", "eval.every_prompts": "[0, inf)",
     "store.samples_per_shard": "[1, inf)", "store.batch_size": "[1, inf)", "store.topk": "[1, inf)",
 }
 
 
+def draft_ranges(settings: type) -> dict[str, str]:
+    """The ranges of a draft method's own numbers (its settings class's ``ranges``), keyed as in ``RANGES``."""
+    return {f"draft.{key}": interval for key, interval in settings.ranges.items()}
+
+
 def out_of_range(config: Config) -> list[str]:
-    """Each number of ``RANGES`` outside its interval, as "key=value: allowed [low, high]"."""
+    """Each number of ``RANGES`` (and of the draft method's ``draft_ranges``) outside its interval, as
+    "key=value: allowed [low, high]"."""
     import math
 
     problems = []
-    for key, interval in RANGES.items():
+    for key, interval in {**RANGES, **draft_ranges(type(config.draft))}.items():
         value = config
         for part in key.split("."):
             value = getattr(value, part)

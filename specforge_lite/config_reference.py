@@ -5,10 +5,10 @@
 
 Every key of ``config.Config`` with its type, its default, the value ``python train.py`` runs with (the
 composed default: specforge_lite/conf/config.yaml and its groups), the range a number may take
-(``config.RANGES``) and what it does: the comments written at the field in config.py (the lines right above
-it and the one beside it), so the page and the code cannot drift apart; tests/test_docs.py regenerates it and
-compares. Each draft method's own settings (methods/<name>/settings.py, chosen with draft=<name>) follow in a
-section each.
+(``config.RANGES``; a method's own: its settings' ``ranges``) and what it does: the comments written at the field
+in config.py (the lines right above it and the one beside it), so the page and the code cannot drift apart;
+tests/test_docs.py regenerates it and compares. Each draft method's own settings (methods/<name>/settings.py,
+chosen with draft=<name>) follow in a section each.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import typing
 from pathlib import Path
 
 from . import config as config_module
-from .compose import load_config
-from .config import RANGES, Config, DraftSettings
+from .compose import allowed_values, load_config
+from .config import RANGES, Config, DraftSettings, draft_ranges
 from .methods import METHODS
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "config.md"
@@ -33,7 +33,7 @@ MISSING = object()
 
 @dataclasses.dataclass
 class Key:
-    name: str  # dotted, e.g. "draft.ttt_length"; "[]" marks the items of a list of sections
+    name: str  # dotted, e.g. "draft.num_layers"; "[]" marks the items of a list of sections
     type: str
     default: typing.Any
     composed: typing.Any  # what python train.py runs with (MISSING: the same as the default)
@@ -160,7 +160,7 @@ def render() -> str:
              "", "*default* is the dataclass default; *train.py* is what `python train.py` runs with, from "
              "specforge_lite/conf/config.yaml and its groups (the embedded default: SmolLM2-135M and the cpu_20min "
              "recipe), where that differs. *allowed* is the range a number is checked against before anything is "
-             "built."]
+             "built, or the values a choice takes (any other is refused when the settings are composed)."]
     sections = {f.name: f for f in dataclasses.fields(Config)}
     for key in keys:
         if key.name in sections and key.default == "(section)":  # a top-level section: its heading
@@ -177,12 +177,16 @@ def render() -> str:
         lines += ["", f"## draft={name}", "", f"The settings of `draft={name}` beside the shared `draft.*` keys above "
                   f"(`{METHODS[name].settings.__module__.replace('.', '/')}.py`).", "",
                   "| key | type | default | train.py | allowed | what it does |", "|---|---|---|---|---|---|"]
-        lines += [_row(key) for key in keys]
+        ranges = {**RANGES, **draft_ranges(METHODS[name].settings)}
+        lines += [_row(key, ranges, METHODS[name].settings) for key in keys]
     return "\n".join(lines) + "\n"
 
 
-def _row(key: Key) -> str:
-    allowed = f"`{RANGES[key.name]}`" if key.name in RANGES else ""
+def _row(key: Key, ranges: dict[str, str] = RANGES, draft: type = DraftSettings) -> str:
+    """``draft``: the settings class whose keys the row may name (a method's own section: that method's)."""
+    choice = allowed_values(key.name, draft)  # (a closed choice: its values; a registry's: its names)
+    allowed = f"`{ranges[key.name]}`" if key.name in ranges else ", ".join(f"`{v}`" for v in choice[1]) if choice \
+        else ""
     return (f"| `{key.name}` | {_type_name_cell(key.type)} | {_cell(key.default)} | {_cell(key.composed)} | "
             f"{allowed} | {key.meaning.replace('|', chr(92) + '|')} |")
 

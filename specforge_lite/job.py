@@ -17,7 +17,8 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
     import torch
     from omegaconf import OmegaConf
 
-    from .data.prepare import check_data_sources
+    from .data.sources import check_data_sources
+    from .methods import draft_method
     from .offline import store_run
     from .run import Run, use_expandable_segments
     from .settings import check_settings
@@ -26,7 +27,7 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
     from .training.output_dir import hold_output_dir
 
     check_settings(config)  # (every setting, once, before anything is built)
-    for line in describe_recipe(config):  # what the run will do, before the target loads
+    for line in describe_recipe(config, draft_method(config.draft.method)):  # before the target loads
         log(line)
     if config.data.source != "offline":
         check_data_sources(config.data)
@@ -50,7 +51,7 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
                     f"{config.trainer.max_steps} steps (trainer.epochs)")
             result = train(config.trainer, job.objective, job.teacher, draft, job.batches(), run_dir,
                            lambda step: job.tracker(run_dir, step), draft.spec.to_dict(), log=log, ctx=ctx,
-                           steps_per_epoch=per_epoch, periodic=periodic_eval(config, job))
+                           steps_per_epoch=per_epoch, periodic=periodic_eval(config, job, draft.spec))
             return finish(job, result, draft, run_dir, log)  # export, evaluation, served check
 
 
@@ -85,6 +86,9 @@ def _evaluate(run, summary: dict, result, run_dir: Path, log) -> None:
     if run.data is None:
         log(f"[eval] a store-trained draft is evaluated where its target runs: {again}")
         return
+    if run.config.target.backend == "vllm":  # (the trainer holds the target's parts only: nothing decodes here)
+        log(f"[eval] a draft trained from a served target is evaluated where its target runs in-process: {again}")
+        return
     if run.config.eval.enabled:
         from .evaluate.acceptance import evaluate_export, write_eval
         from .evaluate.served import served_check
@@ -103,21 +107,34 @@ def _evaluate(run, summary: dict, result, run_dir: Path, log) -> None:
     log("[done] " + ", ".join(f"{k}: {v}" for k, v in summary.items()))
 
 
-def periodic_eval(config: Config, run):
-    """The run's periodic held-out evaluation (job.py), or None when eval.every_steps/every_minutes are null."""
+def periodic_eval(config: Config, run, spec):
+    """The run's periodic held-out evaluation (job.py) of a draft of ``spec``, or None when
+    eval.every_steps/every_minutes are null."""
     ev = config.eval
     if ev.every_steps is None and ev.every_minutes is None:
         return None
     from .data.chat import pad_id
     from .data.images import image_inputs
+    from .device import resolve_dtype
+    from .evaluate.acceptance import prompt_acceptance
     from .evaluate.heldout import heldout_accuracy
-    from .methods import build_objective
+    from .evaluate.prompts import heldout_set
+    from .export.for_target import draft_from_weights
     from .training.periodic import PeriodicEval
 
     # the end-of-run evaluation's objective (not sharded across a sequence-parallel group: every rank measures all)
-    objective, pad, images = build_objective(config.draft), pad_id(run.tokenizer), image_inputs(run.target)
+    objective = run.method.objective.from_config(config.draft)
+    pad, images = pad_id(run.tokenizer), image_inputs(run.target)
+    acceptance = None
+    if ev.every_prompts:  # (the draft as its export would hold it, decoded as the end-of-run evaluation decodes)
+        prompts, dtype = heldout_set(run.data, ev.every_prompts), config.export.dtype
+        exported = (lambda w: w) if dtype == "auto" else lambda w: {  # noqa: E731
+            k: v.to(resolve_dtype(dtype, v.device)) if v.is_floating_point() else v for k, v in w.items()}
+        acceptance = lambda weights: prompt_acceptance(  # noqa: E731
+            run.target, draft_from_weights(spec, exported(weights), run.target), run.tokenizer, prompts, ev)
     return PeriodicEval(lambda module: heldout_accuracy(objective, run.teacher, module, run.data.heldout, pad,
-                                                        ev.heldout_batches, images), ev.every_steps, ev.every_minutes)
+                                                        ev.heldout_batches, images), ev.every_steps, ev.every_minutes,
+                        acceptance)
 
 
 def steps_per_epoch(config: Config, conversations: int, data_ranks: int) -> float:
@@ -127,11 +144,12 @@ def steps_per_epoch(config: Config, conversations: int, data_ranks: int) -> floa
     return conversations / (t.micro_batch_size * t.grad_accum_steps * data_ranks)
 
 
-def describe_recipe(config: Config) -> list[str]:
+def describe_recipe(config: Config, method) -> list[str]:
     """The run's plan in one line (and a second where the 2-core demo's recipe meets a real target): what is
-    trained, as the settings, the data's sources and a continued draft make it, not as the recipe proposed."""
+    trained (a draft of ``method``), as the settings, the data's sources and a continued draft make it, not as the
+    recipe proposed."""
     from .config import small_offline_model
-    from .data.prepare import mix_sources
+    from .data.sources import mix_sources
 
     d, g, t = config.data, config.data.generation, config.trainer
     source = d.path if d.source == "path" else d.source
@@ -146,6 +164,8 @@ def describe_recipe(config: Config) -> list[str]:
         source, answers = f"the hidden-state store {d.store}", "its stored states and tokens"
     draft = (f"continuing the draft of {config.draft.init_from} (its vocabulary, aux ids and shape)"
              if config.draft.init_from else f"draft vocabulary {config.draft.draft_vocab_size}")
+    depth = ", ".join(f"{key.replace('_', ' ')} {value}"  # (what its objective unrolls: EAGLE3's TTT, a block)
+                      for key, value in method.steps_settings(method.scored_steps(config.draft)).items())
     if d.regenerate and d.source != "offline" and g.max_minutes is not None and \
             g.round_conversations < g.max_conversations:
         answers += (f", {g.round_conversations} conversations a round up to {g.max_conversations} while "
@@ -156,7 +176,7 @@ def describe_recipe(config: Config) -> list[str]:
     saves = " or ".join(([f"every {t.save_every} steps"] if t.save_every else [])
                         + ([f"every {t.save_every_minutes:g} min"] if t.save_every_minutes else [])) or "at the end"
     lines = [f"[recipe] {config.recipe_name}: {config.model.name} on {source}, {answers}; rows up to {d.max_length} "
-             f"tokens; {draft}, TTT {config.draft.ttt_length}; {length}, "
+             f"tokens; {draft}, {depth}; {length}, "
              f"{t.micro_batch_size * t.grad_accum_steps} conversation(s) per step and rank; {t.optimizer} lr {t.lr:g}; "
              f"checkpoints {saves}"]
     if config.recipe_name == "cpu_20min" and not small_offline_model(config.model.name):

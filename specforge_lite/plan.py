@@ -300,6 +300,13 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
 
+def parts_bytes(family, model) -> int:
+    """Bytes of what the trainer of a target served by vLLM holds of it: the embedding, the final norm and the
+    lm_head (counted once where the head is the embedding)."""
+    parts = [family.embedding(model).weight, *family.final_norm(model).parameters(), family.lm_head_weight(model)]
+    return _nbytes({id(p): p for p in parts}.values())
+
+
 def _no_init_weights():
     try:
         from transformers.initialization import no_init_weights
@@ -317,8 +324,8 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
     from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                                FakeTensorMode)
 
-    from .draft.objective import BY_DEVICE, UnrollInputs, UnrollObjective
-    from .methods import build_objective, draft_method, draft_spec, draft_vocab_size
+    from .draft.objective import BY_DEVICE, DraftObjective, UnrollInputs
+    from .methods import draft_method
     from .targets.families import get_family
     from .targets.families.base import architecture_class
     from .targets.hf import HFTarget
@@ -328,7 +335,8 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
     if getattr(hf_config, "tie_word_embeddings", None) is None:
         hf_config.tie_word_embeddings = False
     vocab = hf_config.get_text_config().vocab_size
-    vd = draft_vocab_size(config.draft, vocab)
+    method = draft_method(config.draft.method)
+    vd = method.draft_vocab_size(config.draft, vocab)
     keep = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:vd].sort().values  # (real tensors)
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[keep] = True
@@ -344,16 +352,17 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
         # where a part has none, as Gemma 4's audio tower)
         impl = config.model.attn_implementation
         model = build(hf_config, dtype=torch.bfloat16, **({} if impl == "sdpa" else {"attn_implementation": impl}))
-        backend = "lean" if config.target.backend in ("lean", "custom") else "hf"
-        target = HFTarget(model, get_family(config.model.family), config.draft.aux_layer_ids, backend=backend)
-        target_weights = _nbytes(model.parameters())
+        served = config.target.backend == "vllm"  # (a vLLM server runs it: the trainer holds its parts only)
+        target = HFTarget(model, get_family(config.model.family), config.draft.aux_layer_ids,
+                          backend="hf" if served else config.target.backend)
+        target_weights = parts_bytes(target.family, model) if served else _nbytes(model.parameters())
         target_layer = max(_nbytes(layer.parameters()) for layer in target.family.layers(model))
         target_computing = computing_parameters(model)
     teacher = Teacher(target, keep, t2d)  # (outside the fake mode: it reads t2d's values)
     with mode:
-        spec = draft_spec(target.config, draft_cfg, target.aux_layer_ids, target.convention,
-                          vocab_size=target.vocab_size, draft_vocab_size=vd, target_hidden_size=target.hidden_size)
-        draft = draft_method(spec.method).model(spec)
+        spec = method.new_spec(target.config, draft_cfg, target.aux_layer_ids, target.convention,
+                               vocab_size=target.vocab_size, draft_vocab_size=vd, target_hidden_size=target.hidden_size)
+        draft = method.model(spec)
         draft.set_vocab(keep - torch.arange(vd), t2d)
         draft.set_embedding(target.embedding_weight())
         if config.draft.freeze_lm_head:
@@ -366,7 +375,7 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
             mask = torch.ones(rows, tokens, dtype=torch.long)
             with torch.no_grad():
                 captured = target.capture(ids)
-                logits, in_vocab = teacher(captured, UnrollObjective.teacher_positions(mask))
+                logits, in_vocab = teacher(captured, DraftObjective.teacher_positions(mask))
             return UnrollInputs(captured.aux, ids, logits, in_vocab, mask)
 
         inputs, capture_peak = peak(capture)
@@ -377,7 +386,7 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
             changes = {"compile": False, **({"checkpointing": True} if checkpointing else {})}
             if config.draft.loss_chunk_rows is None:
                 changes["loss_chunk_rows"] = BY_DEVICE["cuda"]["loss_chunk_rows"]
-            objective = build_objective(dataclasses.replace(config.draft, **changes))
+            objective = method.objective.from_config(dataclasses.replace(config.draft, **changes))
             # the products as CUDA autocast makes them (trainer.precision=fp32: none)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.trainer.precision != "fp32"):
                 out = objective.unroll(draft, inputs)
@@ -446,7 +455,7 @@ def traced_at(config, tokens: int) -> Traced:
 # ---- the time an epoch takes --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Measured:
-    """Rates one GPU measured (``python -m specforge_lite.bench gpu_scale``, docs/results/<source>): the capture of a
+    """Rates one GPU measured (``python -m studies gpu_scale``, docs/results/<source>): the capture of a
     target and its draft's training step, in tokens per second at rows of ``tokens``."""
 
     source: str

@@ -26,11 +26,12 @@ from .data.prepare import check_rows
 from .data.images import image_inputs
 from .data.vocab import choose_mask_token
 from .device import dtype_name, native_bf16, resolve_device, resolve_dtype
-from .draft import Draft, DraftSpec, UnrollObjective, device_settings
+from .draft import Draft, DraftObjective, DraftSpec, device_settings
+from .draft.method import DraftMethod
 from .export import load_export
 from .export.for_target import draft_from_weights, target_mismatch
 from .generation import prepare_with_target
-from .methods import build_objective, draft_method, draft_spec, draft_vocab_size, fixed_fields, shape_settings
+from .methods import draft_method, draft_vocab_size, fixed_fields, shape_settings
 from .targets import (Target, Teacher, build_target, describe_target, load_tokenizer, target_identity,
                       tokenizer_before_target)
 from .hub import DRAFT_FILES, local_or_hub
@@ -52,12 +53,14 @@ class Run:
     ctx: DistributedContext = field(default_factory=DistributedContext)
     # draft.init_from: the draft training continues from, as (spec, weights); None builds a new one
     initial: tuple[Any, dict] | None = None
+    method: DraftMethod = field(init=False)  # the method of the draft settings (draft=<name>), asked once
     teacher: Teacher = field(init=False)
-    objective: UnrollObjective = field(init=False)
+    objective: DraftObjective = field(init=False)
 
     def __post_init__(self):
+        self.method = draft_method(self.config.draft.method)
         self.teacher = Teacher(self.target, self.vocab.draft_to_target, self.vocab.t2d)
-        self.objective = build_objective(self.config.draft, self.ctx.sequence_shard())
+        self.objective = self.method.objective.from_config(self.config.draft, self.ctx.sequence_shard())
 
     # ---- constructors -------------------------------------------------------------------------
     @classmethod
@@ -76,7 +79,7 @@ class Run:
         if ctx.is_main:  # (rank 0 prepares the data: a file it cannot train on stops the run before any weight loads)
             check_rows(config.data, tokenizer_before_target(config), log)
         try:
-            target = build_target(config, aux_layer_ids=aux_layer_ids, ctx=ctx, parts_only=parts_only)
+            target = build_target(config, aux_layer_ids=aux_layer_ids, ctx=ctx, parts_only=parts_only, log=log)
         except AuxIdsOutOfRange as e:  # (init_from sets the ids: draft.aux_layer_ids would change nothing)
             if initial is None:
                 raise
@@ -119,8 +122,6 @@ class Run:
     def _blocks(self) -> list[range] | None:
         """A store's shards, when data.store_order=shard asks to read them one at a time."""
         order = self.config.data.store_order
-        if order not in ("global", "shard"):
-            raise ValueError(f"data.store_order={order!r}: use global or shard")
         if order == "global" or not hasattr(self.train_data, "shard_ranges"):
             return None
         return self.train_data.shard_ranges()
@@ -133,7 +134,8 @@ class Run:
     def tracker(self, run_dir: Path, step: int):
         from omegaconf import OmegaConf
 
-        settings = {**OmegaConf.to_container(OmegaConf.structured(self.config)), "provenance": self.provenance()}
+        settings = {**OmegaConf.to_container(OmegaConf.structured(self.config), enum_to_str=True),  # (plain values)
+                    "provenance": self.provenance()}
         return Tracker(self.config.tracker, run_dir, settings, resume_step=step)
 
     def write_stats(self, run_dir: Path) -> None:
@@ -223,11 +225,11 @@ def build_vocab(config: Config, target: Target, train_dataset, tokenizer) -> Dra
                              f"{tokenizer.name_or_path}|{len(tokenizer)}")
 
 
-def mask_slot_token(config: Config, target: Target, tokenizer=None, log=print) -> int | None:
-    """draft.mask_token_id, or for a draft with mask slots and none set, the one ``choose_mask_token`` picks
-    from the target's tokenizer (``tokenizer``; None: loaded from the target's checkpoint folder)."""
+def mask_slot_token(config: Config, method: DraftMethod, target: Target, tokenizer=None, log=print) -> int | None:
+    """draft.mask_token_id, or for a draft of ``method`` with mask slots and none set, the one ``choose_mask_token``
+    picks from the target's tokenizer (``tokenizer``; None: loaded from the target's checkpoint folder)."""
     d = config.draft
-    if d.mask_token_id is not None or not draft_method(d.method).has_mask_slots(d):
+    if d.mask_token_id is not None or not method.has_mask_slots(d):
         return d.mask_token_id
     if tokenizer is None:
         from transformers import AutoTokenizer
@@ -239,19 +241,19 @@ def mask_slot_token(config: Config, target: Target, tokenizer=None, log=print) -
 
 
 def build_draft(config: Config, target: Target, vocab: DraftVocab, tokenizer=None, log=print) -> Draft:
-    if config.draft.attn_implementation != "eager":
-        raise ValueError(f"draft.attn_implementation={config.draft.attn_implementation!r}: only 'eager' (the TTT "
-                         "attention pattern in plain PyTorch, draft/ttt.py) is implemented")
-    draft_config = dataclasses.replace(config.draft, mask_token_id=mask_slot_token(config, target, tokenizer, log))
-    spec = draft_spec(target.config, draft_config, target.aux_layer_ids, target.convention,
-                      vocab_size=target.vocab_size, draft_vocab_size=vocab.size, target_hidden_size=target.hidden_size)
+    method = draft_method(config.draft.method)
+    draft_config = dataclasses.replace(config.draft,
+                                       mask_token_id=mask_slot_token(config, method, target, tokenizer, log))
+    spec = method.new_spec(target.config, draft_config, target.aux_layer_ids, target.convention,
+                           vocab_size=target.vocab_size, draft_vocab_size=vocab.size,
+                           target_hidden_size=target.hidden_size)
     torch.manual_seed(config.trainer.seed)
-    draft = draft_method(spec.method).model(spec)
+    draft = method.model(spec)
     draft.set_vocab(vocab.d2t, vocab.t2d)
     if config.draft.init_lm_head_from_target:
         rows = target.head_rows(vocab.draft_to_target)[0].float()
         draft.init_lm_head_from_target(rows, torch.arange(vocab.size))
-    draft_method(spec.method).warm_start(draft, config.draft, target)
+    method.warm_start(draft, config.draft, target)
     draft.to(target.device)
     draft.set_embedding(target.embedding_weight())
     return frozen_as_configured(draft, config)
@@ -266,7 +268,7 @@ def frozen_as_configured(draft: Draft, config: Config) -> Draft:
 
 
 def _check_fixed_shape(config: Config, spec: DraftSpec) -> None:
-    """What the method's settings fix in a draft's shape (a block draft's block_size, from draft.ttt_length) must
+    """What the method's settings fix in a draft's shape (a block draft's block_size, draft.block_size) must
     be the continued draft's: its block is its input, so a run at another length would train one block and
     export the other (labelled with the old k). Refused with the settings that continue it."""
     fixes = shape_settings(config.draft, spec)

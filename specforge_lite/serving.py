@@ -9,6 +9,7 @@ OpenAI-compatible server on 127.0.0.1, on a free port, waits until it answers, a
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -40,10 +41,17 @@ class VLLMServer:
     which adapt/traffic.py reads as served traffic."""
 
     def __init__(self, model: str, max_model_len: int, dtype: str = "auto", memory_fraction: float = 0.25,
-                 python: Path | None = None, startup_timeout: float = 900, log=print, log_requests: bool = False):
+                 python: Path | None = None, startup_timeout: float = 900, log=print, log_requests: bool = False,
+                 extra_args: list[str] = (), env: dict[str, str] | None = None,
+                 needed_by: str = "data.generation.engine=openai without data.generation.server_url",
+                 instead: str = "give the URL of a running OpenAI-compatible server in data.generation.server_url"):
+        """``extra_args``: more of vLLM's command-line options; ``env``: variables set for it. ``needed_by`` and
+        ``instead``: the setting that starts this server and its alternative, named when there is no serving
+        environment."""
         self.model, self.max_model_len, self.dtype = model, max_model_len, dtype
         self.memory_fraction, self.python, self.log = memory_fraction, python, log
         self.startup_timeout, self.log_requests = startup_timeout, log_requests
+        self.extra_args, self.env, self.needed_by, self.instead = list(extra_args), dict(env or {}), needed_by, instead
         self.proc: subprocess.Popen | None = None
         self.base_url: str | None = None
         self.log_path = Path(tempfile.gettempdir()) / f"specforge_lite_vllm_{os.getpid()}.log"
@@ -53,17 +61,16 @@ class VLLMServer:
             return self.base_url
         python = self.python or serving_python()
         if python is None:
-            raise FileNotFoundError("data.generation.engine=openai without data.generation.server_url starts vLLM from "
-                                    "the serving environment, and there is none: build it with bash "
-                                    "scripts/setup_serving.sh, or set SPECFORGE_LITE_SERVING_PYTHON, or give the URL "
-                                    "of a running OpenAI-compatible server in data.generation.server_url")
+            raise FileNotFoundError(f"{self.needed_by} starts vLLM from the serving environment, and there is "
+                                    "none: build it with bash scripts/setup_serving.sh, or set "
+                                    f"SPECFORGE_LITE_SERVING_PYTHON, or {self.instead}")
         port = _free_port()
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                "--served-model-name", str(self.model), "--host", "127.0.0.1", "--port", str(port),
                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--seed", "0",
                "--gpu-memory-utilization", str(self.memory_fraction), "--enforce-eager",
-               *(["--enable-log-requests", "--enable-log-outputs"] if self.log_requests else [])]
-        env = {**os.environ, **({"VLLM_LOGGING_LEVEL": "DEBUG"} if self.log_requests else {})}
+               *(["--enable-log-requests", "--enable-log-outputs"] if self.log_requests else []), *self.extra_args]
+        env = {**os.environ, **({"VLLM_LOGGING_LEVEL": "DEBUG"} if self.log_requests else {}), **self.env}
         self.log(f"[serving] starting vLLM on 127.0.0.1:{port} for {self.model} (log: {self.log_path})")
         with open(self.log_path, "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -79,15 +86,25 @@ class VLLMServer:
         self.base_url = url + "/v1"
         return self.base_url
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 60) -> None:
+        """Stop the server and the engine processes it started (its own session), killed after ``grace`` seconds."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+            self._signal_session(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=60)
+                self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self._signal_session(signal.SIGKILL)
                 self.proc.wait()
         self.proc, self.base_url = None, None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _signal_session(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # (start_new_session: the group is the server's and its engine's)
+        except ProcessLookupError:
+            pass
 
     def __enter__(self) -> "VLLMServer":
         self.start()

@@ -1,7 +1,8 @@
 """Every setting of a composed config checked once, before anything expensive runs: the numbers against their
 ranges (config.RANGES), then what the draft method refuses (its own folder says, methods/<name>/), what the
-export format cannot write of that draft, and what the evaluation cannot measure of it. All problems are said
-together, each naming the key and the fix, so a run never trains for hours to be refused at its export.
+export format cannot write of that draft, and what the evaluation cannot measure of it: the rules that span
+settings (a closed choice's value is its type's to refuse, when the config is composed: compose.py). All problems
+are said together, each naming the key and the fix, so a run never trains for hours to be refused at its export.
 """
 
 from __future__ import annotations
@@ -18,22 +19,22 @@ from pathlib import Path
 import torch
 
 from .config import Config, out_of_range
-from .data.prepare import data_setting_problems
-from .evaluate.acceptance import DRAFTING
+from .data.sources import data_setting_problems
+from .draft.method import DraftMethod
 from .evaluate.prompts import prompt_set_problems
-from .evaluate.served import SERVED_CHECKS
 from .export import export_format, export_refusals
 from .methods import draft_method
-from .training.optim import DECAYS, OPTIMIZERS
+from .targets.served import served_target_problems
+from .training.tracking import tracker_problems
 
 
 def setting_problems(config: Config) -> list[str]:
-    problems = out_of_range(config) + data_setting_problems(config.data) + periodic_problems(config)
+    problems = out_of_range(config) + data_setting_problems(config.data) + tracker_problems(config.tracker)
     try:
         method = draft_method(config.draft.method)
     except ValueError as e:
         return [*problems, str(e)]
-    problems += method.refused(config)
+    problems += periodic_problems(config, method) + method.refused(config) + served_target_problems(config)
     d = config.draft
     if d.compile and not torch.cuda.is_available():
         problems += compiler_problems()
@@ -42,30 +43,21 @@ def setting_problems(config: Config) -> list[str]:
                         "keep its random rows; set draft.init_lm_head_from_target=true (or continue a draft with "
                         "draft.init_from)")
     t = config.trainer
-    if t.optimizer not in OPTIMIZERS:
-        problems.append(f"trainer.optimizer={t.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    elif t.optimizer == "muon" and t.deepspeed.enabled:
+    if t.optimizer == "muon" and t.deepspeed.enabled:
         problems.append("trainer.optimizer=muon with trainer.deepspeed.enabled=true: ZeRO steps flat partitions of "
                         "the weights, which Muon cannot orthogonalise as matrices; use trainer.optimizer=adamw "
                         "under DeepSpeed (the embedded recipe, cpu_20min, picks muon: recipe=none drops it), or "
                         "train in one process")
-    if t.schedule not in DECAYS:
-        problems.append(f"trainer.schedule={t.schedule!r}: use one of {', '.join(DECAYS)}")
     if config.eval.enabled:
         problems += prompt_set_problems(list(config.eval.prompt_sets), dict(config.eval.prompt_files or {}))
-    if config.eval.drafting not in DRAFTING:
-        problems.append(f"eval.drafting={config.eval.drafting!r}: use one of {', '.join(DRAFTING)}")
-    else:
-        problems += method.refused_evaluation(config.draft, config.eval)
+    problems += method.refused_evaluation(config.draft, config.eval)
     try:
         form = export_format(config.export.format, config.draft.method)
         problems += export_refusals(form, config.draft)
     except ValueError as e:  # (an unknown format)
         form = None
         problems.append(str(e))
-    if config.eval.serve not in SERVED_CHECKS:
-        problems.append(f"eval.serve={config.eval.serve!r}: use vllm, or null for no served check")
-    elif config.eval.serve and form is not None and form.cpu_serving_refusal and not torch.cuda.is_available():
+    if config.eval.serve and form is not None and form.cpu_serving_refusal and not torch.cuda.is_available():
         problems.append(f"eval.serve={config.eval.serve} with draft={config.draft.method}: "
                         f"{form.cpu_serving_refusal}; set eval.serve=null (our evaluation still measures it)")
     return problems
@@ -140,21 +132,27 @@ def check_settings(config: Config) -> None:
         raise ValueError("; ".join(problems))
 
 
-def periodic_problems(config: Config) -> list[str]:
-    """What keeps eval.every_steps / every_minutes and trainer.keep_best / export_best from doing their job, each
-    in one line with the fix."""
+def periodic_problems(config: Config, method: DraftMethod) -> list[str]:
+    """What keeps eval.every_steps / every_minutes and trainer.keep_best / export_best from doing their job for a
+    draft of ``method`` (its settings ``config.draft``), each in one line with the fix."""
     ev, t = config.eval, config.trainer
     periodic = ev.every_steps is not None or ev.every_minutes is not None
     problems = []
     from .training.periodic import keep_best_names
 
-    names = keep_best_names(config.draft.ttt_length)
+    names = keep_best_names(method.scored_steps(config.draft))
     if t.keep_best is not None and t.keep_best not in names:
         problems.append(f"trainer.keep_best={t.keep_best!r}: use one of {', '.join(names)} (higher is better), "
                         "or null for no best checkpoint")
     elif t.keep_best is not None and not periodic:
         problems.append(f"trainer.keep_best={t.keep_best} chooses by the held-out evaluation during training: set "
                         "eval.every_steps or eval.every_minutes")
+    if t.keep_best == "heldout_acceptance_length" and periodic and not ev.every_prompts:
+        problems.append("trainer.keep_best=heldout_acceptance_length is measured on held-out prompts during "
+                        "training: set eval.every_prompts (e.g. 4)")
+    if ev.every_prompts and not periodic:
+        problems.append(f"eval.every_prompts={ev.every_prompts} is measured by the evaluation during training: set "
+                        "eval.every_steps or eval.every_minutes, or eval.every_prompts=0")
     if t.export_best and t.keep_best is None:
         problems.append("trainer.export_best=true needs trainer.keep_best (the metric the best checkpoint is chosen "
                         "by), e.g. trainer.keep_best=heldout_sim_accepted_drafts")

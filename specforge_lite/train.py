@@ -28,11 +28,12 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    config, hc = to_config(cfg), HydraConfig.get()
-    if hc.mode == RunMode.MULTIRUN:  # one wandb group per sweep, each run named by its overrides
-        config.tracker.group = config.tracker.group or Path(hc.sweep.dir).name
-        config.tracker.name = config.tracker.name or (hc.job.override_dirname or f"job{hc.job.num}")
+    hc = HydraConfig.get()
     with said_in_one_line():  # what went wrong and the fix, as one message; a traceback only when asked for
+        config = to_config(cfg)  # (a preset's model.family that names no family is refused here)
+        if hc.mode == RunMode.MULTIRUN:  # one wandb group per sweep, each run named by its overrides
+            config.tracker.group = config.tracker.group or Path(hc.sweep.dir).name
+            config.tracker.name = config.tracker.name or (hc.job.override_dirname or f"job{hc.job.num}")
         run(config, Path(hc.runtime.output_dir))
 
 

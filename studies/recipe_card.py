@@ -43,13 +43,17 @@ TARGETS = {
 
 def candidates(ks: tuple[int, ...] = KS) -> list[tuple[Candidate, tuple[int, ...]]]:
     """(the draft, the k it is served at), for the served ``ks``."""
+    from specforge_lite.methods import METHODS
+
     chain = [f"draft.ttt_length={CHAIN_TTT}"]
     plain = ["draft.norm_before_fc=false", "draft.norm_output=false"]  # (EAGLE 3.1's norms are EAGLE3's default)
     out = [(Candidate("EAGLE3", [*chain, *plain]), ks),
            (Candidate("EAGLE 3.1", [*chain, "draft.norm_before_fc=true", "draft.norm_output=true"]), ks),
            (Candidate("P-EAGLE", [*chain, *plain, "draft.parallel_drafting=true"]), ks)]
     for method, name in (("dflash", "DFlash"), ("dspark", "DSpark")):  # a block per k: its size is its input
-        out += [(Candidate(f"{name} (block {k})", [f"draft.method={method}", f"draft.ttt_length={k}",
+        block = METHODS[method].steps_settings  # (the block that proposes k tokens)
+        out += [(Candidate(f"{name} (block {k})", [f"draft.method={method}",
+                                                   *(f"draft.{key}={value}" for key, value in block(k).items()),
                                                    f"eval.num_draft_tokens={k}"]), (k,)) for k in ks]
     return out
 

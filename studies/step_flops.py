@@ -3,7 +3,7 @@
     python -m studies step_flops [--target llama3_8b] [--seq-len 256] [--out docs/results/step_flops.json]
 
 Each step (EAGLE3 draft, draft vocabulary 32k, TTT 7, micro-batch 1: forward, loss and backward, as
-``bench gpu_scale`` times them, each teacher as there) runs once on CPU in fp32 under torch's FlopCounterMode:
+``studies gpu_scale`` times them, each teacher as there) runs once on CPU in fp32 under torch's FlopCounterMode:
 ours (blockwise attention, the fused lm_head + loss) here, the peers' by their drivers (studies/peers,
 ``--count-flops``) in their own venv (scripts/setup_peers.sh). The count is of matrix products; at 256 tokens
 the attention's share is a fraction of a percent, so the figure is the per-token work besides the attention,
@@ -23,10 +23,12 @@ from pathlib import Path
 
 import torch
 
-from specforge_lite.bench.gpu_scale import TARGETS, new_draft, peer_shape, replace_objective
+from specforge_lite.bench.real_shape import TARGETS, new_draft
+from specforge_lite.bench.step_ways import replace_objective
 from specforge_lite.device import describe_cpu
 
-from .recipe_parity import ROOT, peer_python
+from .gpu_scale import peer_driver, peer_shape
+from .recipe_parity import peer_python
 
 PEERS = ("specforge", "speculators")
 # SpecForge's trainer hands its step the target's final hidden state on a GPU (its head then makes the teacher's
@@ -74,7 +76,7 @@ def ours(target: str, T: int, draft_vocab: int, ttt: int) -> dict:
 
 def peer(name: str, python: str, target: str, T: int, draft_vocab: int, ttt: int) -> dict:
     """A peer's step counted by its own driver (one timed step beside it, as the driver always does)."""
-    cmd = [python, str(ROOT / "studies" / "peers" / f"{name}_step.py"), "--seq-len", str(T), "--ttt", str(ttt),
+    cmd = [python, str(peer_driver(name)), "--seq-len", str(T), "--ttt", str(ttt),
            "--draft-vocab", str(draft_vocab), "--repeats", "1", "--shape", json.dumps(peer_shape(target)),
            "--count-flops",
            *TEACHER_AS_ON_A_GPU.get(name, [])]

@@ -26,7 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from specforge_lite.bench.gpu_scale import replace_objective
+from specforge_lite.bench.step_ways import replace_objective
 from specforge_lite.device import describe_cpu
 from specforge_lite.draft.objective import BY_DEVICE
 

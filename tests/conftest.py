@@ -97,6 +97,28 @@ def file_size_limit(limit_bytes: int):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
+def in_process(main, *args):
+    """``python -m <tool> ARGS`` as its ``main(argv)`` in this process (CI time: no interpreter start-up per
+    command): its exit status and what it printed, as the process would have ended (``sys.exit(message)``: the
+    message on stderr, status 1). Any other exception is a traceback the process would have printed: it fails
+    the test."""
+    import io
+    import subprocess
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:  # sys.exit(message): Python prints the message and exits with 1
+                print(e.code, file=sys.stderr)
+                code = 1
+    return subprocess.CompletedProcess([main.__module__, *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(config, target, tokenizer) for the real SmolLM2-135M-Instruct."""

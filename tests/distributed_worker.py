@@ -78,7 +78,8 @@ def ulysses(shape: str, out: Path) -> None:
 
 def ulysses_unroll(ctx, shape: str, draft_cfg) -> dict:
     from specforge_lite.bench.shapes import SHAPES, synthetic_draft
-    from specforge_lite.draft.objective import UnrollObjective, UnrollInputs
+    from specforge_lite.draft.objective import UnrollInputs
+    from specforge_lite.methods.eagle3.objective import TTTObjective
 
     dims = {**SHAPES[shape], "num_hidden_layers": 8}
     draft = synthetic_draft(dims, draft_cfg, 96)
@@ -92,11 +93,11 @@ def ulysses_unroll(ctx, shape: str, draft_cfg) -> dict:
                           torch.randn(B, T, 96, generator=g), torch.rand(B, T, generator=g) > 0.2,
                           (torch.rand(B, T, generator=g) > 0.3).long(), positions)
     options = dict(ttt_length=4, loss_chunk_rows=8, checkpointing=True)
-    whole = UnrollObjective(**options).unroll(draft, inputs)
+    whole = TTTObjective(**options).unroll(draft, inputs)
     whole.loss.backward()
     want = {n: p.grad.clone() for n, p in draft.named_parameters()}
     draft.zero_grad()
-    part = UnrollObjective(**options, sequence=ctx.sequence_shard()).unroll(draft, inputs)
+    part = TTTObjective(**options, sequence=ctx.sequence_shard()).unroll(draft, inputs)
     part.loss.backward()
     summed = torch.stack([part.loss.detach(), *[s.valid.float() for s in part.steps],
                           *[s.correct.float() for s in part.steps]])

@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_target, tiny_vocab
 from specforge_lite.compose import load_config
 from specforge_lite.data.loader import collate, collate_packed
-from specforge_lite.methods import build_objective
+from specforge_lite.methods import METHODS, build_objective
 from specforge_lite.run import build_draft
 from specforge_lite.targets import Teacher
 from specforge_lite.training.engine import build_engine
@@ -53,7 +53,9 @@ def rows(first: int, count: int) -> list[dict]:
 def case_losses(option: str, precision: str, ctx=None, deepspeed: bool = False, row: int | None = None) -> list[float]:
     """The losses of ``STEPS`` steps. ``row``: train on that one conversation pair's row only (a DeepSpeed
     rank's share, or its one-process reference); None: both rows as one micro-batch."""
-    overrides = ["model=llama3_tiny", "tracker=none", "draft.ttt_length=3", f"trainer.precision={precision}",
+    method = next((o.split("=")[1] for o in OPTIONS[option] if o.startswith("draft=")), "eagle3")
+    steps = [f"draft.{key}={value}" for key, value in METHODS[method].steps_settings(3).items()]  # (3 scored)
+    overrides = ["model=llama3_tiny", "tracker=none", *steps, f"trainer.precision={precision}",
                  "trainer.optimizer=adamw", "trainer.lr=3e-3", "trainer.warmup_ratio=0", f"trainer.max_steps={STEPS}",
                  "trainer.grad_clip=1.0",
                  *(["trainer=zero2"] if deepspeed else []), *OPTIONS[option]]

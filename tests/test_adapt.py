@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, in_process
 
 BASE = ["model=llama3_tiny", "recipe=none", "data=chitchat", "data.max_samples=48", "data.heldout_samples=8",
         "data.max_length=96", "draft.draft_vocab_size=49152", "trainer.max_steps=6", "trainer.save_every=0",
@@ -24,9 +24,12 @@ TOPICS = ["sort a list in Python", "add two fractions", "reverse a string", "com
           "solve 3x + 5 = 20", "find the area of a circle", "read a CSV file", "count words in a text"]
 
 
-def adapt(*args, timeout=900, **kw):
-    return subprocess.run([sys.executable, "-m", "specforge_lite.adapt", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, **kw)
+def adapt(*args) -> subprocess.CompletedProcess:
+    """``python -m specforge_lite.adapt ARGS``, run in this process (the candidate still trains in a process of its
+    own; the kill test below starts adapt as a process, to kill it)."""
+    from specforge_lite.adapt.__main__ import main
+
+    return in_process(main, *args)
 
 
 def ok(proc):
@@ -56,10 +59,12 @@ def current(home):
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory):
+    """The base draft: train.py's job run in this process (what adapt starts from, not what is tested here)."""
+    from specforge_lite.compose import load_config
+    from specforge_lite.job import run
+
     out = tmp_path_factory.mktemp("adapt_base")
-    proc = subprocess.run([sys.executable, "train.py", f"output_dir={out}", *BASE], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run(load_config([f"output_dir={out}", *BASE]), out, log=lambda line: None)
     return out
 
 

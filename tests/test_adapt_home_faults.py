@@ -179,7 +179,8 @@ SETTINGS_DAMAGE = {
 
 @pytest.mark.parametrize("damage", SETTINGS_DAMAGE)
 def test_a_damaged_settings_file_is_named_with_the_way_out(tmp_path, damage):
-    from specforge_lite.adapt.loop import DEFAULTS, KINDS
+    from specforge_lite.adapt.home import KINDS
+    from specforge_lite.adapt.loop import DEFAULTS
 
     assert set(KINDS) == set(DEFAULTS)  # (every setting init writes is checked when it is read)
     home, _ = served_home(tmp_path, versions=1)

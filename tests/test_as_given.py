@@ -17,6 +17,7 @@ import pytest
 from conftest import ROOT
 from specforge_lite.compose import load_config
 from specforge_lite.config import with_recipe
+from specforge_lite.methods import METHODS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -98,7 +99,7 @@ def test_data_regenerate_false_alone_turns_regeneration_off():
 
     config = load_config(["tracker=none", "data.regenerate=false"])
     assert setting_problems(config) == []
-    line = describe_recipe(config)[0]
+    line = describe_recipe(config, METHODS["eagle3"])[0]
     assert "on builtin_chitchat (self_generated left out" in line and "the answers as written" in line
     assert "a round" not in line
 
@@ -106,10 +107,16 @@ def test_data_regenerate_false_alone_turns_regeneration_off():
 def test_the_recipe_line_says_what_is_trained():
     from specforge_lite.job import describe_recipe
 
-    line = describe_recipe(load_config(["tracker=none", "draft.init_from=/drafts/published"]))[0]
+    line = describe_recipe(load_config(["tracker=none", "draft.init_from=/drafts/published"]), METHODS["eagle3"])[0]
     assert "continuing the draft of /drafts/published (its vocabulary" in line and "vocabulary 8192" not in line
-    line = describe_recipe(load_config(["tracker=none", "data.source=offline", "data.store=/stores/s"]))[0]
+    line = describe_recipe(load_config(["tracker=none", "data.source=offline", "data.store=/stores/s"]),
+                           METHODS["eagle3"])[0]
     assert "on the hidden-state store /stores/s, its stored states" in line and "regenerated" not in line
+    line = describe_recipe(load_config(["tracker=none"]), METHODS["eagle3"])[0]
+    assert "draft vocabulary 8192, ttt length 4;" in line
+    for method, block in (("dflash", 4), ("dspark", 3)):  # (a block draft unrolls no TTT: its block is said)
+        line = describe_recipe(load_config(["tracker=none", f"draft={method}"]), METHODS[method])[0]
+        assert f"draft vocabulary 8192, block size {block};" in line and "ttt" not in line.lower()
 
 
 def run_train(*args: str) -> subprocess.CompletedProcess:

@@ -143,9 +143,10 @@ def test_dflash_settings_refused_and_export_round_trip(tmp_path):
 
     with pytest.raises(ValueError, match="does not take draft.use_aux_norm"):
         check_settings(load_config(["draft=dflash", "draft.use_aux_norm=true", "tracker=none"]))
-    with pytest.raises(ValueError, match="ttt_length=4 tokens per block but served with eval.num_draft_tokens=3"):
-        check_settings(load_config(["draft=dflash", "tracker=none"]))  # the recipe's TTT 4, k=3
-    check_settings(load_config(["draft=dflash", "draft.ttt_length=3", "tracker=none"]))
+    with pytest.raises(ValueError, match="draft.block_size=3 proposes 2 tokens per block but is served with "
+                                         "eval.num_draft_tokens=3: .* set draft.block_size=4 for k=3"):
+        check_settings(load_config(["draft=dflash", "draft.block_size=3", "tracker=none"]))
+    check_settings(load_config(["draft=dflash", "tracker=none"]))  # (its default block: the next token and k=3 masks)
     target = tiny_target(aux_ids=[2, 4, 6])
     draft = tiny_block_draft(target)
     out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "v", num_speculative_tokens=3)
@@ -181,7 +182,7 @@ def test_the_block_size_is_recorded_and_every_tool_that_takes_a_k_refuses_anothe
 
     target = tiny_target(aux_ids=[2, 4, 6])
     vocab = tiny_vocab(target, target.vocab_size)
-    spec = draft_spec(target.config, METHODS["dflash"].settings(mask_token_id=MASK, ttt_length=3),
+    spec = draft_spec(target.config, METHODS["dflash"].settings(mask_token_id=MASK, block_size=4),
                       target.aux_layer_ids, target.convention, target.vocab_size, vocab.size,
                       target.hidden_size)
     assert spec.block_size == 4

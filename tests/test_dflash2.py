@@ -43,7 +43,7 @@ def test_a_fresh_dflash2_draft_is_the_dflash_draft_of_its_weights_and_its_select
     after the one it took. Fails with the selector reading the pre-norm state or the predicted token."""
     target = tiny_target()
     T, k, decay, alpha = 11, 3, 0.8, 0.6
-    draft = tiny_block_draft(target, "dflash2", selector_rank=8, selector_top_k=4, ttt_length=k)
+    draft = tiny_block_draft(target, "dflash2", selector_rank=8, selector_top_k=4, block_size=k + 1)
     x = block_inputs(target, draft, teacher_scale=3.0, T=T)
     ids, aux, teacher, loss_mask, in_vocab = x.input_ids, x.aux, x.teacher_logits, x.loss_mask, x.in_vocab
     out = DFlash2Objective(k, decay, loss_chunk_rows=5, selector_weight=alpha).unroll(draft, x)
@@ -94,7 +94,7 @@ def test_dflash2_settings_refused_export_checked_and_round_trip(tmp_path):
     from specforge_lite.export.for_target import draft_from_weights
     from specforge_lite.settings import check_settings
 
-    base = ["draft=dflash2", "tracker=none", "draft.ttt_length=3"]
+    base = ["draft=dflash2", "tracker=none"]
     with pytest.raises(ValueError, match="draft=dflash2 does not take draft.use_aux_norm"):
         check_settings(load_config([*base, "draft.use_aux_norm=true"]))
     with pytest.raises(ValueError, match="conv_kernel_size=5 is longer than the block"):
@@ -108,7 +108,7 @@ def test_dflash2_settings_refused_export_checked_and_round_trip(tmp_path):
     with pytest.raises(ValueError, match="keeps the whole target vocabulary"):  # (runs build it whole)
         DFlash2Draft(reduced)
 
-    draft = tiny_block_draft(target, "dflash2", selector_rank=8, selector_top_k=4, ttt_length=3)
+    draft = tiny_block_draft(target, "dflash2", selector_rank=8, selector_top_k=4, block_size=4)
     out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "v", num_speculative_tokens=3)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"] and config["block_size"] == 4

@@ -36,7 +36,7 @@ def test_dspark_loss_and_drafting_equal_the_naive_forward():
     pre-norm state."""
     target = tiny_target()
     T, k, decay, alpha = 11, 3, 0.8, 0.7
-    draft = tiny_block_draft(target, "dspark", markov_rank=8, ttt_length=k)
+    draft = tiny_block_draft(target, "dspark", markov_rank=8, block_size=k)
     x = block_inputs(target, draft, teacher_scale=3.0, T=T)
     ids, aux, teacher, loss_mask, in_vocab = x.input_ids, x.aux, x.teacher_logits, x.loss_mask, x.in_vocab
     out = DSparkObjective(k, decay, loss_chunk_rows=5, confidence_weight=alpha).unroll(draft, x)
@@ -85,20 +85,20 @@ def test_dspark_settings_refused_export_checked_and_round_trip(tmp_path):
 
     base = ["draft=dspark", "tracker=none"]
     with pytest.raises(ValueError, match="draft=dspark does not take draft.norm_output"):
-        check_settings(load_config([*base, "draft.ttt_length=3", "draft.norm_output=true"]))
+        check_settings(load_config([*base, "draft.norm_output=true"]))
     with pytest.raises(ValueError, match="draft=dspark does not take draft.loss"):
-        check_settings(load_config([*base, "draft.ttt_length=3", "draft.loss=tv"]))
+        check_settings(load_config([*base, "draft.loss=tv"]))
     with pytest.raises(ValueError, match="markov_rank=0"):
-        check_settings(load_config([*base, "draft.ttt_length=3", "draft.markov_rank=0"]))
-    with pytest.raises(ValueError, match="ttt_length=4 tokens per block"):
-        check_settings(load_config(base))
-    check_settings(load_config([*base, "draft.ttt_length=3"]))
+        check_settings(load_config([*base, "draft.markov_rank=0"]))
+    with pytest.raises(ValueError, match="draft.block_size=4 proposes 4 tokens per block .* set draft.block_size=3"):
+        check_settings(load_config([*base, "draft.block_size=4"]))  # (DSpark's block: k slots, every one predicting)
+    check_settings(load_config(base))
     if not torch.cuda.is_available():  # vLLM's CPU build cannot serve DSpark: said before training, not after
         with pytest.raises(ValueError, match="eval.serve=vllm with draft=dspark: vLLM 0.32 serves"):
-            check_settings(load_config([*base, "draft.ttt_length=3", "eval.serve=vllm"]))
+            check_settings(load_config([*base, "eval.serve=vllm"]))
 
     target = tiny_target(aux_ids=[2, 4, 6])
-    draft = tiny_block_draft(target, "dspark", draft_vocab=96, markov_rank=8, ttt_length=4)
+    draft = tiny_block_draft(target, "dspark", draft_vocab=96, markov_rank=8, block_size=4)
     assert draft.spec.block_size == 4  # k slots: the next token's and k - 1 masks, every one a prediction
     out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "v", num_speculative_tokens=4)
     config = json.loads((out / "config.json").read_text())

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 OVERRIDES = ["trainer.max_steps=40", "trainer.save_every=20", "trainer.progress_bar=false", "data.max_length=256",
              "data.generation.max_conversations=40", "data.generation.max_new_tokens=32",
              "data.generation.batch_size=32",
-             "eval.num_prompts=2", "eval.max_new_tokens=12", "eval.heldout_batches=12"]
+             "eval.num_prompts=2", "eval.max_new_tokens=12", "eval.heldout_batches=12",
+             "eval.every_steps=40", "eval.every_prompts=2"]  # (the evaluation during training, at the last step)
 
 
 def run(args, **kw):
@@ -61,6 +62,9 @@ def test_run_directory_contract(default_run):
     ev = json.loads((out / "eval.json").read_text())
     assert ev["mean_acceptance_length"] >= 1.0 and len(ev["per_position_acceptance"]) == 3
     sets = ev["sets"]
+    # the acceptance measured during training (eval.every_prompts) is the evaluation's on the same prompts and weights
+    assert lines[-1]["heldout/acceptance_length"] == pytest.approx(sets["heldout"]["mean_acceptance_length"], abs=1e-9)
+    assert lines[-1]["heldout/acc_0"] == pytest.approx(ev["heldout_acc"][0], abs=1e-6)
     assert list(sets) == ["heldout", "assistant", "mtbench", "gsm8k", "summarization", "humaneval"]
     assert sets["mtbench"]["prompts"] == 2 * sets["mtbench"]["conversations"] == 4  # two turns each
     assert all(s["generated_tokens"] > 0 and len(s["per_position_acceptance"]) == 3 for s in sets.values())
@@ -238,7 +242,14 @@ def test_input_errors_are_one_message_said_before_the_target_is_built(tmp_path):
 
 def test_the_stage_tools_say_a_users_mistake_in_one_line_like_train_py(tmp_path):
     """export, export --check, evaluate, offline and the sweep report: a damaged run folder, a missing file or
-    folder, an empty sweep is one `error:` line naming the path, exit 1, no traceback."""
+    folder, an empty sweep is one `error:` line naming the path, exit 1, no traceback. (Each tool's entry point,
+    run in this process: CI time; train.py's own are run as processes above.)"""
+    from conftest import in_process
+    from specforge_lite.evaluate.__main__ import main as evaluate
+    from specforge_lite.evaluate.sweep import main as sweep
+    from specforge_lite.export.__main__ import main as export
+    from specforge_lite.offline.__main__ import main as offline
+
     damaged = tmp_path / "run" / "checkpoints" / "step_00000002"
     damaged.mkdir(parents=True)
     (damaged / "draft.safetensors").write_bytes(b"not a safetensors file")
@@ -247,18 +258,18 @@ def test_the_stage_tools_say_a_users_mistake_in_one_line_like_train_py(tmp_path)
     (damaged / "optimizer.json").write_text("{}")
     (damaged / "optimizer.safetensors").write_bytes(b"not a safetensors file")
     tools = {
-        "export": ["-m", "specforge_lite.export", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "x")],
-        "export --check": ["-m", "specforge_lite.export", "--check", str(tmp_path / "missing")],
-        "evaluate": ["-m", "specforge_lite.evaluate", "--run-dir", str(tmp_path / "missing")],
-        "offline ingest": ["-m", "specforge_lite.offline", "ingest", "--from", "vllm", str(tmp_path / "missing"),
-                           "model=llama3_tiny", f"store={tmp_path / 'store'}"],
-        "sweep": ["-m", "specforge_lite.evaluate.sweep", str(tmp_path)],
+        "export": [export, "--run-dir", tmp_path / "run", "--out", tmp_path / "x"],
+        "export --check": [export, "--check", tmp_path / "missing"],
+        "evaluate": [evaluate, "--run-dir", tmp_path / "missing"],
+        "offline ingest": [offline, "ingest", "--from", "vllm", tmp_path / "missing", "model=llama3_tiny",
+                           f"store={tmp_path / 'store'}"],
+        "sweep": [sweep, tmp_path],
     }
     expected = {"export": "step_00000002: trainer_state.json is damaged: it lacks step, tokens_seen, data",
                 "export --check": str(tmp_path / "missing"), "evaluate": str(tmp_path / "missing"),
                 "offline ingest": str(tmp_path / "missing"), "sweep": f"no runs (metrics.jsonl) under {tmp_path}"}
-    for tool, args in tools.items():
-        proc = run(args, timeout=300)
+    for tool, (main, *args) in tools.items():
+        proc = in_process(main, *args)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, (tool, proc.stdout[-2000:], proc.stderr[-3000:])
         assert proc.stderr.startswith("error: ") and expected[tool] in proc.stderr.splitlines()[0], (tool, proc.stderr)
 

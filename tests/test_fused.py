@@ -14,7 +14,7 @@ from conftest import EAGLE31, tiny_draft, tiny_target
 from specforge_lite.draft import fused
 from specforge_lite.draft.head_loss import head_soft_cross_entropy
 from specforge_lite.draft.model import DraftMLP, DraftRMSNorm
-from specforge_lite.draft.objective import UnrollObjective
+from specforge_lite.methods.eagle3.objective import TTTObjective
 from test_ttt import _packed_rows
 
 
@@ -137,7 +137,7 @@ def test_a_compiled_unroll_gives_the_eager_unrolls_loss_and_gradients(monkeypatc
 
         def run(**options):
             draft.zero_grad()
-            out = UnrollObjective(ttt_length=3, loss_chunk_rows=7, **options).unroll(draft, inputs)
+            out = TTTObjective(ttt_length=3, loss_chunk_rows=7, **options).unroll(draft, inputs)
             out.loss.backward()
             return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 
@@ -166,7 +166,7 @@ def test_under_bf16_autocast_a_compiled_unroll_gives_the_eager_unrolls_results_w
         for compile in (False, True):
             draft.zero_grad()
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = UnrollObjective(ttt_length=3, loss_chunk_rows=7, checkpointing=True,
+                out = TTTObjective(ttt_length=3, loss_chunk_rows=7, checkpointing=True,
                                       compile=compile).unroll(draft, inputs)
             out.loss.backward()
             runs.append((out.loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters()
@@ -181,6 +181,7 @@ def test_a_compiled_block_draft_step_gives_the_eager_steps_loss_and_gradients(mo
     """The block drafts (DFlash, DSpark with its heads, DFlash 2 with its selector) take draft.compile too: their
     norms, rope and MLP compiled, the same loss, step statistics and gradients as eager (1e-5 of each gradient's
     largest entry)."""
+    from specforge_lite.methods import METHODS
     from specforge_lite.methods.dflash.model import DFlashObjective
     from specforge_lite.methods.dflash2.model import DFlash2Objective
     from specforge_lite.methods.dspark.model import DSparkObjective
@@ -192,7 +193,7 @@ def test_a_compiled_block_draft_step_gives_the_eager_steps_loss_and_gradients(mo
              ("dflash2", {}, DFlash2Objective, {"selector_weight": 0.5}))
     for method, settings, objective, options in cases:
         torch.manual_seed(0)
-        draft = tiny_block_draft(target, method, ttt_length=3, **settings)
+        draft = tiny_block_draft(target, method, **METHODS[method].steps_settings(3), **settings)  # (k=3)
         inputs = block_inputs(target, draft, teacher_scale=3.0)
         runs = []
         for compile in (False, True):

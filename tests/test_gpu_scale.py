@@ -1,6 +1,7 @@
-"""``bench gpu_scale --dry-run``: the GPU benchmark's whole path (a target built from a shape with random weights,
-its capture and teacher, each TTT attention way checked against blockwise and timed, the block drafts' steps)
-at tiny shapes on CPU, so a lent GPU finds a command that runs."""
+"""``python -m studies gpu_scale --dry-run``: the GPU benchmark's whole path (a target built from a shape with
+random weights, its capture and teacher, each TTT attention way checked against blockwise and timed, the block
+drafts' steps) at tiny shapes on CPU, so a lent GPU finds a command that runs; and the CPU step against the peers'
+(``studies step_speed``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import json
 
 import torch
 
-from specforge_lite.bench import gpu_scale
+from specforge_lite.bench.real_shape import build_draft, build_target, capture
+from specforge_lite.bench.step_ways import loss_and_grads, replace_attention
+from specforge_lite.bench.timing import kernel_kind, kernel_profile
+from studies import gpu_scale
 
 
 def test_gpu_scale_dry_run_checks_and_times_every_way_and_method(tmp_path, capsys):
@@ -61,19 +65,53 @@ def test_kernels_are_sorted_into_kinds_by_their_names():
              "triton_tem_fused_0": "attention", "triton_per_fused__softmax_0": "compiled",
              "void at::native::vectorized_elementwise_kernel<4, at::native::exp_kernel_cuda>": "elementwise",
              "Memcpy DtoD (Device -> Device)": "copy", "aten::exp": "elementwise"}
-    assert {name: gpu_scale.kernel_kind(name) for name in kinds} == kinds
-    prof = gpu_scale.kernel_profile(10.0, [("aten::mm", 3, 4.0), ("aten::exp", 2, 1.0), ("aten::mm_x", 1, 2.0)])
+    assert {name: kernel_kind(name) for name in kinds} == kinds
+    prof = kernel_profile(10.0, [("aten::mm", 3, 4.0), ("aten::exp", 2, 1.0), ("aten::mm_x", 1, 2.0)])
     assert prof["busy_ms"] == 7.0 and prof["by_kind_ms"] == {"matmul": 6.0, "elementwise": 1.0}
     assert [t[0] for t in prof["top"]] == ["aten::mm", "aten::mm_x", "aten::exp"]
 
 
-def test_the_bench_lists_its_benchmarks_on_help_and_exits_0():
-    import subprocess
+def test_the_studies_list_the_comparisons_with_the_peers_and_the_bench_measures_the_package_alone(capsys):
+    from specforge_lite.bench.__main__ import BENCHMARKS
+    from studies.__main__ import main as studies
+
+    studies(["--help"])
+    out = capsys.readouterr().out
+    assert "gpu_scale" in out and "step_speed" in out, out
+    assert not {"gpu_scale", "step_speed"} & set(BENCHMARKS)
+
+
+def test_a_peer_with_no_driver_is_refused_in_one_line_before_the_target_is_built(monkeypatch):
+    import pytest
+
+    monkeypatch.setattr(gpu_scale, "build_target", lambda *a: pytest.fail("built the target"))
+    with pytest.raises(SystemExit, match=r"no peer 'specfroge': the peers with a driver in studies/peers/ are "
+                                         r"specforge, speculators$"):
+        gpu_scale.main(["--dry-run", "--peers", "specfroge"])
+
+
+def test_the_cpu_step_is_timed_beside_each_peer_and_a_failed_peer_says_why(tmp_path, monkeypatch, capsys):
+    """``python -m studies step_speed``: our step and each peer driver's JSON line at each length, our ratio to the
+    faster peer, and the notes of the longest row (the real drivers need the peers' venv: stand-ins here)."""
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "specforge_lite.bench", "--help"], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0 and "gpu_scale" in out.stdout, out.stderr
+    from studies import step_speed
+
+    drivers = {"specforge": "import json\n"
+                            "print(json.dumps({'tokens_per_s': 1e9, 'version': '0.2.0', 'notes': 'eager'}))\n",
+               "speculators": "raise SystemExit('speculators: no CUDA')\n"}
+    for name, text in drivers.items():
+        (tmp_path / f"{name}_step.py").write_text(text)
+    monkeypatch.setattr(step_speed, "peer_driver", lambda name: tmp_path / f"{name}_step.py")
+    monkeypatch.setitem(step_speed.SHAPES, "tiny", dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8,
+        vocab_size=512, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0))
+    step_speed.main(["--peers", f"specforge={sys.executable}", f"speculators={sys.executable}", "--shape", "tiny",
+                     "--seq-lens", "16,32", "--ttt", "2", "--draft-vocab", "64", "--repeats", "1"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("| 16 |", "| 32 |"))]
+    assert len(rows) == 2 and all(r.endswith("| 1000000000 | failed | 0.00x |") for r in rows), out
+    assert "  specforge 0.2.0: eager" in out and "  speculators failed: speculators: no CUDA" in out, out
 
 
 def test_a_peers_lines_become_rows_and_a_length_it_did_not_reach_says_why(tmp_path, monkeypatch):
@@ -165,12 +203,12 @@ def test_a_frozen_head_way_trains_every_weight_but_the_lm_head_as_the_default_do
     """"+frozen_head" (speculators' recipe) leaves the lm_head without a gradient for the step and every other
     weight's gradient as the way without it computes it; the head trains again after the way."""
     cpu = torch.device("cpu")
-    target = gpu_scale.build_target("tiny", cpu, torch.float32)
-    draft, cfg, teacher, build_objective = gpu_scale.build_draft(target, "eagle3", 256, 3, cpu)
-    inputs, _ = gpu_scale.capture(target, teacher, 48, seed=0)
-    objective = gpu_scale.replace_attention(build_objective(cfg), "default")
-    _, trained = gpu_scale._loss_and_grads(draft, objective, inputs, False, "default")
-    _, frozen = gpu_scale._loss_and_grads(draft, objective, inputs, False, "default+frozen_head")
+    target = build_target("tiny", cpu, torch.float32)
+    draft, cfg, teacher, build_objective = build_draft(target, "eagle3", 256, 3, cpu)
+    inputs, _ = capture(target, teacher, 48, seed=0)
+    objective = replace_attention(build_objective(cfg), "default")
+    _, trained = loss_and_grads(draft, objective, inputs, False, "default")
+    _, frozen = loss_and_grads(draft, objective, inputs, False, "default+frozen_head")
     assert "lm_head.weight" in trained and set(frozen) == set(trained) - {"lm_head.weight"}
     for name, grad in frozen.items():
         torch.testing.assert_close(grad, trained[name], rtol=1e-5, atol=1e-7, msg=name)

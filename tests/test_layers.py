@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 from conftest import ROOT
@@ -22,10 +23,12 @@ STANDS_ON = {
     "records": ("errors", "files"),  # what a run leaves in its folder (metrics, checkpoints), read back
     "device": ("config",),  # the machine, and the precision auto chooses on it
     "data": ("config", "errors", "files"),  # conversations -> samples
-    "targets": ("config", "device", "errors", "files", "hub"),  # the frozen target, its capture and its store
+    # the frozen target, its capture and its store; a target served by vLLM (targets/served.py) starts the server
+    "targets": ("config", "device", "errors", "files", "hub", "serving"),
     "generation": ("data", "targets", "serving"),  # the target writing answers
-    "draft": ("targets",),  # what every draft method shares: the spec, the model base, the unroll, drafting
-    # what every export format shares, knowing no method: the format class, the Llama layout, the check's report
+    "draft": ("targets",),  # what every draft method shares: the spec, the model base, the objective, drafting
+    # what every export format shares, knowing no method: the format interface, what every layout writes alike,
+    # the check's report
     "formats": ("draft",),
     "methods": ("draft", "formats"),  # the draft methods, one folder each (export formats included), by name
     "compose": ("methods",),  # a run's settings composed through Hydra, the draft's as its method's class
@@ -84,9 +87,26 @@ def imports_of(path: Path, package: Path) -> list[tuple[int, str]]:
     return found
 
 
+# "studies", "studies/peers", "studies.levers", ".../studies": the folder or module, not the word in a sentence
+STUDIES_PATH = re.compile(r"^studies$|\bstudies[/\\.]\w|[/\\]studies\b")
+
+
+def studies_paths_of(path: Path) -> list[tuple[int, str]]:
+    """(line, the words around it) of every string in ``path`` that names the studies as a folder or module (a path
+    built from it, a module name handed to importlib); docstrings, which may point a reader there, are not counted."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    strings = [node for node in ast.walk(tree)
+               if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+    return [(node.lineno, node.value[max(found.start() - 20, 0): found.end() + 20]) for node in strings
+            for found in [STUDIES_PATH.search(node.value)] if found]
+
+
 def broken_rules(package: Path) -> list[str]:
     """Every import that breaks the floors, as 'file:line: A imports B (floor m above floor n)'; a unit that is on
-    no floor, and an import of the studies, are broken rules too."""
+    no floor, an import of the studies and a path to them are broken rules too."""
     broken = []
     for path in sorted(package.rglob("*.py")):
         rel = path.relative_to(package.parent)
@@ -97,6 +117,9 @@ def broken_rules(package: Path) -> list[str]:
             broken.append(f"{rel}: the unit {unit!r} stands on no floor: say what it stands on in STANDS_ON "
                           "(tests/test_layers.py)")
             continue
+        for line, text in studies_paths_of(path):
+            broken.append(f"{rel}:{line}: names the studies in a path ({text!r}): the package stands without "
+                          "the studies beside it")
         for line, module in imports_of(path, package):
             if module.split(".")[0] == "studies":
                 broken.append(f"{rel}:{line}: imports {module}: the package stands without the studies beside it")
@@ -131,7 +154,7 @@ def test_the_floors_hold_no_circle_and_put_the_stages_in_their_order():
 def test_an_import_up_a_floor_or_of_the_studies_is_named(tmp_path):
     """The rule fails where it should: evaluate importing run (the wiring), export importing training (reading a
     checkpoint), the formats' core asking the methods' registry, a sibling importing a sibling, an unplaced unit,
-    and the package importing a study."""
+    and the package importing a study or reaching the studies' folder by path (a docstring may name it)."""
     package = tmp_path / "specforge_lite"
     files = {"evaluate/finished.py": "def f():\n    from ..run import Run\n",
              "export/__init__.py": "from ..training.checkpoint import load_checkpoint\n",
@@ -140,7 +163,10 @@ def test_an_import_up_a_floor_or_of_the_studies_is_named(tmp_path):
              "evaluate/rank.py": "from ..records import read_metrics\n",
              "newstage/x.py": "from ..config import Config\n", "bench/levers.py": "from studies import levers\n",
              "formats/format.py": "def f():\n    from ..methods import draft_method\n",
-             "methods/eagle3/export/vllm.py": "from ....formats import ExportFormat\n"}
+             "methods/eagle3/export/vllm.py": "from ....formats import ExportFormat\n",
+             "bench/peers.py": '"""Drivers in studies/peers/ (a docstring may say so)."""\nfrom pathlib import Path\n'
+                               'DRIVERS = Path(__file__).parents[2] / "studies" / "peers"\n'
+                               'NAME, HELP = "studies.levers", f"run {DRIVERS} (the studies beside the package)"\n'}
     for name, text in files.items():
         (package / name).parent.mkdir(parents=True, exist_ok=True)
         (package / name).write_text(text)
@@ -153,4 +179,16 @@ def test_an_import_up_a_floor_or_of_the_studies_is_named(tmp_path):
     assert "formats/format.py:2: formats imports methods" in broken
     assert "records.py" not in broken and "targets/store.py" not in broken and "rank.py" not in broken
     assert "vllm.py" not in broken
-    assert len(broken.splitlines()) == 6
+    assert "bench/peers.py:3: names the studies in a path ('studies')" in broken
+    assert "bench/peers.py:4: names the studies in a path ('studies.levers')" in broken
+    assert "bench/peers.py:1" not in broken and "beside the package" not in broken
+    assert len(broken.splitlines()) == 8
+
+
+PACKAGE_LINES_BUDGET = 24_000  # docs/design.md, "What belongs in the package"
+
+
+def test_the_package_stays_within_its_size_budget():
+    """What grows past the budget moves out (a study to studies/) or is written once below the stages that share it."""
+    lines = sum(len(p.read_text().splitlines()) for p in (ROOT / "specforge_lite").rglob("*.py"))
+    assert lines <= PACKAGE_LINES_BUDGET, f"specforge_lite/ holds {lines} lines of Python, over {PACKAGE_LINES_BUDGET}"

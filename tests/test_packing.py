@@ -10,7 +10,7 @@ from specforge_lite.methods.eagle3.settings import Eagle3Settings
 from specforge_lite.compose import load_config
 from specforge_lite.data.loader import collate, collate_packed, pack
 from specforge_lite.data.vocab import DraftVocab
-from specforge_lite.draft import UnrollObjective
+from specforge_lite.methods.eagle3.objective import TTTObjective
 from specforge_lite.methods import draft_spec
 from specforge_lite.methods.eagle3.model import Eagle3Draft
 from specforge_lite.targets import build_target
@@ -60,7 +60,7 @@ def test_pack_is_first_fit_in_order_and_keeps_every_token():
 def test_packed_and_unpacked_losses_are_equal(preset, backend):
     target = build_target(load_config([f"model={preset}", "tracker=none", f"target.backend={backend}"]))
     draft = make_draft(target)
-    teacher, objective = Teacher(target, draft.draft_vocab_ids(), draft.t2d), UnrollObjective.from_config(CFG)
+    teacher, objective = Teacher(target, draft.draft_vocab_ids(), draft.t2d), TTTObjective.from_config(CFG)
     rows = conversations(target.vocab_size)
     unpacked = collate(rows, 0)
     packed = collate_packed(rows, 0, 32)

@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_draft, tiny_target, tiny_teacher
 from specforge_lite.config import TrackerConfig, TrainerConfig
 from specforge_lite.data import BatchStream
-from specforge_lite.draft import UnrollObjective
+from specforge_lite.methods.eagle3.objective import TTTObjective
 from specforge_lite.methods.eagle3.settings import Eagle3Settings
 from specforge_lite.records import load_checkpoint
 from specforge_lite.training.loop import train
@@ -32,7 +32,7 @@ def train_with_eval(run_dir, max_steps, every_steps=2, stop_at=None, keep_best="
     cfg = TrainerConfig(max_steps=max_steps, micro_batch_size=2, grad_accum_steps=1, lr=3e-3, save_every=1,
                         stop_at_step=stop_at, progress_bar=False, precision="fp32", keep_best=keep_best,
                         export_best=export_best, keep_checkpoints=keep_checkpoints)
-    objective = UnrollObjective.from_config(Eagle3Settings(ttt_length=2))
+    objective = TTTObjective.from_config(Eagle3Settings(ttt_length=2))
     teacher = tiny_teacher(target, draft)
     heldout = synthetic_dataset(n=3, seed=1)
     measure = lambda module: heldout_accuracy(objective, teacher, module, heldout, 0, 2)  # noqa: E731 (job.py's)
@@ -109,11 +109,13 @@ def test_a_resume_keeps_the_best_so_far(tmp_path):
 ])
 def test_bad_periodic_settings_are_refused_in_one_line(overrides, said):
     from specforge_lite.compose import load_config
+    from specforge_lite.methods import METHODS
     from specforge_lite.settings import periodic_problems
 
-    problems = periodic_problems(load_config(overrides))
+    problems = periodic_problems(load_config(overrides), METHODS["eagle3"])
     assert len(problems) == 1 and said in problems[0] and "\n" not in problems[0]
-    assert periodic_problems(load_config(["eval.every_steps=5", "trainer.keep_best=heldout_acc_0"])) == []
+    config = load_config(["eval.every_steps=5", "trainer.keep_best=heldout_acc_0"])
+    assert periodic_problems(config, METHODS["eagle3"]) == []
 
 
 @pytest.mark.parametrize("overrides, said", [(["eval.every_steps=0"], "eval.every_steps=0: allowed [1, inf)"),

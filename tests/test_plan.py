@@ -105,7 +105,7 @@ def test_an_unreadable_target_is_one_line():
 
 def test_a_method_the_fake_run_cannot_size_is_one_line(capsys):
     # DFlash's loss picks its rows by value (a shape a fake tensor cannot know): refused, naming what is sized
-    assert plan.main(["model=llama3_tiny", "draft=dflash", "eval.num_draft_tokens=4"]) == 2
+    assert plan.main(["model=llama3_tiny", "draft=dflash"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "draft=dflash" in err and "draft=eagle3" in err
 

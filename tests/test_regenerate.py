@@ -216,7 +216,7 @@ def test_rounds_stop_when_the_next_would_end_past_the_budget_and_the_next_run_go
     (dict(max_minutes=5.0, round_conversations=4), True, "set data.generation.max_conversations"),
 ])
 def test_rounds_settings_that_would_not_be_read_are_refused(generation, regenerate, words):
-    from specforge_lite.data.prepare import data_setting_problems
+    from specforge_lite.data.sources import data_setting_problems
 
     problems = data_setting_problems(DataConfig(regenerate=regenerate, generation=GenerationConfig(**generation)))
     assert len(problems) == 1 and words in problems[0], problems
@@ -225,7 +225,7 @@ def test_rounds_settings_that_would_not_be_read_are_refused(generation, regenera
 def test_regeneration_off_leaves_the_rounds_unread():
     """data.regenerate=false on a recipe that answers in rounds: no rounds, nothing refused (the natural command
     was refused, naming data.generation.max_minutes, which the user never set)."""
-    from specforge_lite.data.prepare import data_setting_problems
+    from specforge_lite.data.sources import data_setting_problems
 
     rounds = GenerationConfig(max_minutes=5.0, round_conversations=4, max_conversations=12)
     assert data_setting_problems(DataConfig(regenerate=False, generation=rounds)) == []

@@ -22,20 +22,19 @@ from specforge_lite.settings import check_settings, setting_problems
     (["export.format=sglang", "draft.num_layers=2"], "draft.num_layers=2: SGLang's EAGLE3 draft is one layer"),
     (["export.format=sglang", "draft.parallel_drafting=true"], "the sglang format has no mask slots"),
     (["export.format=sglang", "draft.norm_before_residual=true"], "SGLang's EAGLE3 draft always takes the residual"),
-    (["draft=dflash", "draft.ttt_length=3", "draft.norm_before_residual=true"],
-     "does not take draft.norm_before_residual"),
+    (["draft=dflash", "draft.norm_before_residual=true"], "does not take draft.norm_before_residual"),
+    (["draft=dflash", "draft.ttt_length=3"], "draft=dflash does not take draft.ttt_length"),  # (EAGLE3's setting)
+    (["draft=dflash", "draft.block_size=6"], "draft=dflash with draft.block_size=6 proposes 5 tokens per block but is "
+                                             "served with eval.num_draft_tokens=3"),
+    (["draft=dspark", "draft.block_size=0"], "draft.block_size=0: allowed [1, inf)"),
+    (["draft.block_size=4"], "draft=eagle3 does not take draft.block_size"),
     (["export.format=dflash"], "export.format=dflash cannot write a eagle3 draft"),
-    (["draft=dflash", "draft.ttt_length=3", "eval.drafting=tree"], "dflash draft is evaluated greedy and as a "
-                                                                         "chain"),
+    (["draft=dflash", "eval.drafting=tree"], "dflash draft is evaluated greedy and as a chain"),
     (["draft.parallel_drafting=true", "eval.drafting=tree"], "P-EAGLE) draft proposes one chain"),
-    (["eval.drafting=beam"], "eval.drafting='beam': use one of chain, tree"),
-    (["eval.serve=sglang"], "eval.serve='sglang': use vllm"),
     (["draft=medusa"], "draft=medusa: no such method; use one of dflash, dflash2, dspark, eagle3"),
     (["draft.freeze_lm_head=true", "draft.init_lm_head_from_target=false"], "a frozen lm_head would keep its random"),
-    (["trainer.optimizer=sgd"], "trainer.optimizer='sgd': use one of adamw, muon"),
     (["trainer.optimizer=muon", "trainer.deepspeed.enabled=true"], "which Muon cannot orthogonalise as matrices"),
     (["trainer=zero2"], "use trainer.optimizer=adamw under DeepSpeed (the embedded recipe"),  # (its Muon)
-    (["trainer.schedule=step"], "trainer.schedule='step': use one of cosine, linear"),
     (["draft.ttt_attention=flash"], "draft.ttt_attention='flash': use one of blockwise, flex, dense, sdpa"),
     (["draft.ttt_attention=flex"], "draft.ttt_attention=flex needs a CUDA device"),  # (these machines have none)
     # (a data.path no source reads: once dropped silently, a missing file passing too)
@@ -48,6 +47,47 @@ def test_a_setting_no_run_could_finish_with_is_refused_before_training(overrides
     """Each of these used to be refused only at the export or the evaluation, after the whole training."""
     with pytest.raises(ValueError, match=re.escape(said)):
         check_settings(load_config(["tracker=none", *overrides]))
+
+
+@pytest.mark.parametrize("override, said", [
+    ("data.loss_turns=al", "data.loss_turns=al: not one of all, last"),
+    ("target.backend=vlm", "target.backend=vlm: not one of hf, lean"),
+    ("draft.loss=kl", "draft.loss=kl: not one of soft_ce, acceptance, tv"),
+    ("data.store_order=random", "data.store_order=random: not one of global, shard"),
+    ("trainer.precision=fp16", "trainer.precision=fp16: not one of auto, fp32, bf16"),
+    ("data.generation.engine=vllm", "data.generation.engine=vllm: not one of auto, lean, hf, openai"),
+    ("eval.serve=sglang", "eval.serve=sglang: not one of vllm, null"),
+    ("trainer.optimizer=sgd", "trainer.optimizer=sgd: not one of adamw, muon"),
+    ("model.family=lama", "model.family=lama: not one of gemma3, gemma4, gpt_oss, llama, llama3, llama4, mistral"),
+])
+def test_a_closed_choice_given_another_value_is_refused_in_one_line_when_the_settings_are_composed(override, said):
+    """Each of these was refused only where it is used (draft.loss once the target had loaded), and --cfg job
+    printed it as a valid configuration: train.py's command line says it before Hydra composes anything."""
+    from specforge_lite.train import cli
+
+    with pytest.raises(ValueError) as refused:
+        load_config(["tracker=none", override])
+    assert str(refused.value).startswith(said) and "\n" not in str(refused.value)
+    for command in ([override], ["--cfg", "job", override]):
+        with pytest.raises(SystemExit) as exited, pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sys, "argv", ["train.py", *command])
+            cli()
+        assert str(exited.value.code).startswith(f"error: {said}") and "\n" not in str(exited.value.code)
+
+
+def test_a_closed_choice_is_its_value_in_code_and_in_the_saved_config():
+    """A choice compares with, prints as and is saved as its value; an earlier version's name for one reads as it
+    (target.backend=custom, the lean backend's; data.source=jsonl, path's), and a sweep's values are checked each."""
+    from omegaconf import OmegaConf
+
+    config = load_config(["tracker=none", "data.loss_turns=last", "target.backend=custom", "data=sharegpt",
+                          "data.source=jsonl", "data.path=chats.jsonl"])
+    assert config.data.loss_turns == "last" and f"{config.data.loss_turns}" == "last"
+    assert config.target.backend == "lean" and config.data.source == "path"
+    saved = OmegaConf.to_yaml(OmegaConf.structured(config))
+    assert "loss_turns: last\n" in saved and "backend: lean\n" in saved and "source: path\n" in saved
+    with pytest.raises(ValueError, match="^data.loss_turns=first: not one of all, last$"):
+        load_config(["data.loss_turns=all,first"])
 
 
 def test_a_real_target_trains_with_the_scale_recipe_and_says_so_before_loading(tmp_path):
@@ -73,13 +113,13 @@ def test_a_real_target_trains_with_the_scale_recipe_and_says_so_before_loading(t
         said[tuple(recipe)] = [x for x in run.stdout.splitlines() if x.startswith("[")]
     assert said[()] == [said[()][0]] and said[()][0].startswith(
         "[recipe] scale: llama3_8b on builtin_chitchat+self_generated, the target's own answers")
-    assert "rows up to 2048 tokens; draft vocabulary 32000, TTT 7; 2 epochs" in said[()][0]
+    assert "rows up to 2048 tokens; draft vocabulary 32000, ttt length 7; 2 epochs" in said[()][0]
     demo = said[("recipe=cpu_20min",)]
     assert demo[0].startswith("[recipe] cpu_20min: llama3_8b") and "leave recipe out (recipe=scale" in demo[1]
 
 
 def test_every_problem_is_said_at_once_and_train_py_says_them_before_building_anything(tmp_path):
-    overrides = ["trainer.micro_batch_size=0", "export.format=sglang", "draft.num_layers=2", "eval.serve=sglang"]
+    overrides = ["trainer.micro_batch_size=0", "export.format=sglang", "draft.num_layers=2", "eval.tree_budget=0"]
     problems = setting_problems(load_config(["tracker=none", *overrides]))
     assert len(problems) == 3 and "trainer.micro_batch_size=0: allowed [1, inf)" in problems[0]
     run = subprocess.run([sys.executable, str(ROOT / "train.py"), "model=llama3_tiny", "tracker=none", *overrides,
@@ -89,10 +129,15 @@ def test_every_problem_is_said_at_once_and_train_py_says_them_before_building_an
     assert "[target]" not in run.stdout  # refused before the target was built
 
 
-def test_the_defaults_of_every_method_pass():
-    for name in METHODS:
-        k = ["draft.ttt_length=3"] if name in ("dflash", "dspark", "dflash2") else []  # (a block is the served k)
-        assert setting_problems(load_config(["tracker=none", f"draft={name}", *k])) == []
+@pytest.mark.parametrize("recipe", ["cpu_20min", "scale", "none"])
+def test_every_registered_method_with_its_own_defaults_passes_the_settings_checks(recipe):
+    """``python train.py draft=<name>`` as written, for every method registered: its own settings (EAGLE3's unroll,
+    a block draft's block) default to what its checks take at the recipe's k, with no setting named here (a block
+    draft's defaults were once refused: the recipe's EAGLE3 unroll was read as its block)."""
+    for name, method in METHODS.items():
+        config = load_config(["tracker=none", f"recipe={recipe}", f"draft={name}"])
+        assert type(config.draft) is method.settings and setting_problems(config) == [], name
+        assert method.scored_steps(config.draft) >= 1
 
 
 def test_no_method_is_named_outside_its_own_module():
@@ -164,8 +209,8 @@ def test_each_method_owns_its_defaults_eagle3s_are_eagle_31s_and_no_documented_c
     assert norms("draft.norm_before_fc=false", "draft.norm_output=false") == (False, False, False)
     assert norms("draft.norm_output=false") == (True, False, False)
     for method in ("dflash", "dspark", "dflash2"):
-        assert norms(f"draft={method}", "draft.ttt_length=3", "eval.num_draft_tokens=3",
-                     "draft.mask_token_id=1") == (None, None, None)  # (a block draft's spec has no norms)
+        # (a block draft's spec has no norms)
+        assert norms(f"draft={method}", "draft.mask_token_id=1") == (None, None, None)
     refused = setting_problems(load_config(["tracker=none", "draft.use_aux_norm=true", "draft.norm_before_fc=true"]))
     assert any("not both" in p for p in refused)
 

@@ -454,7 +454,7 @@ def test_the_verification_is_timed_at_each_k_and_a_fixed_k_draft_gets_no_table()
     assert len(costs["target_verify_s_by_k"]) == 3 and all(t > 0 for t in costs["target_verify_s_by_k"])
     assert costs["target_verify_s_by_k"][-1] == costs["target_verify_s"]
     assert estimate_by_k([0.6, 0.3, 0.1], costs)["best_k"] in (1, 2, 3)
-    block = tiny_block_draft(target, ttt_length=3)
+    block = tiny_block_draft(target, block_size=4)
     costs = measure_step_costs(target, block, prompt, EvalConfig(num_draft_tokens=3), repeats=2)
     assert costs["target_verify_s_by_k"] is None and costs["target_verify_s"] > 0
     assert estimate_by_k([0.6, 0.3, 0.1], costs) == {"estimated_speedup_by_k": None, "best_k": None}

@@ -237,20 +237,20 @@ def test_init_from_names_a_damaged_export(export, damage):
     assert "export" in message.split(str(export), 1)[1], message  # the fix: export (or fetch) it again
 
 
-@pytest.mark.parametrize("method, trained_k", [("dflash", 3), ("dspark", 3), ("dflash2", 3)])
+@pytest.mark.parametrize("method, trained_block", [("dflash", 3), ("dspark", 3), ("dflash2", 3)])
 def test_init_from_a_block_draft_of_another_k_is_refused_with_the_setting_to_continue_it(tmp_path, method,
-                                                                                         trained_k):
+                                                                                         trained_block):
     """H3: a block draft's block is its input, fixed at its training: a run continuing it at another
-    draft.ttt_length would train one block size and export the other (labelled with the old k)."""
+    draft.block_size would train one block size and export the other (labelled with the old k)."""
     from specforge_lite.run import initial_draft
     from test_dflash import tiny_block_draft
 
-    draft = tiny_block_draft(tiny_target(aux_ids=[2, 4, 6]), method, ttt_length=trained_k)
+    draft = tiny_block_draft(tiny_target(aux_ids=[2, 4, 6]), method, block_size=trained_block)
     out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / method)
-    spec, _ = initial_draft(init_from(out, f"draft.method={method}", f"draft.ttt_length={trained_k}"),
+    spec, _ = initial_draft(init_from(out, f"draft.method={method}", f"draft.block_size={trained_block}"),
                             log=lambda m: None)
-    with pytest.raises(ValueError, match=f"draft.init_from={out} .*draft.ttt_length={trained_k}") as refused:
-        initial_draft(init_from(out, f"draft.method={method}", f"draft.ttt_length={trained_k + 2}"),
+    with pytest.raises(ValueError, match=f"draft.init_from={out} .*draft.block_size={trained_block}") as refused:
+        initial_draft(init_from(out, f"draft.method={method}", f"draft.block_size={trained_block + 2}"),
                       log=lambda m: None)
     assert "\n" not in str(refused.value)
 
@@ -280,7 +280,7 @@ def train_tiny(run_dir, max_steps, stop_at=None, freeze_lm_head=False, optimizer
     """test_training's tiny run, with the draft's lm_head frozen or not (draft.freeze_lm_head)."""
     from specforge_lite.config import TrackerConfig, TrainerConfig
     from specforge_lite.data import BatchStream
-    from specforge_lite.draft import UnrollObjective
+    from specforge_lite.methods.eagle3.objective import TTTObjective
     from specforge_lite.methods.eagle3.settings import Eagle3Settings
     from specforge_lite.training.loop import train
     from specforge_lite.training.tracking import Tracker
@@ -294,7 +294,7 @@ def train_tiny(run_dir, max_steps, stop_at=None, freeze_lm_head=False, optimizer
     cfg = TrainerConfig(max_steps=max_steps, micro_batch_size=2, grad_accum_steps=1, lr=3e-3, save_every=1,
                         stop_at_step=stop_at, progress_bar=False, precision="fp32", optimizer=optimizer)
     stream = BatchStream(synthetic_dataset(), cfg.micro_batch_size, pad_id=0, seed=0)
-    return train(cfg, UnrollObjective.from_config(Eagle3Settings(ttt_length=2)), tiny_teacher(target, draft), draft,
+    return train(cfg, TTTObjective.from_config(Eagle3Settings(ttt_length=2)), tiny_teacher(target, draft), draft,
                  stream, run_dir, lambda step: Tracker(TrackerConfig(kind="none"), run_dir, {}, resume_step=step),
                  draft.spec.to_dict(), log=log)
 

@@ -16,7 +16,7 @@ from conftest import file_size_limit, tiny_draft, tiny_target, tiny_teacher
 from specforge_lite.config import TrackerConfig, TrainerConfig
 from specforge_lite.data import BatchStream
 from specforge_lite.data.vocab import DraftVocab
-from specforge_lite.draft import UnrollObjective
+from specforge_lite.methods.eagle3.objective import TTTObjective
 from specforge_lite.methods.eagle3.settings import Eagle3Settings
 from specforge_lite.records import is_complete
 from specforge_lite.training import checkpoint as ckpt_mod
@@ -52,7 +52,7 @@ def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, res
                         muon_lr=muon_lr)
     stream = stream_cls(synthetic_dataset(seed=data_seed, answers=answers), cfg.micro_batch_size, pad_id=0, seed=seed,
                         **stream_kw)
-    result = train(cfg, UnrollObjective.from_config(Eagle3Settings(ttt_length=3)), tiny_teacher(target, draft), draft,
+    result = train(cfg, TTTObjective.from_config(Eagle3Settings(ttt_length=3)), tiny_teacher(target, draft), draft,
                    stream, run_dir,
                    lambda step: Tracker(TrackerConfig(kind="none"), run_dir, {}, resume_step=step),
                    draft.spec.to_dict(), log=log, steps_per_epoch=steps_per_epoch)
@@ -502,7 +502,7 @@ def test_resume_refuses_a_checkpoint_from_another_draft(tmp_path):
     cfg = TrainerConfig(max_steps=4, micro_batch_size=2, progress_bar=False)
     stream = BatchStream(synthetic_dataset(), 2, pad_id=0, seed=0)
     with pytest.raises(RuntimeError, match="does not fit this draft|size mismatch"):
-        train(cfg, UnrollObjective.from_config(Eagle3Settings(ttt_length=2)), tiny_teacher(target, other), other,
+        train(cfg, TTTObjective.from_config(Eagle3Settings(ttt_length=2)), tiny_teacher(target, other), other,
               stream, tmp_path,
               lambda s: Tracker(TrackerConfig(kind="none"), tmp_path, {}, resume_step=s), other.spec.to_dict(),
               log=lambda m: None)
@@ -685,7 +685,7 @@ def test_training_with_the_acceptance_loss_learns(tmp_path):
     cfg = TrainerConfig(max_steps=40, micro_batch_size=2, lr=3e-3, save_every=0, progress_bar=False,
                         precision="fp32", warmup_ratio=0.1)
     stream = BatchStream(synthetic_dataset(), 2, pad_id=0, seed=0)
-    train(cfg, UnrollObjective.from_config(Eagle3Settings(ttt_length=3, loss="acceptance")),
+    train(cfg, TTTObjective.from_config(Eagle3Settings(ttt_length=3, loss="acceptance")),
           tiny_teacher(target, draft), draft, stream, tmp_path,
           lambda step: Tracker(TrackerConfig(kind="none"), tmp_path, {}, resume_step=step), draft.spec.to_dict(),
           log=lambda m: None)

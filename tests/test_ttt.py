@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import EAGLE31, tiny_draft, tiny_target
-from specforge_lite.draft.objective import UnrollObjective, UnrollInputs
+from specforge_lite.draft.objective import UnrollInputs
+from specforge_lite.methods.eagle3.objective import TTTObjective
 from specforge_lite.draft.ttt import TTTCache
 from specforge_lite.draft.drafting import DraftContext, draft_chain
 
@@ -126,7 +127,7 @@ def test_loss_alignment_and_normalisation():
     teacher = torch.randn(B, T, V)
     in_vocab = torch.rand(B, T) > 0.2
     loss_mask = (torch.rand(B, T) > 0.3).long()
-    out = UnrollObjective(ttt_length=3, decay=0.8).unroll(draft, UnrollInputs(aux, ids, teacher, in_vocab, loss_mask))
+    out = TTTObjective(ttt_length=3, decay=0.8).unroll(draft, UnrollInputs(aux, ids, teacher, in_vocab, loss_mask))
     with torch.no_grad():  # the reference below reuses only the per-step outputs checked above
         per_step = vectorised_unroll_batched(draft, aux, ids, 3)
     expected_total = 0.0
@@ -346,7 +347,7 @@ def test_under_autocast_every_product_of_a_whole_unroll_runs_in_bf16():
                         {"checkpointing": True, "loss_chunk_rows": 5}, {"loss": "acceptance", "loss_chunk_rows": 4}):
             with _Dispatched() as seen:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
-                    out = UnrollObjective(ttt_length=3, **options).unroll(draft, inputs)
+                    out = TTTObjective(ttt_length=3, **options).unroll(draft, inputs)
                 out.loss.backward()
             draft.zero_grad()
             fp32 = [o for o in seen.ops if o.op in _Dispatched.PRODUCTS and torch.float32 in o.dtypes]
@@ -484,7 +485,7 @@ def test_the_host_waits_for_the_device_only_before_the_unrolls_first_product():
     waits = {torch.ops.aten.nonzero, torch.ops.aten._local_scalar_dense, torch.ops.aten.item}
     for options in ({}, {"checkpointing": True}):
         with _Dispatched() as seen:
-            UnrollObjective(ttt_length=7, **options).unroll(draft, inputs).loss.backward()
+            TTTObjective(ttt_length=7, **options).unroll(draft, inputs).loss.backward()
         ops = [o.op for o in seen.ops]
         first_product = next(i for i, op in enumerate(ops) if op in _Dispatched.PRODUCTS)
         assert [op for op in ops[first_product:] if op in waits] == [], options
@@ -495,7 +496,7 @@ def _same_results_whatever_the_memory_options(target, draft):
 
     def run(**options):
         draft.zero_grad()
-        out = UnrollObjective(ttt_length=3, **options).unroll(draft, inputs)
+        out = TTTObjective(ttt_length=3, **options).unroll(draft, inputs)
         out.loss.backward()
         return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 
@@ -625,7 +626,7 @@ def test_settings_no_run_can_use_are_refused_before_anything_is_built(tmp_path):
             run(load_config(["model=llama3_tiny", "tracker=none", *overrides]), tmp_path / "run", log=lambda m: None)
         assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="ttt_length=0"):
-        UnrollObjective(ttt_length=0)
+        TTTObjective(ttt_length=0)
 
 
 # ---- P-EAGLE (parallel drafting) --------------------------------------------------------------------------
@@ -675,7 +676,7 @@ def test_parallel_draft_unroll_is_the_servers_one_forward_over_mask_slots():
         teacher = torch.randn(B, T, draft.spec.draft_vocab_size)
         loss_mask = torch.ones(B, T, dtype=torch.long)
         in_vocab = torch.ones(B, T, dtype=torch.bool)
-        out = UnrollObjective(ttt_length=steps, decay=0.8).unroll(draft, UnrollInputs(aux, ids, teacher, in_vocab,
+        out = TTTObjective(ttt_length=steps, decay=0.8).unroll(draft, UnrollInputs(aux, ids, teacher, in_vocab,
                                                                                      loss_mask))
         with torch.no_grad():
             state, cache, got = draft.project_aux(aux), TTTCache(), []

@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator
 from ..errors import UserError
 from ..files import fsync, write_then_rename
 from ..training.output_dir import LOCK
+from .judge import JUDGES
 
 DECISIONS, CURRENT, REPORTS, SETTINGS = "decisions.jsonl", "current", "reports", "settings.json"
 VERSION = re.compile(r"v[0-9]{4}")
@@ -62,6 +63,34 @@ WRITERS = "the next command that writes the home (run, watch or rollback)"
 LOCK_GRACE_S = 0.5
 LOST = ("it has lost lines. Nothing was changed: restore it from a backup, then run the command again (a version "
         "published but never logged is only ever the newest, and never current)")
+
+# what each setting in HOME/settings.json must be (``settings_problem``); timeout_minutes may be absent (a home made
+# before it: loop.py's TIMEOUT_MINUTES), minutes and timeout_minutes null (no budget, no timeout)
+KINDS = {"judge": "judge", "margin": "number", "tolerance": "number", "replay_ratio": "share",
+         "heldout_fraction": "share", "min_conversations": "count", "steps": "count", "minutes": "number or null",
+         "timeout_minutes": "number or null", "k": "count", "eval_prompts": "count", "max_new_tokens": "count"}
+
+
+def settings_problem(settings: dict) -> str | None:
+    """What is wrong with a home's settings (HOME/settings.json read as a JSON object), or None: a setting missing
+    or unknown, or not of its kind (a number, a count, a share in [0, 1), a judge)."""
+    unknown = sorted(set(settings) - set(KINDS))
+    if unknown:
+        return f"{', '.join(unknown)} {'is not a setting' if len(unknown) == 1 else 'are not settings'} (the " \
+               f"settings: {', '.join(KINDS)})"
+    missing = [k for k in KINDS if k not in settings and k != "timeout_minutes"]
+    if missing:
+        return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
+    for key, value in settings.items():
+        kind, number = KINDS[key], isinstance(value, (int, float)) and not isinstance(value, bool)
+        wrong = {"judge": value not in JUDGES, "number": not number, "number or null": value is not None and not number,
+                 "count": not (number and isinstance(value, int) and value >= 0),
+                 "share": not (number and 0 <= value < 1)}[kind]
+        if wrong:
+            want = {"judge": f"one of {', '.join(JUDGES)}", "count": "a whole number, 0 or more",
+                    "share": "a share in [0, 1)"}.get(kind, f"a {kind}")
+            return f"{key} is {json.dumps(value)}: it must be {want}"
+    return None
 
 
 class AdaptHomeError(UserError):
@@ -153,10 +182,8 @@ class Home:
         return self
 
     def settings(self) -> dict:
-        """HOME/settings.json, each setting checked (loop.py ``settings_problem``); a file that is missing, does not
+        """HOME/settings.json, each setting checked (``settings_problem``); a file that is missing, does not
         read or holds a wrong setting stops the command, naming the file and the setting."""
-        from .loop import settings_problem
-
         path = self.root / SETTINGS
         try:
             data = path.read_bytes()

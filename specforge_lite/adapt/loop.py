@@ -40,33 +40,6 @@ DEFAULTS = {
     "eval_prompts": 24,  # prompts per judged set
     "max_new_tokens": 48,  # tokens generated per judged prompt
 }
-# what each setting in HOME/settings.json must be (``settings_problem``); timeout_minutes may be absent (a home made
-# before it: TIMEOUT_MINUTES), minutes and timeout_minutes null (no budget, no timeout)
-KINDS = {"judge": "judge", "margin": "number", "tolerance": "number", "replay_ratio": "share",
-         "heldout_fraction": "share", "min_conversations": "count", "steps": "count", "minutes": "number or null",
-         "timeout_minutes": "number or null", "k": "count", "eval_prompts": "count", "max_new_tokens": "count"}
-
-
-def settings_problem(settings: dict) -> str | None:
-    """What is wrong with a home's settings (HOME/settings.json read as a JSON object), or None: a setting missing
-    or unknown, or not of its kind (a number, a count, a share in [0, 1), a judge)."""
-    unknown = sorted(set(settings) - set(KINDS))
-    if unknown:
-        return f"{', '.join(unknown)} {'is not a setting' if len(unknown) == 1 else 'are not settings'} (the " \
-               f"settings: {', '.join(KINDS)})"
-    missing = [k for k in KINDS if k not in settings and k != "timeout_minutes"]
-    if missing:
-        return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
-    for key, value in settings.items():
-        kind, number = KINDS[key], isinstance(value, (int, float)) and not isinstance(value, bool)
-        wrong = {"judge": value not in JUDGES, "number": not number, "number or null": value is not None and not number,
-                 "count": not (number and isinstance(value, int) and value >= 0),
-                 "share": not (number and 0 <= value < 1)}[kind]
-        if wrong:
-            want = {"judge": f"one of {', '.join(JUDGES)}", "count": "a whole number, 0 or more",
-                    "share": "a share in [0, 1)"}.get(kind, f"a {kind}")
-            return f"{key} is {json.dumps(value)}: it must be {want}"
-    return None
 
 
 def check_judge(judge: str) -> None:

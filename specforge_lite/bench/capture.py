@@ -44,7 +44,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
 
     from ..compose import load_config
-    from ..draft.objective import UnrollObjective
+    from ..draft.objective import DraftObjective
     from ..targets import build_target
     from ..targets import HFTarget, Teacher
     from .memory import peak_bytes
@@ -64,7 +64,7 @@ def main(argv=None) -> None:
           f"{torch.get_num_threads()} threads")
 
     def step(target, ids, att, loss):
-        teachers[target.backend](target.capture(ids, att), UnrollObjective.teacher_positions(loss))
+        teachers[target.backend](target.capture(ids, att), DraftObjective.teacher_positions(loss))
 
     rows = []
     for T in [int(x) for x in a.seq_lens.split(",")]:

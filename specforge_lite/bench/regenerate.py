@@ -83,7 +83,7 @@ def main(argv=None) -> None:
 
     from ..compose import load_config
     from ..data.formats import MalformedRow, iter_rows, normalize_conversation
-    from ..data.prepare import data_file
+    from ..data.sources import data_file
     from ..data.regenerate import compute_shares
     from ..generation import LazyGenerator
     from ..generation import vllm_server

@@ -14,39 +14,15 @@ is printed per way; the last line names the memory ratio of the two longest rows
 
 ``--sequence-parallel N`` (under a launcher with N processes, gloo): each rank runs its share of every
 row (draft/sequence_parallel.py, DeepSpeed's all-to-all); the memory printed is rank 0's, the tokens/s
-the group's.
-
-``--peers NAME=PYTHON ...``: after the table, one training step of each peer's own EAGLE3 draft
-(studies/peers/NAME_step.py, run by that interpreter: its own TTT loop and loss) against ours (the
-defaults) on the same shapes, at ``--peer-seq-lens``: tokens/s, medians of ``--repeats`` steps after a
-warm-up, side by side, and our ratio to the faster peer. The peers live in a throwaway venv:
-
-    peers=$(scripts/setup_peers.sh | tail -1)
-    python -m specforge_lite.bench seq_scaling --peers specforge=$peers speculators=$peers
+the group's. The same step timed against the peers' own code: ``python -m studies step_speed`` (a checkout).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
 import time
-from pathlib import Path
 
 import torch
-
-# the peers' drivers live beside the package, in a checkout's studies/ (an installed wheel has none)
-PEER_DRIVERS = Path(__file__).resolve().parents[2] / "studies" / "peers"
-
-
-def peer_driver(name: str) -> Path:
-    """studies/peers/NAME_step.py of the checkout this package runs from; refused in one line where it is missing."""
-    path = PEER_DRIVERS / f"{name}_step.py"
-    if not path.is_file():
-        raise SystemExit(f"error: {path} is missing: the peers' drivers come with a checkout of the repository "
-                         f"(studies/peers/); run the benchmark from one, or leave --peers out")
-    return path
 
 WAYS = {"dense": dict(attention="dense", loss_chunk_rows=0), "blockwise": dict(attention="blockwise"),
         "blockwise+ckpt": dict(attention="blockwise", checkpointing=True)}
@@ -80,16 +56,13 @@ def main(argv=None) -> None:
     p.add_argument("--max-gib", type=float, default=20.0, help="skip a way whose estimate exceeds this")
     p.add_argument("--ways", default=",".join(WAYS), help="which of " + ", ".join(WAYS))
     p.add_argument("--sequence-parallel", type=int, default=1, help="ranks sharing each row (under torchrun)")
-    p.add_argument("--peers", nargs="*", default=[], help="NAME=PYTHON: a peer's driver and the venv it runs in")
-    p.add_argument("--peer-seq-lens", default="512,2048")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per peer comparison (median)")
     a = p.parse_args(argv)
     shard, say = _sequence_shard(a.sequence_parallel)
 
     from ..methods.eagle3.settings import Eagle3Settings
-    from ..draft.objective import UnrollObjective
+    from ..methods.eagle3.objective import TTTObjective
     from .memory import peak_bytes
-    from .shapes import SHAPES, synthetic_draft
+    from .shapes import SHAPES, synthetic_draft, synthetic_row
 
     shape = SHAPES[a.shape]
     draft = synthetic_draft(shape, Eagle3Settings(), a.draft_vocab)
@@ -101,13 +74,13 @@ def main(argv=None) -> None:
     results: dict[str, dict[int, tuple[float, float]]] = {w: {} for w in ways}
     say("| T | way | peak MiB | tokens/s |\n|---|---|---|---|")
     for T in [int(x) for x in a.seq_lens.split(",")]:
-        inputs = _row(shape, T, Vd)
+        inputs = synthetic_row(shape, T, Vd)
         for way, options in ways.items():
             if way == "dense" and _dense_bytes(shape, T, a.ttt) > a.max_gib * 2**30:
                 say(f"| {T} | {way} | skipped: its scores alone need "
                     f"{_dense_bytes(shape, T, a.ttt) / 2**30:.0f} GiB | |", flush=True)
                 continue
-            objective = UnrollObjective(a.ttt, **options, sequence=shard)
+            objective = TTTObjective(a.ttt, **options, sequence=shard)
 
             def step():
                 objective.unroll(draft, inputs).loss.backward()
@@ -128,67 +101,8 @@ def main(argv=None) -> None:
                 say(f"{way}: memory x{ratio:.2f} from T={lo} to T={hi} (linear: x4, quadratic: x16)")
                 if way != "dense":
                     last = (way, lo, hi, ratio)
-    if a.peers:
-        _against_peers(draft, shape, a, say)
-    if last:  # the last line, after any peer comparison
+    if last:
         say(f"memory ratio {last[2]}/{last[1]} ({last[0]}): {last[3]:.2f}")
-
-
-def _row(shape: dict, T: int, Vd: int):
-    from ..draft.objective import UnrollInputs
-
-    g = torch.Generator().manual_seed(T)
-    return UnrollInputs([torch.randn(1, T, shape["hidden_size"], generator=g) for _ in range(3)],
-                        torch.randint(0, shape["vocab_size"], (1, T), generator=g),
-                        torch.randn(1, T, Vd, generator=g), torch.ones(1, T, dtype=torch.bool),
-                        torch.ones(1, T, dtype=torch.long))
-
-
-def _median_step_seconds(step, repeats: int) -> float:
-    step()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _against_peers(draft, shape: dict, a, say) -> None:
-    """Tokens/s of one training step, ours (the default objective) and each peer's, on the same shapes."""
-    from ..draft.objective import UnrollObjective
-
-    peers = dict(item.split("=", 1) for item in a.peers)
-    say(f"\nOne draft training step (forward + loss + backward), TTT {a.ttt}, draft vocab {a.draft_vocab}, fp32, "
-        f"median of {a.repeats} after a warm-up:")
-    say("| T | ours tok/s | " + " | ".join(f"{n} tok/s" for n in peers) + " | ours / faster peer |")
-    say("|---" * (len(peers) + 3) + "|")
-    for T in [int(x) for x in a.peer_seq_lens.split(",")]:
-        inputs, objective = _row(shape, T, a.draft_vocab), UnrollObjective(a.ttt)
-
-        def step():
-            objective.unroll(draft, inputs).loss.backward()
-            draft.zero_grad(set_to_none=True)
-
-        ours = T / _median_step_seconds(step, a.repeats)
-        theirs, notes = {}, []
-        for name, python in peers.items():
-            cmd = [python, str(peer_driver(name)), "--seq-len", str(T), "--ttt", str(a.ttt),
-                   "--draft-vocab", str(a.draft_vocab), "--repeats", str(a.repeats), "--shape", json.dumps(shape),
-                   "--threads", str(torch.get_num_threads())]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                notes.append(f"{name} failed: {proc.stderr.strip().splitlines()[-1:]}")
-                continue
-            result = json.loads(proc.stdout.strip().splitlines()[-1])
-            theirs[name] = result["tokens_per_s"]
-            notes.append(f"{name} {result.get('version', '?')}: {result.get('notes', '')}")
-        best = max(theirs.values(), default=float("nan"))
-        say(f"| {T} | {ours:.0f} | " + " | ".join(f"{theirs[n]:.0f}" if n in theirs else "failed" for n in peers)
-            + f" | {ours / best:.2f}x |", flush=True)
-        if T == int(a.peer_seq_lens.split(",")[-1]):
-            for note in notes:
-                say(f"  {note}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Target shapes the benchmarks build a draft for without loading the target, and that draft."""
+"""Target shapes the benchmarks build a draft for without loading the target, that draft, and rows for it."""
 
 from __future__ import annotations
 
@@ -35,3 +35,15 @@ def synthetic_draft(shape: dict, draft_cfg, draft_vocab_size: int):
     # the target's table is read, never trained: a stride-0 stand-in of the right shape costs no memory
     draft.set_embedding(torch.zeros(1, spec.hidden_size).expand(spec.vocab_size, spec.hidden_size))
     return draft
+
+
+def synthetic_row(shape: dict, T: int, draft_vocab_size: int):
+    """One row of T tokens for that draft, every position scored: random aux states, ids and teacher logits
+    (seeded by T, so two measurements at one length see the same row)."""
+    from ..draft.objective import UnrollInputs
+
+    g = torch.Generator().manual_seed(T)
+    return UnrollInputs([torch.randn(1, T, shape["hidden_size"], generator=g) for _ in range(3)],
+                        torch.randint(0, shape["vocab_size"], (1, T), generator=g),
+                        torch.randn(1, T, draft_vocab_size, generator=g), torch.ones(1, T, dtype=torch.bool),
+                        torch.ones(1, T, dtype=torch.long))

@@ -57,7 +57,8 @@ def main(argv=None) -> None:
     batch = _fixed_length_batch(run.train_data, a.seq_len, pad_id(run.tokenizer)).to(target.device)
     n_tok = batch.num_tokens
     print(f"target {config.model.name} ({target.num_layers} layers, {target.dtype}) on {target.device}; "
-          f"draft vocab {vocab.size}, TTT {config.draft.ttt_length}; batch 1 x {a.seq_len} tokens, "
+          f"draft vocab {vocab.size}, {run.method.name} scoring {run.method.scored_steps(config.draft)} steps; "
+          f"batch 1 x {a.seq_len} tokens, "
           f"{int(batch.loss_mask.sum())} with loss; {torch.get_num_threads()} threads")
 
     results = {}

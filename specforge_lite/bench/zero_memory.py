@@ -52,8 +52,8 @@ def _flatten(obj):
 
 def worker(trainer: str, model: str, seq_len: int, out_path: str) -> None:
     from ..compose import load_config
-    from ..draft import UnrollObjective
     from ..draft.objective import UnrollInputs
+    from ..methods import build_objective
     from ..training.distributed import init_distributed
     from ..training.engine import DeepSpeedEngine
 
@@ -71,7 +71,7 @@ def worker(trainer: str, model: str, seq_len: int, out_path: str) -> None:
     ids = torch.randint(0, spec.vocab_size, (1, T), generator=g)
     teacher = torch.randn(1, T, Vd, generator=g)
     ones = torch.ones(1, T, dtype=torch.bool)
-    out = engine.forward(UnrollInputs(aux, ids, teacher, ones, ones.long()), UnrollObjective.from_config(config.draft))
+    out = engine.forward(UnrollInputs(aux, ids, teacher, ones, ones.long()), build_objective(config.draft))
     engine.engine.backward(out.loss)
 
     params = _storages(getattr(p, "ds_tensor", p) for p in module.parameters())

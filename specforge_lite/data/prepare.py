@@ -1,11 +1,10 @@
-"""Rows on disk -> tokenised training and held-out sets (cached), with malformed rows counted."""
+"""The sources' rows -> tokenised training and held-out sets (cached by content), with the rows skipped counted."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import random
-import stat
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -14,14 +13,14 @@ from typing import Any
 
 from ..config import DataConfig, GenerationConfig, MixSource, cache_dir
 from ..files import write_folder_then_rename
-from .builtin import chitchat_path, shapes_path
-from .chat import LOSS_TURNS, check_renderable, given_prompt, prompt_ids, tokenize_samples
+from .chat import given_prompt, prompt_ids, tokenize_samples
 from .errors import DataError, MalformedRow
-from .formats import conversation_images, is_pretokenized, normalize_conversation
+from .formats import conversation_images, is_pretokenized
 from .images import ImageInputs
-from .readers import SUFFIXES, hub_dataset, is_hub_id, iter_rows, source_files, source_name
+from .readers import is_hub_id, source_files, source_name
 from .regenerate import FailureBudget, regenerate, regeneration_key, regeneration_units
-from .self_generated import write_requests
+from .sources import (SELF_GENERATED, SourceRows, check_malformed, data_file, mix_conversations, mix_sources,
+                      read_sources)
 
 _PREP_VERSION = "5"  # bump when tokenisation or masking changes, so stale caches are not reused
 _HELDOUT_SEED = 1234  # fixed: the held-out split does not move with trainer.seed
@@ -39,107 +38,6 @@ class PreparedData:
         return self.heldout_prompt_images[i] if i < len(self.heldout_prompt_images) else []
 
 
-SELF_GENERATED = "self_generated"
-
-
-def mix_sources(cfg: DataConfig) -> list[MixSource]:
-    """The data's sources: data.mix for data.source=mix, else data.source alone. Without regeneration a mix's
-    self_generated requests have no answers, so they are left out (``describe_recipe`` says so)."""
-    if cfg.source != "mix":
-        return [MixSource(cfg.source, cfg.path, 1.0)]
-    if not cfg.mix:
-        raise DataError("data.source=mix needs data.mix, e.g. data.mix='[{source: builtin_chitchat, weight: 1}, "
-                        "{source: self_generated, weight: 1}]'")
-    for m in cfg.mix:
-        if m.weight <= 0:
-            raise DataError(f"data.mix: the weight of {m.source} is {m.weight}; weights must be positive")
-        if m.source == "mix":
-            raise DataError("data.mix cannot hold another mix")
-    if all(m.source == SELF_GENERATED for m in cfg.mix):
-        raise DataError("data.mix holds only self_generated: add a file source (its held-out conversations are the "
-                        "evaluation's held-out prompts), e.g. {source: builtin_chitchat, weight: 1}")
-    if any(m.source == SELF_GENERATED and m.regenerate is False for m in cfg.mix):
-        raise DataError("data.mix: self_generated with regenerate: false would train on empty answers; drop "
-                        "regenerate from that source")
-    return [m for m in cfg.mix if cfg.regenerate or m.source != SELF_GENERATED]
-
-
-PATH_SOURCES = ("path", "jsonl", "file")
-
-
-def data_setting_problems(cfg: DataConfig) -> list[str]:
-    """Data settings no run would read (said before anything runs, with the fix)."""
-    problems = []
-    if cfg.path is not None and cfg.source not in PATH_SOURCES:
-        problems.append(f"data.path={cfg.path} is read only with data.source=path, and data.source is {cfg.source}: "
-                        f"use data=sharegpt data.path={cfg.path}"
-                        + (" (or add {source: path, path: ...} to data.mix)" if cfg.source == "mix" else ""))
-    gen = cfg.generation
-    if (gen.round_conversations is None) != (gen.max_minutes is None):
-        given, missing = ("round_conversations", "max_minutes") if gen.max_minutes is None else \
-            ("max_minutes", "round_conversations")
-        problems.append(f"data.generation.{given} is read only together with data.generation.{missing} (rounds of "
-                        f"answers while there is time): set both, or neither")
-    elif cfg.regenerate and gen.max_minutes is not None and gen.max_conversations is None:
-        # (without regeneration there are no rounds: the recipe's round settings are not read)
-        problems.append("data.generation.max_minutes answers the training conversations in rounds up to "
-                        "data.generation.max_conversations: set data.generation.max_conversations (the most a run "
-                        "may take)")
-    return problems
-
-
-def data_file(cfg: DataConfig | MixSource) -> Path | str:
-    """Where a source's rows are: a file or folder, or a hub dataset's id (``hf:org/name[:split]``)."""
-    if cfg.source == "builtin_chitchat":
-        return chitchat_path()
-    if cfg.source == "builtin_shapes":
-        return shapes_path()
-    if cfg.source in PATH_SOURCES:
-        if not cfg.path:
-            raise DataError(f"data.source={cfg.source} needs data.path=/path/to/data.jsonl")
-        if is_hub_id(cfg.path):
-            hub_dataset(cfg.path)  # (loaded, or refused with the reason, before the target is built)
-            return cfg.path
-        path = Path(cfg.path).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(
-                f"data.path={str(path)!r} does not exist; give a file ({', '.join(SUFFIXES)}) or a folder of them, "
-                "a folder saved with datasets' save_to_disk, or a hub dataset as hf:org/name[:split]; or "
-                "data.source=builtin_chitchat")
-        return _read_once(path)
-    raise DataError(f"data.source={cfg.source!r}: use builtin_chitchat, builtin_shapes (image conversations, for "
-                    "vision targets), path (with data.path=...) or mix (with data.mix=...; its sources may also be "
-                    "self_generated)")
-
-
-_PIPED: dict[str, Path] = {}
-
-
-def _read_once(path: Path) -> Path:
-    """A pipe (data.path=/dev/stdin, a process substitution such as <(zcat chats.jsonl.gz)) can be read once, and
-    the data is read more than once (its fingerprint, then its rows): its bytes are kept in a file of the
-    cache, read from there. A regular file or a folder is read where it is."""
-    mode = path.stat().st_mode
-    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
-        return path
-    if str(path) not in _PIPED:
-        data = path.read_bytes()
-        suffix = ".json" if data.lstrip()[:1] == b"[" else ".jsonl"
-        copy = cache_dir() / "piped" / f"{hashlib.sha256(data).hexdigest()[:20]}{suffix}"
-        copy.parent.mkdir(parents=True, exist_ok=True)
-        copy.write_bytes(data)
-        _PIPED[str(path)] = copy
-    return _PIPED[str(path)]
-
-
-def check_data_sources(cfg: DataConfig) -> None:
-    """The data's files exist and its sources are known: said before the target is built (seconds to
-    minutes), not after."""
-    for source in mix_sources(cfg):
-        if source.source not in ("builtin_chitchat", "builtin_shapes", SELF_GENERATED):
-            data_file(source)
-
-
 def check_rows(cfg: DataConfig, tokenizer: Any, log=print) -> None:
     """Every row of the file sources read and rendered through the chat template with the tokenizer alone, before
     any of the target's weights load: a file too damaged to train on is refused here, not after minutes of loading
@@ -152,14 +50,14 @@ def check_rows(cfg: DataConfig, tokenizer: Any, log=print) -> None:
     source_key = _fingerprint(list(files.values()), tokenizer, cfg)
     if any(_complete(folder) for folder in (cache_dir() / "prepared").glob(source_key + "*")):
         return
-    read = _READ_BEFORE_TARGET[source_key] = _read_and_split(files, sources, cfg, tokenizer, None)
+    read = _READ_BEFORE_TARGET[source_key] = read_sources(files, sources, cfg, tokenizer, None)
     skipped = ", ".join(f"{n}x {reason}" for reason, n in read.reasons.most_common(3))
     log(f"[data] read before the target loads: {read.rows} rows, {sum(read.reasons.values())} skipped"
         + (f" ({skipped})" if skipped else ""))
 
 
 # check_rows's reading of each source key, taken once by prepare_data
-_READ_BEFORE_TARGET: dict[str, "_Read"] = {}
+_READ_BEFORE_TARGET: dict[str, SourceRows] = {}
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
 
 
@@ -210,19 +108,6 @@ def opening(messages: list[dict[str, str]]) -> str:
     return " ".join(first["content"].lower().split()) + "|".join(first.get("images") or [])
 
 
-@dataclass
-class _Read:
-    """The file sources read and split: each one's training pool, the held-out conversations of all, the rows
-    that could not be used (reason -> count, and where each reason first occurred)."""
-    pools: dict[int, list] = field(default_factory=dict)
-    heldout: list = field(default_factory=list)
-    reasons: Counter = field(default_factory=Counter)
-    first_at: dict[str, str] = field(default_factory=dict)
-    rows: int = 0
-    conversations: int = 0
-    as_written: set[int] = field(default_factory=set)  # (ids of the conversations regeneration leaves alone)
-
-
 def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerprint: str = "", log=print,
                  images: ImageInputs | None = None, request_writer=None) -> PreparedData:
     """Read, split, check, optionally regenerate with the target, tokenise; cached by content.
@@ -232,8 +117,6 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     mix holds self_generated. ``images``: how a vision target takes images (None: conversations with images
     are skipped and counted).
     """
-    if cfg.loss_turns not in LOSS_TURNS:
-        raise DataError(f"data.loss_turns={cfg.loss_turns!r}: use one of {LOSS_TURNS}")
     sources = mix_sources(cfg)
     if len(sources) < len(cfg.mix):
         log(f"[data] data.mix's {SELF_GENERATED} requests left out: only the target answers them "
@@ -253,14 +136,15 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     if _other_rank() and (_incomplete(done) / "stats.json").is_file():
         return _load_prepared(_incomplete(done))  # what rank 0 made just now, its failed conversations left out
 
-    read = _READ_BEFORE_TARGET.pop(source_key, None) or _read_and_split(files, sources, cfg, tokenizer, images)
-    overlap = _drop_heldout_openings(read.pools, read.heldout)
-    prompts, prompt_images = _heldout_prompts(read.heldout, tokenizer, images)
+    read = _READ_BEFORE_TARGET.pop(source_key, None) or read_sources(files, sources, cfg, tokenizer, images)
+    pools, heldout_read = _split_heldout(read.usable, sources, cfg)
+    overlap = _drop_heldout_openings(pools, heldout_read)
+    prompts, prompt_images = _heldout_prompts(heldout_read, tokenizer, images)
     path = next(iter(files.values()))
     stats: dict = {"file": str(path), "rows": read.rows, "conversations": read.conversations,
                    "heldout_overlap_removed": overlap}
-    train_convs, heldout_convs, cap, made = _answered(read, sources, cfg, tokenizer, generate, request_writer,
-                                                      model_fingerprint, regen_key, log)
+    train_convs, heldout_convs, cap, made = _answered(pools, heldout_read, read.as_written, sources, cfg, tokenizer,
+                                                      generate, request_writer, model_fingerprint, regen_key, log)
     stats.update(made)
     train, train_err = _tokenized(train_convs, cfg, tokenizer, images)
     heldout, held_err = _tokenized(heldout_convs, cfg, tokenizer, images)
@@ -269,7 +153,7 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
     # rows lost after parsing (a prompt too long, no answer within max_length, a template that renders the
     # turns otherwise) count against the same threshold as unparsable ones: a wrong template must not
     # silently drop most of the data
-    _check_malformed(read.rows, read.reasons, cfg, path, read.first_at, "could not be used")
+    check_malformed(read.rows, read.reasons, cfg, path, read.first_at, "could not be used")
     if len(train) == 0:
         raise DataError(
             f"no usable training conversations in {path} after filtering ({dict(read.reasons)}; {overlap} shared an "
@@ -344,8 +228,9 @@ def _discard(folder: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _answered(read: _Read, sources: list[MixSource], cfg: DataConfig, tokenizer: Any, generate, request_writer,
-              model_fingerprint: str, regen_key: str | None, log) -> tuple[list, list, int | None, dict]:
+def _answered(pools: dict[int, list], heldout_read: list, as_written: set[int], sources: list[MixSource],
+              cfg: DataConfig, tokenizer: Any, generate, request_writer, model_fingerprint: str, regen_key: str | None,
+              log) -> tuple[list, list, int | None, dict]:
     """The training and held-out conversations, with the target's answers where data.regenerate is on (in rounds
     while data.generation.max_minutes has time for another); how many training conversations were asked for (the
     prepared data's cap); the mix's and the regeneration's stats."""
@@ -354,11 +239,12 @@ def _answered(read: _Read, sources: list[MixSource], cfg: DataConfig, tokenizer:
     for n, cap in enumerate(caps):
         started = time.perf_counter()
         round_cfg = replace(cfg, generation=replace(cfg.generation, max_conversations=cap))
-        train, stats = _mixed(read.pools, sources, round_cfg, tokenizer, request_writer, model_fingerprint, log)
-        heldout = read.heldout
+        train, stats = mix_conversations(pools, sources, round_cfg, tokenizer, request_writer, model_fingerprint,
+                                         log)
+        heldout = heldout_read
         if cfg.regenerate:
             train, heldout, stats["regeneration"] = _regenerate_answers(
-                train, heldout, read.as_written, generate, round_cfg, regen_key, log)
+                train, heldout, as_written, generate, round_cfg, regen_key, log)
         now = time.perf_counter()
         if n + 1 == len(caps) or not _another_round(cfg.generation, cap, now - first, now - started, log):
             break
@@ -399,31 +285,18 @@ def _load_prepared(cached: Path) -> PreparedData:
                         json.loads((cached / "heldout_prompt_images.json").read_text()))
 
 
-def _read_and_split(files: dict[int, Path | str], sources: list[MixSource], cfg: DataConfig, tokenizer: Any,
-                    images: ImageInputs | None) -> _Read:
-    """Each file source: its conversations whose first prompt leaves room for an answer, a held-out share of
-    data.heldout_samples (by the source's weight, in a fixed order) and the rest as its training pool."""
-    read = _Read()
-    file_weight = sum(sources[i].weight for i in files)
-    for i, path in files.items():
-        conversations, bad, rows, where = _read_conversations(path, cfg, tokenizer, _takes_prompts(cfg, sources[i]))
-        read.reasons.update(bad)
-        read.first_at = {**where, **read.first_at}
-        read.rows += rows
-        read.conversations += len(conversations)
-        # A prompt that fills data.max_length leaves no room for an answer: never a sample, nor an eval prompt.
-        fits = [c for c in conversations if _prompt_fits(tokenizer, c, cfg.max_length, images)]
-        if len(fits) < len(conversations):
-            too_long = f"first prompt of data.max_length={cfg.max_length} tokens or more"
-            read.reasons[too_long] += len(conversations) - len(fits)
+def _split_heldout(usable: dict[int, list], sources: list[MixSource], cfg: DataConfig) -> tuple[dict[int, list], list]:
+    """Each file source's training pool and the held-out conversations of all: from each source a share of
+    data.heldout_samples (by its weight, in a fixed order), the rest its pool."""
+    pools, heldout = {}, []
+    file_weight = sum(sources[i].weight for i in usable)
+    for i, fits in usable.items():
         order = list(range(len(fits)))
         random.Random(_HELDOUT_SEED).shuffle(order)
         n_held = min(round(cfg.heldout_samples * sources[i].weight / file_weight), len(order) // 2)
-        read.heldout += [fits[j] for j in order[:n_held]]
-        read.pools[i] = [fits[j] for j in order[n_held:]]
-        if sources[i].regenerate is False:
-            read.as_written.update(map(id, fits))
-    return read
+        heldout += [fits[j] for j in order[:n_held]]
+        pools[i] = [fits[j] for j in order[n_held:]]
+    return pools, heldout
 
 
 def _drop_heldout_openings(pools: dict[int, list], heldout: list) -> int:
@@ -435,23 +308,6 @@ def _drop_heldout_openings(pools: dict[int, list], heldout: list) -> int:
         pools[i] = [c for c in pool if opening(c) not in held_openings]
         overlap += len(pool) - len(pools[i])
     return overlap
-
-
-def _mixed(pools: dict[int, list], sources: list[MixSource], cfg: DataConfig, tokenizer: Any, request_writer,
-           model_fingerprint: str, log) -> tuple[list, dict]:
-    """The training conversations: one source's pool, or the mix's sources interleaved by weight (with the
-    self-generated requests written first); at most data.max_samples. And the mix's stats."""
-    stats = {}
-    if len(sources) > 1 or sources[0].source == SELF_GENERATED:
-        pools, self_stats = _add_self_generated(pools, sources, cfg, tokenizer, request_writer, model_fingerprint, log)
-        train_convs, stats["mix"] = _interleave(pools, sources, _mix_total(cfg, pools, sources))
-        if self_stats is not None:
-            stats["self_generated"] = self_stats
-    else:
-        train_convs = pools[0]
-    if cfg.max_samples is not None:
-        train_convs = train_convs[: cfg.max_samples]
-    return train_convs, stats
 
 
 def _heldout_prompts(heldout: list, tokenizer: Any, images: ImageInputs | None) -> tuple[list, list]:
@@ -527,7 +383,7 @@ def _tokenized(convs: list, cfg: DataConfig, tokenizer: Any, images: ImageInputs
     return ds.filter(lambda e: not e, input_columns="error").remove_columns("error"), errors
 
 
-def _split_stats(train, heldout, read: _Read) -> dict:
+def _split_stats(train, heldout, read: SourceRows) -> dict:
     return {"train": len(train), "heldout": len(heldout), "train_tokens": sum(len(x) for x in train["input_ids"]),
             "train_loss_tokens": sum(sum(m) for m in train["loss_mask"]),
             "train_images": sum(len(x) for x in train["images"]), "skipped": dict(read.reasons),
@@ -560,86 +416,6 @@ def _sample_features():
     return datasets.Features({"input_ids": ints, "loss_mask": ints, "images": paths})
 
 
-def _takes_prompts(cfg: DataConfig, source: MixSource) -> bool:
-    """Whether rows without answers are usable: the target writes every answer of this source."""
-    return cfg.regenerate and source.regenerate is not False
-
-
-def _read_conversations(path: Path | str, cfg: DataConfig, tokenizer: Any, prompts: bool
-                        ) -> tuple[list, Counter, int, dict[str, str]]:
-    """A file source's conversations, the reasons of the rows skipped, the number of rows, and where each
-    reason was first met (file:line). ``prompts``: rows without answers are kept for the target to answer."""
-    conversations, reasons, total, first_at = [], Counter(), 0, {}
-    for file, where, row in iter_rows(path):
-        total += 1
-        try:
-            if isinstance(row, Exception):
-                raise row
-            messages = normalize_conversation(row, base_dir=file.parent, confine_images=not cfg.images_outside_folder,
-                                              prompts=prompts, vocab_size=len(tokenizer))
-            check_renderable(tokenizer, messages)
-            conversations.append(messages)
-        except MalformedRow as e:
-            reasons[str(e)] += 1
-            first_at.setdefault(str(e), where)
-    _check_malformed(total, reasons, cfg, path, first_at)
-    return conversations, reasons, total, first_at
-
-
-def _prompt_fits(tokenizer: Any, conversation: list, max_length: int, images: ImageInputs | None) -> bool:
-    try:
-        ids, _ = prompt_ids(tokenizer, conversation, images)
-    except MalformedRow:
-        return True  # (an image prompt for a text-only target: skipped and counted at tokenisation)
-    return len(ids) < max_length
-
-
-def _mix_total(cfg: DataConfig, pools: dict, sources: list[MixSource]) -> int:
-    """How many training conversations a mix holds: data.max_samples, else the regeneration cap, else all
-    of its file sources' conversations with the other sources in proportion."""
-    if cfg.max_samples is not None:
-        return cfg.max_samples
-    if cfg.regenerate and cfg.generation.max_conversations is not None:
-        return cfg.generation.max_conversations
-    files = [i for i, s in enumerate(sources) if s.source != SELF_GENERATED]
-    scale = min(len(pools[i]) / sources[i].weight for i in files)
-    return int(scale * sum(s.weight for s in sources))
-
-
-def _add_self_generated(pools: dict, sources: list[MixSource], cfg: DataConfig, tokenizer, writer, fingerprint: str,
-                        log) -> tuple[dict, dict | None]:
-    """Pools with the self-generated requests (single-turn conversations the target answers later)."""
-    wanted = [i for i, s in enumerate(sources) if s.source == SELF_GENERATED]
-    if not wanted:
-        return pools, None
-    if writer is None:
-        raise ValueError("data.mix holds self_generated: pass request_writer=... (the target sampling requests)")
-    total, weight = _mix_total(cfg, pools, sources), sum(s.weight for s in sources)
-    counts = {i: int(round(total * sources[i].weight / weight)) for i in wanted}
-    requests, stats = write_requests(writer, tokenizer, sum(counts.values()), cfg.self_generated, fingerprint,
-                                     cfg.generation.batch_size, log)
-    pools = dict(pools)
-    for i in wanted:  # several self_generated entries share one list of requests, in turn
-        pools[i], requests = requests[: counts[i]], requests[counts[i]:]
-        pools[i] = [[{"role": "user", "content": r}, {"role": "assistant", "content": ""}] for r in pools[i]]
-    return pools, stats
-
-
-def _interleave(pools: dict, sources: list[MixSource], total: int) -> tuple[list, dict]:
-    """Up to ``total`` conversations taking from each source in proportion to its weight (the source furthest
-    behind its share goes next; an exhausted source drops out). A larger total extends the same order."""
-    taken, out = {i: 0 for i in pools}, []
-    while len(out) < total:
-        open_ = [i for i in pools if taken[i] < len(pools[i])]
-        if not open_:
-            break
-        i = min(open_, key=lambda j: ((taken[j] + 1) / sources[j].weight, j))
-        out.append(pools[i][taken[i]])
-        taken[i] += 1
-    return out, {f"{sources[i].source}{'' if sources[i].path is None else ':' + sources[i].path}#{i}": n
-                 for i, n in taken.items()}
-
-
 def _regenerated_first(convs: list, keep) -> tuple[list, int]:
     """The conversations to regenerate first (order kept), then those that ``keep`` as they are; and how
     many are kept."""
@@ -647,16 +423,3 @@ def _regenerated_first(convs: list, keep) -> tuple[list, int]:
     return [c for c in convs if not keep(c)] + kept, len(kept)
 
 
-def _check_malformed(total: int, reasons: Counter, cfg: DataConfig, path: Path | str, first_at: dict[str, str],
-                     what: str = "are malformed") -> None:
-    bad = sum(reasons.values())
-    if total == 0:
-        raise DataError(f"{path} holds no rows")
-    if bad / total > cfg.max_malformed_fraction:
-        top = ", ".join(f"{n}x {r}" + (f" (first at {first_at[r]})" if r in first_at else "")
-                        for r, n in reasons.most_common(3))
-        raise DataError(
-            f"{bad} of {total} rows in {path} {what} ({top}); above data.max_malformed_fraction="
-            f"{cfg.max_malformed_fraction}. Fix the file (or data.max_length, model.chat_template) or raise the "
-            "threshold to skip them."
-        )

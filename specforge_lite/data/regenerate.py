@@ -54,8 +54,6 @@ def _units(conversations: list[Messages], cfg: GenerationConfig) -> list[Message
     """What gets regenerated: whole conversations (context=all) or single (user) prompts (context=last)."""
     if cfg.context == "all":
         return conversations
-    if cfg.context != "last":
-        raise ValueError(f"data.generation.context={cfg.context!r}: use all or last")
     singles = []
     for messages in conversations:
         users = [i for i, m in enumerate(messages) if m["role"] == "user" and i + 1 < len(messages)

@@ -35,6 +35,13 @@ class DraftMethod:
     label: Callable[[dict], str]
     # whether a draft with these settings embeds a mask token in slots (P-EAGLE, DFlash): one is then chosen
     has_mask_slots: Callable[[Any], bool]
+    # how many positions its objective scores at each anchor, from its settings (the held-out accuracy's acc_0 ..
+    # acc_{n-1}, what trainer.keep_best may name): EAGLE3's unroll depth, a block draft's k (its block's slots that
+    # predict a token)
+    scored_steps: Callable[[Any], int]
+    # its settings that give ``n`` scored steps, the inverse of ``scored_steps``: EAGLE3's {"ttt_length": n}, a
+    # DFlash block's {"block_size": n + 1}
+    steps_settings: Callable[[int], dict]
     # the fields of its spec that its settings fix beyond the shared ones: EAGLE3's norms, a
     # block draft's block_size and mask token, DSpark's markov_rank
     spec_fields: Callable[[Any], dict] = lambda draft_settings: {}
@@ -50,6 +57,19 @@ class DraftMethod:
     # the layouts, in the order tried, of draft folders another trainer wrote that it reads (EAGLE3: speculators'
     # and SGLang's): each format's ``read_published`` gives the spec and the weights of such a folder
     published_formats: tuple[Any, ...] = ()
+
+    def new_spec(self, target_config, draft_settings, aux_layer_ids: list[int], convention: str, vocab_size: int,
+                 draft_vocab_size: int, target_hidden_size: int):
+        """The spec of a new draft of these settings for this target: the shared fields from the target, its own
+        from its settings (``spec_fields``; a null setting resolved as the method decides, so a checkpoint or an
+        export never depends on that default again)."""
+        return self.spec.from_target(target_config, draft_settings, aux_layer_ids, convention, vocab_size,
+                                     draft_vocab_size, target_hidden_size, self.spec_fields(draft_settings))
+
+    def draft_vocab_size(self, draft_settings, target_vocab_size: int) -> int:
+        """The draft vocabulary a run of these settings has: draft.draft_vocab_size capped at the target's, or the
+        whole target vocabulary where the method needs it (``whole_vocabulary``)."""
+        return target_vocab_size if self.whole_vocabulary else min(draft_settings.draft_vocab_size, target_vocab_size)
 
 
 def layers_label(spec: dict) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..config import Drafting, choices
 from ..errors import said_in_one_line
 from ..hub import DRAFT_FILES, local_or_hub
 
@@ -40,7 +41,7 @@ def main(argv=None) -> None:
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None, help="> 0: speculative sampling (default: greedy)")
-    p.add_argument("--drafting", choices=["chain", "tree"], default=None)
+    p.add_argument("--drafting", choices=choices(Drafting), default=None)
     p.add_argument("--tree-topk", type=int, default=None)
     p.add_argument("--tree-budget", type=int, default=None, help="tree nodes verified per round")
     p.add_argument("--prompt-sets", nargs="+", default=None, help="default: the run's eval.prompt_sets")

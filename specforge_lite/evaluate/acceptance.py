@@ -4,6 +4,7 @@ speed-up, measured against the target alone and estimated from measured step cos
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import statistics
 import time
@@ -27,13 +28,8 @@ from .spec_decode import (Generation, _new_cache, acceptance_by_context_length, 
                           speculative_generate, speculative_sample)
 from .tree import check_tree_support, tree_generate
 
-DRAFTING = ("chain", "tree")
-
-
 def _decoder(target, draft, ev: EvalConfig, stops: set[int]) -> Callable[[list[int], dict | None], Generation]:
     """prompt ids, prompt inputs -> Generation, as eval.drafting and eval.temperature say."""
-    if ev.drafting not in DRAFTING:
-        raise ValueError(f"eval.drafting={ev.drafting!r}: use one of {DRAFTING}")
     refused = draft_method(draft.spec.method).refused_evaluation(draft.spec, ev)
     if refused:
         raise ValueError("; ".join(refused))
@@ -131,6 +127,24 @@ def _run_set(prompt_set: PromptSet, decode, target, tokenizer, ev: EvalConfig, s
 
 
 @torch.no_grad()
+def prompt_acceptance(target, draft, tokenizer, prompt_set: PromptSet, ev: EvalConfig) -> float:
+    """The mean acceptance length of greedy chain drafting (eval.num_draft_tokens, eval.max_new_tokens) on each
+    item's first prompt: the evaluation during training (no timing, no target-alone decoding, no later turns)."""
+    from ..generation import stop_ids
+
+    stops = stop_ids(tokenizer, target)
+    decode = _decoder(target, draft, dataclasses.replace(ev, drafting="chain", temperature=0.0), stops)
+    longest, accepted = prompt_room(target, ev), []
+    for item in prompt_set.items:
+        ids = item.ids if not item.turns else generation_prompt_ids(
+            tokenizer, [{"role": "user", "content": item.turns[0]}])
+        if longest is None or len(ids) <= longest:
+            paths = item.images
+            accepted += decode(ids, {k: v.to(target.device) for k, v in image_inputs(target).pixels(paths).items()}
+                               if paths else None).accepted
+    return acceptance_summary(accepted, ev.num_draft_tokens)["mean_acceptance_length"]
+
+
 def measure_step_costs(target, draft, prompt: list[int], ev: EvalConfig, repeats: int = 5) -> dict:
     """Median seconds of one target decode step (1 token), one verification forward (the chain's k+1 or
     the tree's budget+1 tokens) and one round of drafting (depth steps of the draft, width 1 for a chain,
@@ -139,7 +153,8 @@ def measure_step_costs(target, draft, prompt: list[int], ev: EvalConfig, repeats
     (a chain verifies k'+1 tokens, timed at each; a tree its budget's, whatever its depth), for the by-k
     estimate; None for a draft whose k is fixed at training (a block draft: it serves at no other k)."""
     tree = ev.drafting == "tree"
-    fixed_k = draft_method(draft.spec.method).fixed_draft_tokens(draft.spec.to_dict()) is not None
+    method = draft_method(draft.spec.method)
+    fixed_k = method.fixed_draft_tokens(draft.spec.to_dict()) is not None
     width, verify_len = (ev.tree_topk, ev.tree_budget + 1) if tree else (1, ev.num_draft_tokens + 1)
     device = target.device
     cache = _new_cache(target)
@@ -160,11 +175,11 @@ def measure_step_costs(target, draft, prompt: list[int], ev: EvalConfig, repeats
             return lambda: target.forward_cached(torch.tensor([prompt[-1:] * q], device=device), c)
         return setup
 
-    one_forward = draft_method(draft.spec.method).drafting(draft).one_forward
+    one_forward = method.drafting(draft).one_forward
 
     def draft_round():
         n = len(prompt)
-        drafted = draft_method(draft.spec.method).drafting(draft)
+        drafted = method.drafting(draft)
         if drafted.one_forward:  # all k from one forward per round (mask slots): the newest row and the slots
             drafted.propose([a[:, :-1] for a in aux], prompt[:-1], prompt[-1], ev.num_draft_tokens)
             return lambda: drafted.propose([a[:, -1:] for a in aux], prompt, prompt[-1], ev.num_draft_tokens)

@@ -32,6 +32,8 @@ def finished_run(run_dir: Path, eval_overrides: dict | None = None, log=print) -
             raise ValueError(f"the store {config.data.store} does not record its data settings; evaluate with "
                              "data.* overrides naming the data it was made from")
         config.data = to_config({"data": saved}).data
+    if config.target.backend == "vllm":  # (decoding with a KV cache runs the target in this process)
+        config.target.backend = "hf"
     for key, value in (eval_overrides or {}).items():
         setattr(config.eval, key, value)
     spec, _ = load_export(run_dir / "final")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from ..data.loader import collate
-from ..draft.objective import UnrollObjective, sim_accepted_drafts
+from ..draft.objective import DraftObjective, sim_accepted_drafts
 
 
 @torch.no_grad()
-def heldout_accuracy(objective: UnrollObjective, teacher, draft, dataset, pad_id: int, max_conversations: int,
+def heldout_accuracy(objective: DraftObjective, teacher, draft, dataset, pad_id: int, max_conversations: int,
                      images=None) -> dict:
     was_training = draft.training
     draft.eval()

@@ -20,7 +20,6 @@ from pathlib import Path
 from ..errors import UserError, said_in_one_line
 from ..serving import ROOT, serving_python
 SCRIPT = ROOT / "eval" / "vllm_acceptance.py"
-SERVED_CHECKS = (None, "vllm")  # eval.serve (checked before anything runs: settings.py)
 
 
 class ServedMismatch(UserError):

@@ -232,22 +232,31 @@ def cpu_serving_refusal(export_dir: Path) -> str | None:
 def fixed_draft_tokens(export_dir: Path) -> int | None:
     """The one k an export can be served and evaluated at, or None when any k will do: a block draft's block
     (DFlash: the next token and k mask slots; DSpark: k slots) is its input, so its k is fixed at training."""
+    return _fixed_draft_tokens(export_dir)[0]
+
+
+def _fixed_draft_tokens(export_dir: Path):
+    """(``fixed_draft_tokens``, the method of the draft: None for a folder no format reads)."""
     config = json.loads((Path(export_dir) / "config.json").read_text())
     spec = (config.get(PROVENANCE_KEY) or {}).get("spec")
     if spec:
-        return draft_method(spec.get("method", DEFAULT)).fixed_draft_tokens(spec)
+        method = draft_method(spec.get("method", DEFAULT))
+        return method.fixed_draft_tokens(spec), method
     form = next((f for f in FORMATS.values() if f.reads(config)), None)  # a folder written elsewhere
-    return form.fixed_draft_tokens(config) if form else None
+    if form is None:
+        return None, None
+    return form.fixed_draft_tokens(config), next(m for m in METHODS.values() if form in m.export_formats)
 
 
 def check_draft_tokens(export_dir: Path, k: int) -> None:
     """Refuse serving or evaluating an export at a k it cannot run as trained (``fixed_draft_tokens``)."""
-    fixed = fixed_draft_tokens(export_dir)
+    fixed, method = _fixed_draft_tokens(export_dir)
     if fixed is not None and k != fixed:
-        raise ValueError(f"{export_dir} is a block draft (DFlash, DSpark) trained to propose k={fixed} tokens per "
+        block = " ".join(f"draft.{key}={value}" for key, value in method.steps_settings(k).items())
+        raise ValueError(f"{export_dir} is a block draft ({method.name}) trained to propose k={fixed} tokens per "
                          f"block: a block of another size is an input it never saw, so its acceptance at k={k} says "
                          f"nothing of it. Serve and evaluate it at k={fixed}, or train a draft for k={k} "
-                         f"(draft.ttt_length={k} eval.num_draft_tokens={k})")
+                         f"(draft={method.name} {block} eval.num_draft_tokens={k})")
 
 
 __all__ = ["FORMATS", "ExportFormat", "ExportRefused", "check_draft_tokens", "cpu_serving_refusal", "export_draft",

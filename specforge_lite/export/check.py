@@ -1,11 +1,11 @@
-"""``python -m specforge_lite.export --check DIR``: read any EAGLE3 draft folder (ours or anyone's) the
-way the servers do, and say what each would do with it.
+"""``python -m specforge_lite.export --check DIR``: read any draft folder of a registered method (ours or anyone's)
+the way the servers do, and say what each would do with it.
 
 Findings are errors (a server refuses the folder, or loads it with another meaning than it was
 trained with: ids that fall back to defaults, weights skipped in silence) or warnings (servers differ,
 or a default is taken). Every registered format that reads the folder checks it: the rules its layout
-shares (the Llama-EAGLE3 one's are formats/check.py), then its own (its class, in its method's folder:
-methods/<name>/export), the class that also writes the format.
+shares (``check_shared``: the Llama-EAGLE3 one's are methods/eagle3/export/check.py), then its own (its class, in
+its method's folder: methods/<name>/export), the class that also writes the format.
 """
 
 from __future__ import annotations

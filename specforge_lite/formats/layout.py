@@ -1,9 +1,6 @@
-"""What every EAGLE3 Llama-draft export shares: the flat Llama config and the weight names; and what every
-export writes alike: the decoder's fields, the provenance block's key, the weights, the folder written whole.
-
-Server-specific choices (which aux-id convention, when d2t/t2d are written) are passed in by the
-format classes (methods/eagle3/export/: vllm.py, sglang.py, speculators.py); nothing here knows a server's
-quirks. The spec is read by its fields (EAGLE3's options among them), so nothing here imports a method.
+"""What every export writes alike, whatever its method and layout: the decoder's config fields (and their reading
+back), the provenance block's key, the weights, the folder written whole. Each layout's own config and weight names
+are its method's (methods/<name>/export); nothing here knows a method or a server.
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..device import dtype_name
 from ..draft.model import DraftSpec
 from ..errors import UserError
 from ..files import WRITE_ERRORS, write_failure, write_then_rename
@@ -23,12 +19,6 @@ PROVENANCE_KEY = "specforge_lite"
 # target_num_layers of a draft read from a folder another trainer wrote, whose target is not known yet
 # (export/published.py ``fit_to_target`` completes the spec once it is)
 UNKNOWN_LAYERS = 0
-# The first decoder layer's weights, after its prefix (midlayer. or layers.0.), as a regular expression.
-LAYER_WEIGHTS = (r"(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight"
-                 r"|(?:input_layernorm|hidden_norm|post_attention_layernorm)\.weight")
-# Layers 1.. of a multi-layer draft (layers.{i}.*): the same without hidden_norm.
-LATER_LAYER_WEIGHTS = (r"layers\.[1-9]\d*\.(?:(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight"
-                       r"|(?:input_layernorm|post_attention_layernorm)\.weight)")
 
 
 # The decoder layers' config fields every draft layout writes alike, as (config key, DraftSpec field).
@@ -58,51 +48,6 @@ def decoder_fields(layer: dict) -> dict:
             "head_dim": values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"],
             "attention_bias": bool(values.get("attention_bias")), "mlp_bias": bool(values.get("mlp_bias")),
             "rope_parameters": dict(full.rope_parameters)}
-
-
-def llama_draft_config(spec: DraftSpec, server_aux_ids: list[int], dtype: torch.dtype) -> dict:
-    """The Llama-EAGLE3 config.json of an EAGLE3 draft (``spec``: an Eagle3Spec, read by its option fields)."""
-    rope = dict(spec.rope_parameters)
-    scaling = None
-    if rope.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        **decoder_shape(spec),
-        "rope_scaling": scaling,
-        "attention_bias": spec.attention_bias,
-        "mlp_bias": spec.mlp_bias,
-        "vocab_size": spec.vocab_size,  # the TARGET vocabulary: servers size the d2t scatter with it
-        "draft_vocab_size": spec.draft_vocab_size,
-        "target_hidden_size": spec.target_hidden_size,
-        "tie_word_embeddings": False,
-        # Written at the top level (vLLM) and in eagle_config (SGLang): a missing id list makes servers
-        # fall back to defaults silently.
-        "eagle_aux_hidden_state_layer_ids": list(server_aux_ids),
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(server_aux_ids), "use_aux_hidden_state": True},
-        # The speculators adapter defaults this to true when absent; this draft was trained with false.
-        "norm_before_residual": spec.norm_before_residual,
-        # EAGLE 3.1: vLLM reads both at the top level (norm_before_fc also from eagle_config)
-        "norm_before_fc": spec.norm_before_fc,
-        "norm_output": spec.norm_output,  # false: the next step is fed the pre-norm state
-        "torch_dtype": dtype_name(dtype),
-        PROVENANCE_KEY: {"aux_layer_ids": list(spec.aux_layer_ids), "aux_convention": spec.aux_convention,
-                         "spec": spec.to_dict()},
-    }
-    if spec.parallel_drafting:  # P-EAGLE: vLLM reads the mask slots' token here (mask_hidden is a weight)
-        config["parallel_drafting"] = True
-        config["mask_token_id"] = spec.mask_token_id
-    if spec.use_aux_norm:
-        config["fc_norm"] = True
-        config["use_aux_norm"] = True  # legacy alias read by older SGLang builds
-    return config
-
-
-def eagle_flag(config: dict, name: str) -> bool:
-    """An EAGLE 3.1 flag (norm_before_fc, norm_output) of a Llama-draft config as vLLM reads it: from
-    eagle_config first, then the top level."""
-    return bool((config.get("eagle_config") or {}).get(name, config.get(name, False)))
 
 
 def draft_weights(state: dict[str, torch.Tensor], dtype: torch.dtype, with_vocab_maps: bool,

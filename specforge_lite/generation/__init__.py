@@ -3,8 +3,8 @@ generate, a serving engine's OpenAI endpoint), the generator a run builds on fir
 stage with the target as its writer (prepare.py)."""
 
 from .engines import HFGenerator, LeanAnswers, ServedAnswers, encode_prompt
-from .lazy import GENERATION_ENGINES, LazyGenerator, lean_decoder, stop_ids
+from .lazy import LazyGenerator, lean_decoder, stop_ids
 from .prepare import prepare_with_target, vllm_server
 
-__all__ = ["GENERATION_ENGINES", "HFGenerator", "LazyGenerator", "LeanAnswers", "ServedAnswers", "encode_prompt",
+__all__ = ["HFGenerator", "LazyGenerator", "LeanAnswers", "ServedAnswers", "encode_prompt",
            "lean_decoder", "prepare_with_target", "stop_ids", "vllm_server"]

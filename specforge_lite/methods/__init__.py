@@ -34,12 +34,9 @@ def register(method: DraftMethod) -> DraftMethod:
 
 def draft_spec(target_config, draft_cfg, aux_layer_ids: list[int], convention: str, vocab_size: int,
                draft_vocab_size: int, target_hidden_size: int) -> DraftSpec:
-    """The spec of a new draft of these settings for this target: the shared fields from the target, the
-    method's own from its settings (``spec_fields``; a null setting resolved as the method decides, so a
-    checkpoint or an export never depends on that default again)."""
-    method = draft_method(draft_cfg.method)
-    return method.spec.from_target(target_config, draft_cfg, aux_layer_ids, convention, vocab_size, draft_vocab_size,
-                                   target_hidden_size, method.spec_fields(draft_cfg))
+    """The spec of a new draft of these settings for this target (``DraftMethod.new_spec`` of their method)."""
+    return draft_method(draft_cfg.method).new_spec(target_config, draft_cfg, aux_layer_ids, convention, vocab_size,
+                                                   draft_vocab_size, target_hidden_size)
 
 
 def read_spec(fields: dict) -> DraftSpec:
@@ -72,12 +69,13 @@ def fixed_fields(draft_settings, spec) -> dict:
 
 def shape_settings(draft_settings, spec) -> dict | None:
     """The draft settings that differ from ``draft_settings`` and give a draft of ``spec``'s method the shape
-    ``spec`` has where the method's settings fix it (a block draft's block_size comes from draft.ttt_length); {}
+    ``spec`` has where the method's settings fix it (a block draft's block_size, the settings that give its k); {}
     when they already do, None when no settings give it."""
     if all(getattr(spec, key) == value for key, value in fixed_fields(draft_settings, spec).items()):
         return {}
-    k = draft_method(spec.method).fixed_draft_tokens(spec.to_dict())
-    fixes = {**({"ttt_length": k} if k is not None else {}),
+    method = draft_method(spec.method)
+    k = method.fixed_draft_tokens(spec.to_dict())
+    fixes = {**(method.steps_settings(k) if k is not None else {}),
              **{key: getattr(spec, key) for key in fixed_fields(draft_settings, spec) if hasattr(draft_settings, key)}}
     fixes = {key: value for key, value in fixes.items() if getattr(draft_settings, key) != value}
     fits = all(getattr(spec, key) == value
@@ -86,11 +84,8 @@ def shape_settings(draft_settings, spec) -> dict | None:
 
 
 def draft_vocab_size(draft_cfg, target_vocab_size: int) -> int:
-    """The draft vocabulary a run of these settings has: draft.draft_vocab_size capped at the target's, or the
-    whole target vocabulary for a method that needs it."""
-    if draft_method(draft_cfg.method).whole_vocabulary:
-        return target_vocab_size
-    return min(draft_cfg.draft_vocab_size, target_vocab_size)
+    """The draft vocabulary a run of these settings has (``DraftMethod.draft_vocab_size`` of their method)."""
+    return draft_method(draft_cfg.method).draft_vocab_size(draft_cfg, target_vocab_size)
 
 
 __all__ = ["DEFAULT", "METHODS", "build_objective", "draft_method", "draft_spec", "draft_vocab_size", "fixed_fields",

@@ -8,22 +8,25 @@ from typing import Any
 
 from ..config import Config
 from .families import get_family
-from .hf import BACKENDS, HFTarget
+from .hf import HFTarget
 from .protocol import Target
 
 
-def build_target(config: Config, aux_layer_ids=None, ctx=None, parts_only: bool = False) -> HFTarget:
-    """The frozen target on the configured backend (``target.backend``: hf | lean), replicated on every
-    rank or, with ``target.shard=zero3`` in a distributed run (``ctx``), partitioned across the ranks.
-    ``parts_only``: only the embedding, final norm and lm_head read from the checkpoint (a store's ingest)."""
+def build_target(config: Config, aux_layer_ids=None, ctx=None, parts_only: bool = False, log=print) -> Target:
+    """The frozen target on the configured backend (``target.backend``: hf | lean in this process, replicated on
+    every rank or, with ``target.shard=zero3`` in a distributed run (``ctx``), partitioned across the ranks; vllm:
+    captured by a vLLM server, targets/served.py). ``parts_only``: only the embedding, final norm and lm_head read
+    from the checkpoint (a store's ingest; what a served target keeps in the trainer)."""
     get_family(config.model.family)  # an unknown family fails before any download
     ids = aux_layer_ids if aux_layer_ids is not None else config.draft.aux_layer_ids
-    backend, shard = config.target.backend, config.target.shard
-    backend = "lean" if backend == "custom" else backend  # (the lean backend's former name, still read)
-    if backend not in BACKENDS:
-        raise ValueError(f"target.backend={backend!r}: use hf (transformers modules) or lean (our lean forward)")
-    if shard not in ("none", "zero3"):
-        raise ValueError(f"target.shard={shard!r}: use none (a whole target per rank) or zero3 (partitioned)")
+    backend, shard = config.target.backend, config.target.shard  # (values of their choices: config.py)
+    if backend == "vllm":
+        parts = HFTarget.from_config(config.model, ids, "hf", parts_only=True)
+        if parts_only:
+            return parts
+        from .served import build_served_target
+
+        return build_served_target(config, parts, ctx, log)
     if shard == "zero3":
         if ctx is None or not ctx.enabled:
             raise ValueError("target.shard=zero3 partitions the target across ranks: launch several processes "

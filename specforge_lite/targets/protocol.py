@@ -1,7 +1,8 @@
 """What every target offers the stages after it: the capture of selected states, and facts about itself.
 
-Two kinds implement it: ``HFTarget`` (targets/hf.py: a live model, run by the transformers modules or by
-our lean forward) and ``StoreTarget`` (offline/target.py: states read back from a hidden-state store).
+Three kinds implement it: ``HFTarget`` (targets/hf.py: a live model, run by the transformers modules or by
+our lean forward), ``ServedTarget`` (targets/served.py: states a vLLM server writes for each batch) and
+``StoreTarget`` (offline/target.py: states read back from a hidden-state store).
 The teacher (targets/teacher.py) is built on top of any of them; decoding with a KV cache (evaluation)
 is the live target's alone (``forward_cached``).
 """

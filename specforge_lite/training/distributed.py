@@ -250,8 +250,6 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
 def use_bf16(precision: str, device: torch.device | None = None) -> bool:
     """trainer.precision: bf16 or fp32 as set; auto is bf16 where ``device`` (default: the run's device) runs
     it natively (device.native_bf16: CUDA with bf16, CPUs whose bf16 matmul beats fp32), else fp32."""
-    if precision not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"trainer.precision={precision!r}: use auto, fp32 or bf16")
     if precision != "auto":
         return precision == "bf16"
     return native_bf16(device if device is not None else resolve_device("auto")).native

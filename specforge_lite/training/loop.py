@@ -13,7 +13,7 @@ import torch
 
 from ..config import TrainerConfig
 from ..data.loader import BatchStream
-from ..draft.objective import UnrollObjective
+from ..draft.objective import DraftObjective
 from ..errors import UserError
 from ..targets.teacher import Teacher
 from .checkpoint import CheckpointManager
@@ -108,7 +108,7 @@ class TrainResult:
     best: dict | None = None  # trainer.keep_best: checkpoints/best (checkpoint, step, metric, value)
 
 
-def train(cfg: TrainerConfig, objective: UnrollObjective, teacher: Teacher, draft: torch.nn.Module,
+def train(cfg: TrainerConfig, objective: DraftObjective, teacher: Teacher, draft: torch.nn.Module,
           stream: BatchStream, run_dir: Path, tracker_factory, spec: dict, log=print,
           ctx: DistributedContext | None = None, steps_per_epoch: float | None = None,
           periodic: PeriodicEval | None = None) -> TrainResult:
@@ -162,7 +162,7 @@ def train(cfg: TrainerConfig, objective: UnrollObjective, teacher: Teacher, draf
             unscored = check_scored(step, tally.scored, unscored, log)
             tokens_seen += tally.tokens
             tok_window += tally.tokens
-            held = periodic(engine.module) if periodic is not None and periodic.due(step, ctx) else {}
+            held = periodic(engine) if periodic is not None and periodic.due(step, ctx) else {}
 
             if ctx.is_main and (step % cfg.log_every == 0 or step == stop_at or budget.spent(step) or held):
                 elapsed = time.perf_counter() - t_window

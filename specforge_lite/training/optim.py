@@ -7,15 +7,15 @@ import math
 
 import torch
 
-from ..config import TrainerConfig
+from ..config import Schedule, TrainerConfig
 from .distributed import use_bf16
 from .optimizer_state import MOMENTS, MOMENTUM
 
-OPTIMIZERS = ("adamw", "muon")
-# the learning rate's decay after the warmup, as a factor of the decay's progress in [0, 1] (1 -> 0):
-# cosine (SpecForge's, EAGLE's) or linear (speculators' default, transformers' get_linear_schedule_with_warmup)
-DECAYS = {"cosine": lambda progress: 0.5 * (1 + math.cos(math.pi * progress)),
-          "linear": lambda progress: 1 - progress}
+# the learning rate's decay after the warmup (trainer.schedule), as a factor of the decay's progress in [0, 1]
+# (1 -> 0): cosine (SpecForge's, EAGLE's) or linear (speculators' default, transformers'
+# get_linear_schedule_with_warmup)
+DECAYS = {Schedule.cosine: lambda progress: 0.5 * (1 + math.cos(math.pi * progress)),
+          Schedule.linear: lambda progress: 1 - progress}
 # 2-D weights indexed by token id, which Muon leaves to AdamW. Our rule: speculators' (and Muon's author's) leaves
 # the embedding and the lm_head to AdamW; ours also every other matrix with a row or column per token, DSpark's
 # Markov factors (markov_w1 is an embedding of the previous token, markov_w2 a head onto the draft vocabulary) and

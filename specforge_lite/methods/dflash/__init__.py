@@ -19,10 +19,12 @@ def refused(config) -> list[str]:
     if unsupported:
         problems.append(f"draft={method} does not take {', '.join(unsupported)} (not implemented for block drafts): "
                         "turn them off")
-    if d.ttt_length != config.eval.num_draft_tokens:  # (the block attends bidirectionally: its size is input)
-        problems.append(f"draft={method} with draft.ttt_length={d.ttt_length} tokens per block but served "
-                        f"with eval.num_draft_tokens={config.eval.num_draft_tokens}: a block draft sees all its slots, "
-                        "so a block of another size is another input; set both to the k you serve with")
+    k = config.eval.num_draft_tokens
+    if d.draft_tokens != k:  # (the block attends bidirectionally: its size is input)
+        problems.append(f"draft={method} with draft.block_size={d.block_size} proposes {d.draft_tokens} tokens per "
+                        f"block but is served with eval.num_draft_tokens={k}: a block draft sees all its slots, so a "
+                        f"block of another size is another input; set draft.block_size={k + d.anchor_slots} for "
+                        f"k={k}, or eval.num_draft_tokens={d.draft_tokens}")
     return problems
 
 
@@ -37,9 +39,16 @@ def label(spec: dict) -> str:
     return f"DFlash, {layers_label(spec)}"
 
 
+def block_fields(settings: type) -> dict:
+    """What every block draft's ``DraftMethod`` says of its block, for its settings class ``settings``: its mask
+    slots, and its k (what it scores, and is served at) from its block's size."""
+    return {"has_mask_slots": lambda draft_settings: True,
+            "scored_steps": lambda draft_settings: draft_settings.draft_tokens,
+            "steps_settings": lambda k: {"block_size": k + settings.anchor_slots},
+            "fixed_draft_tokens": lambda spec: spec["block_size"] - settings.anchor_slots}
+
+
 METHOD = DraftMethod(
     "dflash", DFlashDraft, DFlashSpec, DFlashSettings, DFlashObjective, refused, refused_evaluation, DFlashContext,
-    (DFlashFormat(),), label, has_mask_slots=lambda draft_settings: True,
-    spec_fields=lambda d: {"block_size": d.ttt_length + 1,  # the next token and k masks
-                           "mask_token_id": d.mask_token_id},
-    fixed_draft_tokens=lambda spec: spec["block_size"] - 1)
+    (DFlashFormat(),), label, **block_fields(DFlashSettings),
+    spec_fields=lambda d: {"block_size": d.block_size, "mask_token_id": d.mask_token_id})

@@ -49,7 +49,6 @@ class DFlashFormat(ExportFormat):
 
     name, server, layout = "dflash", "vLLM (method=dflash)", "dflash"
     serve_method = "dflash"  # (DFlash 2 too: vLLM tells it by its architecture)
-    writes_mask_slots = True  # (dflash_config.mask_token_id)
     arch = ARCH
     extra_weights = ""  # a regex of the weight names a layout built on DFlash's adds
 
@@ -90,9 +89,6 @@ class DFlashFormat(ExportFormat):
         """vLLM's DFlash reads target_layer_ids as layer outputs: ours are one more."""
         ids = (config.get("dflash_config") or {}).get("target_layer_ids")
         return [i + 1 for i in ids] if ids else None
-
-    def check_shared(self, layer: dict, config: dict, shapes: dict, report) -> None:
-        """(The Llama-EAGLE3 layout's rules do not apply: everything is checked in ``check``.)"""
 
     def check(self, config: dict, shapes: dict, report) -> None:
         extra = {k: v for k, v in shapes.items() if self.extra_weights and re.fullmatch(self.extra_weights, k)}

@@ -26,7 +26,7 @@ from ...draft import fused
 from ...draft.attention import causal_attention_lse
 from ...draft.drafting import greedy_with_confidence
 from ...draft.model import DraftMLP, DraftRMSNorm, TargetWiredDraft
-from ...draft.objective import StepStats, TTTOutput, UnrollInputs, UnrollObjective
+from ...draft.objective import DraftObjective, ObjectiveOutput, UnrollInputs
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -142,31 +142,33 @@ def block_attention(context_kv, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return w[..., :1] * out0 + torch.einsum("bskgat,btkad->bskgad", w[..., 1:].unflatten(2, (kv, -1)), v).flatten(2, 3)
 
 
-class DFlashObjective(UnrollObjective):
+class DFlashObjective(DraftObjective):
     """Every position a >= 1 of a row is an anchor; its block's slot j (1..k) is scored against the
     teacher at row a + j - 1 where x[a + j] carries loss and the teacher's argmax lies in the draft
     vocabulary, each slot's loss the mean over its valid anchors, weighted decay ** (j - 1). The teacher
-    is read where EAGLE3's is (``teacher_positions``), and the metrics have one step per slot."""
+    is read where every method's is (``teacher_positions``), and the metrics have one step per slot."""
 
     # The block's layout: slot 0 holds the anchor's own token, the others the mask token; the slots from
     # ``first_scored`` on are read out, slot j predicting x[a + j + 1 - first_scored] (DFlash: the masks
     # predict the tokens at their own positions; DSpark: every slot predicts the token after it).
     first_scored = 1
 
-    def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", loss_chunk_rows: int | None = None,
+    def __init__(self, k: int, decay: float = 0.8, loss: str = "soft_ce", loss_chunk_rows: int | None = None,
                  compile: bool = False):
-        super().__init__(ttt_length, decay, loss, loss_chunk_rows=loss_chunk_rows, compile=compile)
+        """``k``: the block's slots that predict a token (its scored steps)."""
+        super().__init__(k, decay, loss, loss_chunk_rows=loss_chunk_rows, compile=compile)
 
     @classmethod
     def from_config(cls, draft_cfg, sequence=None) -> "DFlashObjective":
-        return cls(draft_cfg.ttt_length, draft_cfg.step_loss_decay, draft_cfg.loss, draft_cfg.loss_chunk_rows,
+        return cls(draft_cfg.draft_tokens, draft_cfg.step_loss_decay, draft_cfg.loss, draft_cfg.loss_chunk_rows,
                    draft_cfg.compile)
 
-    def _unroll(self, draft, x: UnrollInputs) -> TTTOutput:  # (UnrollObjective.unroll runs it)
+    def score_steps(self, draft, x: UnrollInputs) -> ObjectiveOutput:
+        """Every anchor's block in one forward, each slot that predicts a token scored (the class's docstring)."""
         if x.position_ids is not None:
             raise ValueError(f"a {draft.spec.method} draft trains on unpacked rows: set data.packing=false")
         B, T = x.input_ids.shape
-        k, A, device = self.ttt_length, T - 1, x.input_ids.device
+        k, A, device = self.scored_steps, T - 1, x.input_ids.device
         S = k + self.first_scored  # slots per block
         anchors = torch.arange(1, T, device=device)  # anchor a: block at positions a..a+S-1, context rows < a
         spec = draft.spec
@@ -186,21 +188,14 @@ class DFlashObjective(UnrollObjective):
             valid = torch.zeros(B, A, dtype=torch.bool, device=device)
             valid[:, inside] = (x.loss_mask[:, target[inside]].bool() & x.in_vocab[:, target[inside] - 1])
             n = valid.sum()
-            counts.append(n)
+            counts.append((n, n))
             rows = valid.nonzero(as_tuple=True)
             t_rows = rows[0] * T + target[rows[1]] - 1
             weight = (self.decay ** step) / n.clamp(min=1).float()
             scored.append((slots[:, j][rows], t_rows, weight.expand(len(t_rows))))
         h, t_rows, weights = (torch.cat(parts) for parts in zip(*scored))
         total, row_loss, row_correct = self._score_rows(draft, x, h, t_rows, teacher_top[t_rows], weights)
-        steps, start = [], 0
-        for n, (rows_h, _, _) in zip(counts, scored):
-            end = start + rows_h.shape[0]
-            steps.append(StepStats(row_loss[start:end].sum() / n.clamp(min=1), row_correct[start:end].sum(), n))
-            start = end
-        if h.shape[0] == 0:  # nothing to score: a zero loss that still reaches every weight (see UnrollObjective)
-            total = total.detach() + sum((p * 0).sum() for p in draft.parameters() if p.requires_grad)
-        return TTTOutput(total, steps)
+        return self._output(draft, total, row_loss, row_correct, counts, [len(rows) for _, rows, _ in scored])
 
     def _score_rows(self, draft, x: UnrollInputs, h, t_rows, teacher_top, weights) -> tuple[torch.Tensor, ...]:
         """(weighted loss total, each row's loss, each row's draft argmax == teacher's) of the scored slot states

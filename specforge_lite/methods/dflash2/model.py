@@ -140,14 +140,14 @@ class DFlash2Draft(DFlashDraft):
 class DFlash2Objective(DFlashObjective):
     """DFlash's anchors and slots, DFlash's token loss, and the selector's cross-entropy (module docstring)."""
 
-    def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", loss_chunk_rows: int | None = None,
+    def __init__(self, k: int, decay: float = 0.8, loss: str = "soft_ce", loss_chunk_rows: int | None = None,
                  selector_weight: float = 1.0, compile: bool = False):
-        super().__init__(ttt_length, decay, loss, loss_chunk_rows, compile)
+        super().__init__(k, decay, loss, loss_chunk_rows, compile)
         self.selector_weight = selector_weight
 
     @classmethod
     def from_config(cls, draft_cfg, sequence=None) -> "DFlash2Objective":
-        return cls(draft_cfg.ttt_length, draft_cfg.step_loss_decay, draft_cfg.loss, draft_cfg.loss_chunk_rows,
+        return cls(draft_cfg.draft_tokens, draft_cfg.step_loss_decay, draft_cfg.loss, draft_cfg.loss_chunk_rows,
                    draft_cfg.selector_weight, draft_cfg.compile)
 
     def _score_rows(self, draft, x: UnrollInputs, h, t_rows, teacher_top, weights) -> tuple[torch.Tensor, ...]:

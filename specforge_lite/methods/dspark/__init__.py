@@ -4,7 +4,7 @@ head (model.py; vLLM method=dspark)."""
 from __future__ import annotations
 
 from ...draft.method import DraftMethod, layers_label
-from ..dflash import refused as block_draft_refused, refused_evaluation
+from ..dflash import block_fields, refused as block_draft_refused, refused_evaluation
 from .export import DSparkFormat
 from .model import DSparkContext, DSparkDraft, DSparkObjective
 from .settings import DSparkSettings
@@ -25,6 +25,5 @@ def label(spec: dict) -> str:
 
 METHOD = DraftMethod(
     "dspark", DSparkDraft, DSparkSpec, DSparkSettings, DSparkObjective, refused, refused_evaluation, DSparkContext,
-    (DSparkFormat(),), label, has_mask_slots=lambda draft_settings: True,
-    spec_fields=lambda d: {"block_size": d.ttt_length, "markov_rank": d.markov_rank, "mask_token_id": d.mask_token_id},
-    fixed_draft_tokens=lambda spec: spec["block_size"])
+    (DSparkFormat(),), label, **block_fields(DSparkSettings),
+    spec_fields=lambda d: {"block_size": d.block_size, "markov_rank": d.markov_rank, "mask_token_id": d.mask_token_id})

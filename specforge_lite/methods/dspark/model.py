@@ -91,14 +91,14 @@ class DSparkObjective(DFlashObjective):
 
     first_scored = 0
 
-    def __init__(self, ttt_length: int, decay: float = 0.8, loss_chunk_rows: int | None = None,
+    def __init__(self, k: int, decay: float = 0.8, loss_chunk_rows: int | None = None,
                  confidence_weight: float = 1.0, compile: bool = False):
-        super().__init__(ttt_length, decay, "soft_ce", loss_chunk_rows, compile)
+        super().__init__(k, decay, "soft_ce", loss_chunk_rows, compile)
         self.confidence_weight = confidence_weight
 
     @classmethod
     def from_config(cls, draft_cfg, sequence=None) -> "DSparkObjective":
-        return cls(draft_cfg.ttt_length, draft_cfg.step_loss_decay, draft_cfg.loss_chunk_rows,
+        return cls(draft_cfg.draft_tokens, draft_cfg.step_loss_decay, draft_cfg.loss_chunk_rows,
                    draft_cfg.confidence_weight, draft_cfg.compile)
 
     def _score_rows(self, draft, x: UnrollInputs, h, t_rows, teacher_top, weights) -> tuple[torch.Tensor, ...]:

@@ -1,8 +1,7 @@
 """EAGLE3 as a registered method (methods/__init__.py), with its options: EAGLE 3.1 (``draft.norm_before_fc``,
 ``draft.norm_output``), P-EAGLE (``draft.parallel_drafting``: the later tokens from mask slots, one forward)
 and several layers (``draft.num_layers``). The model is model.py here, P-EAGLE's mask slots and drafting
-parallel.py; its objective is draft/objective.py's ``UnrollObjective`` as it is (the training-time-test unroll),
-the objective the block drafts' objectives build on."""
+parallel.py; its objective, the training-time-test unroll, objective.py."""
 
 from __future__ import annotations
 
@@ -10,10 +9,10 @@ import torch
 
 from ...draft.drafting import DraftContext
 from ...draft.method import DraftMethod, layers_label
-from ...draft.objective import UnrollObjective
 from ...draft.ttt import TTT_ATTENTION
 from .export import EXPORT_FORMATS, PUBLISHED_FORMATS
 from .model import Eagle3Draft
+from .objective import TTTObjective
 from .parallel import ParallelDraftContext
 from .settings import Eagle3Settings
 from .spec import Eagle3Spec, norm_problems
@@ -76,7 +75,9 @@ def label(spec: dict) -> str:
     return f"{name}, {layers_label(spec)}" + (f" ({', '.join(norms)})" if norms else "")
 
 
-METHOD = DraftMethod("eagle3", Eagle3Draft, Eagle3Spec, Eagle3Settings, UnrollObjective, refused, refused_evaluation,
+METHOD = DraftMethod("eagle3", Eagle3Draft, Eagle3Spec, Eagle3Settings, TTTObjective, refused, refused_evaluation,
                      drafting, EXPORT_FORMATS, label,
-                     has_mask_slots=lambda draft_settings: draft_settings.parallel_drafting, spec_fields=spec_fields,
+                     has_mask_slots=lambda draft_settings: draft_settings.parallel_drafting,
+                     scored_steps=lambda draft_settings: draft_settings.ttt_length,
+                     steps_settings=lambda n: {"ttt_length": n}, spec_fields=spec_fields,
                      warm_start=warm_start, published_formats=PUBLISHED_FORMATS)

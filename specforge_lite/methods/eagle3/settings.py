@@ -1,17 +1,22 @@
 """EAGLE3's settings (draft=eagle3, the default): the shared ones (config.py ``DraftSettings``) and its options,
-EAGLE 3.1's norms, P-EAGLE's mask slots, a warm start from the target's layers and the unroll's attention."""
+the training-time-test unroll's depth, EAGLE 3.1's norms, P-EAGLE's mask slots, a warm start from the target's
+layers and the unroll's attention."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
-from ...config import DraftSettings
+from ...config import DraftSettings, TokenLoss
 
 
 @dataclass
 class Eagle3Settings(DraftSettings):
+    ranges: ClassVar[dict[str, str]] = {"ttt_length": "[1, inf)"}
     method: str = "eagle3"
+    # Training-time-test unroll steps: step k is fed the draft's own output of step k - 1 (the EAGLE3 paper's 7,
+    # SpecForge's and speculators' default); served at any k
+    ttt_length: int = 7
     use_aux_norm: bool = False  # one RMSNorm per aux state before fc (exported as fc_norm)
     # EAGLE 3.1 (speculators 0.9's defaults, served by vLLM 0.32): one RMSNorm over the concatenated aux
     # states before fc (exclusive with use_aux_norm). Null: on unless use_aux_norm is (EAGLE 3.1 won every
@@ -27,7 +32,7 @@ class Eagle3Settings(DraftSettings):
     # soft_ce: cross-entropy to the teacher's draft-vocabulary distribution (EAGLE3). acceptance: -log of
     # the expected acceptance sum_v min(p_target(v), p_draft(v)), what speculative sampling accepts (LK).
     # tv: the total variation 1 - sum_v min(p_target(v), p_draft(v)).
-    loss: str = "soft_ce"
+    loss: TokenLoss = TokenLoss.soft_ce
     # Warm start: the draft's layers begin as the target's layers after the top aux id (attention, MLP, norms;
     # the embedding half of the first layer's input zero), fc passing the top aux state through, the target's
     # final norm. Llama-layout targets only (the draft's layer is a Llama layer).

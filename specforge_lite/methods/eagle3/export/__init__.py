@@ -1,6 +1,7 @@
-"""EAGLE3's export formats: the Llama-EAGLE3 layout as each server reads it (vllm.py, sglang.py; the layout's
-shared config and check are formats/), speculators' format (speculators.py), and the reading of EAGLE3 drafts
-another trainer wrote in speculators' or SGLang's layout (published.py)."""
+"""EAGLE3's export formats: the Llama-EAGLE3 layout (its config and weight names: layout.py; the rules every server
+reading it shares: check.py; the format class the others build on: llama.py) as each server reads it (vllm.py,
+sglang.py), speculators' format (speculators.py), and the reading of EAGLE3 drafts another trainer wrote in
+speculators' or SGLang's layout (published.py)."""
 
 from .sglang import SGLangFormat
 from .speculators import SpeculatorsFormat

@@ -24,9 +24,10 @@ import torch
 from ....draft.model import _LLAMA_ROPE_TYPES as LLAMA_ROPE_TYPES
 from ....draft.model import DRAFT_ACT
 from ....formats import UNKNOWN_LAYERS, ExportFormat, Report
-from ....formats.layout import decoder_fields, eagle_flag
+from ....formats.layout import decoder_fields
 from ....targets.capture import CONVENTION
 from ..spec import Eagle3Spec
+from .layout import eagle_flag
 
 
 def read_folder(form: ExportFormat, folder: Path, config: dict,

@@ -20,13 +20,14 @@ unknown. An absent ``norm_before_residual`` is false, as vLLM's Llama-EAGLE3 mod
 
 from __future__ import annotations
 
-from ....formats import PROVENANCE_KEY, ExportFormat, ExportRefused
-from ....formats.layout import eagle_flag
+from ....formats import PROVENANCE_KEY, ExportRefused
 from ..spec import Eagle3Spec
+from .layout import eagle_flag
+from .llama import LlamaEagle3Format
 from .published import read_folder
 
 
-class SGLangFormat(ExportFormat):
+class SGLangFormat(LlamaEagle3Format):
     name, server = "sglang", "SGLang"
     # (SpecForge writes for SGLang: a Llama-EAGLE3 folder without our provenance is read as SGLang reads it)
     published_as = "SpecForge's and SGLang's Llama layout (LlamaForCausalLMEagle3)"

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ....formats import ExportFormat
 from ..spec import Eagle3Spec
+from .llama import LlamaEagle3Format
 from .published import read_folder
 
 _LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -23,7 +23,7 @@ _LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_
                "torch_dtype")
 
 
-class SpeculatorsFormat(ExportFormat):
+class SpeculatorsFormat(LlamaEagle3Format):
     name, server, layout = "speculators", "speculators / vLLM", "speculators"
     layer_prefix = "layers.0."
     published_as = "an EAGLE3 draft in speculators' format (speculators_model_type)"

@@ -7,11 +7,11 @@ with a full draft vocabulary, wants no d2t/t2d.
 
 from __future__ import annotations
 
-from ....formats import ExportFormat
-from ....formats.layout import eagle_flag
+from .layout import eagle_flag
+from .llama import LlamaEagle3Format
 
 
-class VLLMFormat(ExportFormat):
+class VLLMFormat(LlamaEagle3Format):
     name, server = "vllm", "vLLM"
     writes_mask_slots = True  # served with speculative_config parallel_drafting=true
 

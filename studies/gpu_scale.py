@@ -1,8 +1,8 @@
 """Online training at a real target's shape on one GPU: ours against SpecForge's and speculators' own code.
 
-    python -m specforge_lite.bench gpu_scale [--target llama3_8b] [--seq-lens 2048,8192,32768,65536,131072]
+    python -m studies gpu_scale [--target llama3_8b] [--seq-lens 2048,8192,32768,65536,131072]
         [--ways blockwise,flex,sdpa] [--peers specforge,speculators] [--out gpu_scale.json]
-    python -m specforge_lite.bench gpu_scale --dry-run       (tiny shapes on CPU: the same code, in seconds)
+    python -m studies gpu_scale --dry-run       (tiny shapes on CPU: the same code, in seconds)
 
 The target has the preset's exact shape with random bf16 weights (no download), built on the GPU. Per row
 length T (micro-batch 1): the target's forward with capture and the teacher (``capture s``), then one draft
@@ -32,11 +32,8 @@ Results go to ``--out`` (JSON, rewritten after every row) and a Markdown table o
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
 import json
 import os
-import statistics
 import subprocess
 import tempfile
 import time
@@ -44,29 +41,26 @@ from pathlib import Path
 
 import torch
 
-from ..targets.shapes import shape_fields
-from .seq_scaling import peer_driver
+from specforge_lite.bench.real_shape import TARGETS, build_draft, build_target, capture, packed
+from specforge_lite.bench.step_ways import (check_ways, draft_step, head_frozen, replace_attention,
+                                            replace_objective, way_options)
+from specforge_lite.bench.timing import KERNEL_KINDS, kernel_profile, measure, profile_kernels
 
+# the peers' drivers, run by the peers' own interpreter (scripts/setup_peers.sh, studies/peers/gpu_wheels.sh)
+PEER_DRIVERS = Path(__file__).resolve().parent / "peers"
 
-def _preset(path: str) -> tuple[str, str, dict]:
-    """A hub preset's shipped shape (targets/shapes.py) as (model type, family, config fields)."""
-    model_type, fields = shape_fields(path)
-    return model_type, model_type, fields
-
-
-# Target presets by shape: (transformers model type, family, config fields). Random weights of this shape.
-TARGETS = {
-    "llama3_8b": _preset("meta-llama/Llama-3.1-8B-Instruct"),
-    "llama3_70b": _preset("meta-llama/Llama-3.3-70B-Instruct"),
-    "qwen3_32b": _preset("Qwen/Qwen3-32B"),
-    "tiny": ("llama", "llama", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                    num_key_value_heads=2, num_hidden_layers=8, vocab_size=512,
-                                    max_position_embeddings=4096, rms_norm_eps=1e-5,
-                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-}
 DRY_RUN = dict(target="tiny", seq_lens="64,160",
                ways="blockwise,blockwise+compile,dense,sdpa,default,default+frozen_head",
                draft_vocab=256, methods="dflash,dspark", method_seq_lens="64", repeats=1, packed=160)
+
+
+def peer_driver(name: str) -> Path:
+    """studies/peers/NAME_step.py; a name with no driver is refused in one line naming those there are."""
+    path = PEER_DRIVERS / f"{name}_step.py"
+    if not path.is_file():
+        known = ", ".join(sorted(p.name.removesuffix("_step.py") for p in PEER_DRIVERS.glob("*_step.py")))
+        raise SystemExit(f"error: no peer {name!r}: the peers with a driver in studies/peers/ are {known}")
+    return path
 
 
 def peer_shape(name: str) -> dict:
@@ -74,259 +68,6 @@ def peer_shape(name: str) -> dict:
     fields = dict(TARGETS[name][2])
     rope = fields.pop("rope_parameters")
     return {**fields, "rope_theta": rope["rope_theta"]}
-
-
-def build_target(name: str, device: torch.device, dtype: torch.dtype):
-    """An HFTarget (lean forward) of the preset's shape, random weights made directly on ``device``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ..targets.families import get_family
-    from ..targets.hf import HFTarget
-
-    model_type, family, fields = TARGETS[name]
-    config = AutoConfig.for_model(model_type, **fields)
-    config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.to_empty(device=device)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)  # matrices; norm weights
-    rotary = model.model.rotary_emb  # its inv_freq buffer is not a parameter: made again on the device
-    model.model.rotary_emb = type(rotary)(config=config).to(device)
-    model.config.use_cache = False
-    return HFTarget(model, get_family(family), None, location=f"random weights, {name} shape", backend="lean")
-
-
-def build_draft(target, method: str, draft_vocab: int, ttt: int, device: torch.device):
-    """A draft of ``method`` for ``target`` (fp32 master weights), its vocabulary a fixed random draw."""
-    from ..methods import build_objective
-    from ..targets.teacher import Teacher
-
-    draft, cfg, ids, t2d = new_draft(target.config, target.aux_layer_ids, target.embedding_weight(),
-                                     target.full_head()[0], method, draft_vocab, ttt, device)
-    return draft, cfg, Teacher(target, ids, t2d), build_objective
-
-
-def new_draft(config, aux_layer_ids: list[int], embedding: torch.Tensor, head: torch.Tensor, method: str,
-              draft_vocab: int, ttt: int, device: torch.device):
-    """(draft, its settings, its vocabulary's target ids, t2d) for a target of ``config`` whose embedding and
-    lm_head are given; the vocabulary is a fixed random draw."""
-    from ..methods import draft_method, draft_spec
-    from ..targets.capture import CONVENTION
-
-    vocab_size, hidden_size = embedding.shape
-    # (mask token 0: read only by the methods with mask slots)
-    cfg = draft_method(method).settings(draft_vocab_size=draft_vocab, ttt_length=ttt, mask_token_id=0)
-    spec = draft_spec(config, cfg, aux_layer_ids, CONVENTION, vocab_size=vocab_size, draft_vocab_size=draft_vocab,
-                      target_hidden_size=hidden_size)
-    torch.manual_seed(0)
-    draft = draft_method(method).model(spec).to(device)
-    g = torch.Generator().manual_seed(1234)
-    ids = torch.randperm(vocab_size, generator=g)[:draft_vocab].sort().values
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab((ids - torch.arange(draft_vocab)).to(device), t2d.to(device))
-    draft.set_embedding(embedding)
-    draft.init_lm_head_from_target(head, ids)
-    return draft, cfg, ids, t2d
-
-
-def capture(target, teacher, T: int, seed: int):
-    """One row of T random tokens through the target: (UnrollInputs with every row scored, final state)."""
-    from ..draft.objective import UnrollInputs, UnrollObjective
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, target.vocab_size, (1, T), generator=g).to(target.device)
-    loss_mask = torch.ones(1, T, dtype=torch.long, device=target.device)
-    captured = target.capture(ids)
-    logits, in_vocab = teacher(captured, UnrollObjective.teacher_positions(loss_mask))
-    return UnrollInputs(captured.aux, ids, logits, torch.ones_like(in_vocab), loss_mask), captured.final_hidden
-
-
-def packed(inputs, T: int, seed: int):
-    """The first ``T`` rows of ``inputs`` as packed conversations of random lengths (positions restarting at 0
-    where each starts), as data.packing makes them: (UnrollInputs, number of conversations)."""
-    from ..draft.objective import UnrollInputs
-
-    g = torch.Generator().manual_seed(seed)
-    lengths, left = [], T
-    while left > 0:
-        lengths.append(min(left, int(torch.randint(max(T // 8, 1), max(T // 3, 2), (1,), generator=g))))
-        left -= lengths[-1]
-    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).to(inputs.input_ids.device)
-    head = lambda t: t[:, :T]  # noqa: E731
-    return UnrollInputs([head(a) for a in inputs.aux], head(inputs.input_ids), head(inputs.teacher_logits),
-                        head(inputs.in_vocab), head(inputs.loss_mask), positions), len(lengths)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _peak_above(fn, device: torch.device) -> tuple[float, int, int]:
-    """(seconds, peak bytes allocated above the level before, peak bytes allocated in all) of one call of
-    ``fn`` (CPU: no peaks, 0)."""
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    seconds = time.perf_counter() - t0
-    if device.type != "cuda":
-        return seconds, 0, 0
-    peak = torch.cuda.max_memory_allocated(device)
-    return seconds, peak - base, peak
-
-
-def measure(fn, device: torch.device, repeats: int, warm_up: bool = True) -> dict:
-    """A warm-up call (compiles, allocator), then ``repeats`` timed calls: median seconds, largest peaks
-    (above the inputs and weights already held, and in all)."""
-    if warm_up:
-        fn()
-    runs = [_peak_above(fn, device) for _ in range(repeats)]
-    return {"seconds": statistics.median(r[0] for r in runs), "peak_gib": max(r[1] for r in runs) / 2**30,
-            "peak_total_gib": max(r[2] for r in runs) / 2**30}
-
-
-# Kinds of kernels (on CPU: of aten ops), by name: where a step's device time goes, ours beside the peers'.
-# (First match wins: a fused attention kernel's name can also hold "gemm" or "triton".)
-KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "flex", "triton_tem")),
-                ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::bmm", "aten::addmm")),
-                ("compiled", ("triton_",)),
-                ("copy", ("memcpy", "memset", "copy", "aten::cat", "aten::to")))
-
-
-def kernel_kind(name: str) -> str:
-    low = name.lower()
-    return next((kind for kind, words in KERNEL_KINDS if any(w in low for w in words)), "elementwise")
-
-
-def profile_kernels(fn, device: torch.device) -> dict:
-    """One call of ``fn`` (after its warm-up elsewhere) under torch's profiler: its wall milliseconds and each
-    kernel's (on CPU: each aten op's own) name, calls and milliseconds, longest first (``kernel_profile``)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        wall = time.perf_counter() - t0
-    kernels = [(e.key, e.count, (e.device_time_total if cuda else e.self_cpu_time_total) / 1e3)
-               for e in prof.key_averages() if not getattr(e, "is_user_annotation", False)
-               and (e.device_type != DeviceType.CPU) == cuda]
-    return kernel_profile(wall * 1e3, kernels)
-
-
-def kernel_profile(wall_ms: float, kernels: list) -> dict:
-    """Where one step's time went: wall ms, the device's busy ms (the sum of its kernels: below the wall, the
-    device waited for the host's launches or a sync), ms by kind of kernel and the 12 longest kernels."""
-    kernels = sorted(kernels, key=lambda k: -k[2])
-    by_kind: dict[str, float] = {}
-    for name, _, ms in kernels:
-        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + ms
-    return {"wall_ms": round(wall_ms, 2), "busy_ms": round(sum(k[2] for k in kernels), 2),
-            "by_kind_ms": {k: round(v, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-            "top": [[name[:120], calls, round(ms, 3)] for name, calls, ms in kernels[:12]]}
-
-
-def draft_step(draft, objective, inputs, autocast: bool, way: str = ""):
-    """Forward + loss + backward of one unroll (the draft as ``way`` trains it: ``trained_as``); gradients dropped
-    after (no optimizer: as the peers are timed)."""
-    def step():
-        with trained_as(draft, way), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            out = objective.unroll(draft, inputs)
-        out.loss.backward()
-        draft.zero_grad(set_to_none=True)
-    return step
-
-
-@contextlib.contextmanager
-def trained_as(draft, way: str):
-    """Within the block the draft trains as ``way`` says: with "+frozen_head", its lm_head frozen."""
-    if not head_frozen(way):
-        yield
-        return
-    weight = draft.lm_head.weight
-    trained = weight.requires_grad
-    weight.requires_grad_(False)
-    try:
-        yield
-    finally:
-        weight.requires_grad_(trained)
-
-
-def head_frozen(way: str) -> bool:
-    """Whether a way trains with the lm_head frozen ("+frozen_head")."""
-    return "frozen_head" in way.split("+")[1:]
-
-
-def _loss_and_grads(draft, objective, inputs, autocast: bool, way: str = ""):
-    """(loss, each trained weight's gradient by name) of one unroll."""
-    with trained_as(draft, way), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        loss = objective.unroll(draft, inputs).loss
-    loss.backward()
-    grads = {n: p.grad.float().flatten() for n, p in draft.named_parameters() if p.grad is not None}
-    draft.zero_grad(set_to_none=True)
-    return loss.item(), grads
-
-
-def check_ways(draft, objective, inputs, ways: list[str], autocast: bool) -> dict[str, dict]:
-    """Each way's loss and gradients against an fp32 reference on the same row (blockwise without autocast):
-    relative loss difference and gradients' relative error. In bf16 the gradients of a random-weight draft are
-    far from fp32's (a relative error of about 0.2 at Llama-3-8B's shape on its captured states, for every
-    way); a way is correct when its error is no more than 1.25x blockwise's own under the same autocast
-    (blockwise: checked against a naive attention in fp32 on CPU) and its loss within 1e-2."""
-    ref_loss, ref = _loss_and_grads(draft, replace_attention(objective, "blockwise"), inputs, False)
-    measured = {}
-    for way in ["blockwise", *ways]:
-        try:
-            loss, grads = _loss_and_grads(draft, replace_attention(objective, way), inputs, autocast, way)
-        except Exception as e:  # noqa: BLE001 (a way that cannot run here is reported, not fatal)
-            measured[way] = {"correct": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-            continue
-        got, want = (torch.cat([g[n] for n in grads]) for g in (grads, ref))  # (the weights this way trains)
-        measured[way] = {"loss_rel_diff": abs(loss - ref_loss) / max(abs(ref_loss), 1e-30),
-                         "grad_rel_err": float((got - want).norm() / want.norm().clamp_min(1e-30))}
-    bound = 1.25 * measured["blockwise"].get("grad_rel_err", 0.0) + 1e-6
-    for r in measured.values():
-        if "error" not in r:
-            r["correct"] = r["loss_rel_diff"] < 1e-2 and r["grad_rel_err"] <= bound
-    return measured
-
-
-def replace_attention(objective, way: str):
-    """The objective with TTT attention ``way``; "+ckpt" also recomputes each step in backward
-    (draft.checkpointing), "+compile" runs the step's elementwise chains compiled (draft.compile). (A frozen
-    head is the draft's: ``trained_as``.)"""
-    return replace_objective(objective, **way_options(way))
-
-
-def way_options(way: str) -> dict:
-    """The objective's settings of a way "ATTENTION[+ckpt][+compile][+frozen_head]"; the attention "default" leaves
-    the attention and compile settings null: the device's (draft/objective.py ``BY_DEVICE``), as a run's defaults."""
-    from ..draft.ttt import TTT_ATTENTION
-
-    attention, *options = way.split("+")
-    if attention not in (*TTT_ATTENTION, "default") or set(options) - {"ckpt", "compile", "frozen_head"}:
-        raise SystemExit(f"error: way {way!r}: an attention of {', '.join(TTT_ATTENTION)} or default, then +ckpt, "
-                         "+compile and/or +frozen_head")
-    default = attention == "default"
-    return {"attention": None if default else attention, "checkpointing": "ckpt" in options,
-            "compile": True if "compile" in options else None if default else False}
-
-
-def replace_objective(objective, **changes):
-    """A copy of the objective with some of its settings changed (the draft and the row stay shared)."""
-    new = copy.copy(objective)
-    new.__dict__.update(changes)
-    return new
 
 
 def _oom_row(e: BaseException) -> dict:
@@ -397,7 +138,7 @@ class Results:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m specforge_lite.bench gpu_scale", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m studies gpu_scale", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, every stage (the CI check)")
     p.add_argument("--target", default="llama3_8b", help=" | ".join(TARGETS))
@@ -435,6 +176,8 @@ def main(argv=None) -> None:
                 setattr(a, k, v)
     for way in filter(None, f"{a.ways},{a.long_ways}".split(",")):  # (before the target is built: GPU minutes count)
         way_options(way)
+    for name in filter(None, a.peers.split(",")):
+        peer_driver(name)
     a.device = "cuda" if torch.cuda.is_available() and not a.dry_run else "cpu"
     device = torch.device(a.device)
     autocast = device.type == "cuda"
@@ -449,7 +192,7 @@ def main(argv=None) -> None:
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else None
     res = Results(a.out, {"target": a.target, "device": gpu or "cpu", "torch": torch.__version__,
                           "transformers": version("transformers"), "ttt": a.ttt, "draft_vocab": a.draft_vocab,
-                          "date": time.strftime("%Y-%m-%d"), "command": "python -m specforge_lite.bench gpu_scale "
+                          "date": time.strftime("%Y-%m-%d"), "command": "python -m studies gpu_scale "
                           + " ".join(argv if argv is not None else __import__("sys").argv[2:])})
     t0 = time.perf_counter()
     target = build_target(a.target, device, torch.bfloat16 if device.type == "cuda" else torch.float32)

@@ -1,15 +1,15 @@
-"""The rules every Llama-draft layout shares, as ``python -m specforge_lite.export --check`` reads a folder
-(export/check.py): the weights' names and shapes the config implies, the norms' flags against the norms'
-weights, the aux ids, P-EAGLE's mask slots, the activation. Each server's own rules are in its format class
-(methods/eagle3/export/: vllm.py, sglang.py, speculators.py), the one that also writes the format.
+"""The rules every Llama-EAGLE3 layout shares, as ``python -m specforge_lite.export --check`` reads a folder
+(export/check.py, through llama.py's ``check_shared``): the weights' names and shapes the config implies, the norms'
+flags against the norms' weights, the aux ids, P-EAGLE's mask slots, the activation. Each server's own rules are in
+its format class (vllm.py, sglang.py, speculators.py), the one that also writes the format.
 """
 
 from __future__ import annotations
 
 import re
 
+from ....formats import Report
 from .layout import eagle_flag
-from .report import Report
 
 
 def check_layout(layer: dict, top: dict, shapes: dict, prefix: str, report: Report) -> None:
