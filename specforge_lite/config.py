@@ -471,7 +471,7 @@ class TrackerConfig:
     """Where metrics go beside <run>/metrics.jsonl (tracker=wandb|tensorboard|mlflow|none)."""
 
     # wandb | tensorboard | mlflow | none, or several at once: tracker.kind=[wandb,tensorboard] (metrics.jsonl is
-    # always written). (Any: OmegaConf types no union of a name and a list; training/tracking.py checks the values.)
+    # always written). (Any: OmegaConf types no union of a name and a list; compose.py checks the names.)
     kind: Any = "wandb"
     project: str = "specforge_lite"  # the wandb project; MLflow's experiment
     mode: str = "offline"  # wandb: offline writes under <run>/wandb; online needs network and a login
