@@ -575,7 +575,7 @@ def test_the_served_check_says_what_is_missing(tmp_path, monkeypatch):
     from specforge_lite.compose import load_config
     from specforge_lite.evaluate.served import serve
 
-    with pytest.raises(ValueError, match="eval.serve='sglang': use vllm"):
+    with pytest.raises(ValueError, match="eval.serve=sglang: not one of vllm, null"):
         run(load_config(["model=llama3_tiny", "tracker=none", "eval.serve=sglang"]), tmp_path / "run",
             log=lambda m: None)
     assert not (tmp_path / "run").exists()
