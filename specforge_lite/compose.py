@@ -26,10 +26,42 @@ def register_configs() -> None:
     the option ``draft=<name>`` (no YAML: its defaults are the class's)."""
     from hydra.core.config_store import ConfigStore
 
+    from omegaconf import OmegaConf
+
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     for name, method in METHODS.items():
         cs.store(group="draft", name=name, node=method.settings(method=name))
+    OmegaConf.register_new_resolver(TOKEN_BUDGET, recipe_token_budget, replace=True)
+
+
+# A recipe's token budget per micro-batch: the scale recipe's ``trainer.micro_batch_tokens: ${token_budget:8192}``.
+# A value the user gives replaces it (and is checked as given: settings.py).
+TOKEN_BUDGET = "token_budget"
+
+
+def recipe_token_budget(tokens: Any, *, _root_: Any) -> int | None:
+    """``tokens``, or data.max_length where that is longer (a whole conversation fits a micro-batch); null where
+    the run's rows cannot pack (``unpacked_reason``) or data.packing=true sizes micro-batches by
+    trainer.micro_batch_size instead."""
+    d = _root_.data
+    if d.packing or unpacked_reason(_root_.model.family, str(d.source), _root_.draft.method):
+        return None
+    return max(int(tokens), int(d.max_length))
+
+
+def unpacked_reason(family: str, source: str, method: str) -> str | None:
+    """Why a run of a ``family`` target on data.source ``source`` training a ``method`` draft keeps one
+    conversation per row, or None where several can share one (data.packing, trainer.micro_batch_tokens). An
+    unknown family or method is refused elsewhere (None here)."""
+    if source == "offline":
+        return "a hidden-state store (data.source=offline) is read one sample per row"
+    if family in FAMILIES and not FAMILIES[family].supports_packing:
+        return (f"the {family} family cannot keep packed conversations apart (recurrent layers or model-computed "
+                "positions)")
+    if method in METHODS and not METHODS[method].packs_rows:
+        return f"a {method} draft trains on rows of one conversation"
+    return None
 
 
 def with_draft_group(overrides: list[str]) -> list[str]:

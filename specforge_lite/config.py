@@ -411,6 +411,13 @@ class TrainerConfig:
 
     max_steps: int = 1000  # optimizer steps (the schedule's length)
     micro_batch_size: int = 1  # conversations per forward and backward (per rank)
+    # A micro-batch by tokens instead of by count (named beside micro_batch_size: the same micro-batch, sized in
+    # tokens): each takes conversations in the shuffled order until the next would pass this many tokens, packed
+    # into one row (position ids restart per conversation: the loss of each conversation is its own, as with
+    # data.packing). Short conversations then fill a GPU's step. A micro-batch's loss is its scored tokens' mean,
+    # as a packed row's: a token weighs 1 / (scored tokens of its micro-batch x grad_accum_steps x data-parallel
+    # ranks). At least data.max_length; with micro_batch_size 1; packing targets read online only. null: off.
+    micro_batch_tokens: Optional[int] = None
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     lr: float = 1e-4  # AdamW's peak learning rate (and Muon's, when muon_lr is null); metrics log it as lr
     weight_decay: float = 0.0  # AdamW's decoupled weight decay
@@ -436,7 +443,8 @@ class TrainerConfig:
     seed: int = 0  # of the draft's initialisation, the data order and every random generator
     log_every: int = 1  # steps between metrics lines
     # Passes over the training conversations: max_steps becomes the steps they take (the conversations over
-    # micro_batch_size x grad_accum_steps x data-parallel ranks, rounded up), and the metrics count epochs.
+    # micro_batch_size x grad_accum_steps x data-parallel ranks, rounded up; with micro_batch_tokens, the first
+    # epoch's token-budget groups over grad_accum_steps x ranks), and the metrics count epochs.
     # null: max_steps as given.
     epochs: Optional[float] = None
     save_every: int = 100  # steps between checkpoints (0: only the last step's)
@@ -636,7 +644,7 @@ RANGES = {
     "trainer.min_lr_ratio": "[0, 1]", "trainer.grad_clip": "[0, inf)", "trainer.log_every": "[1, inf)",
     "trainer.save_every": "[0, inf)", "trainer.keep_checkpoints": "[1, inf)", "trainer.stop_at_step": "[1, inf)",
     "trainer.max_minutes": "(0, inf)", "trainer.num_threads": "[1, inf)", "trainer.deepspeed.zero_stage": "[0, 3]",
-    "trainer.epochs": "(0, inf)", "trainer.save_every_minutes": "(0, inf)",
+    "trainer.epochs": "(0, inf)", "trainer.save_every_minutes": "(0, inf)", "trainer.micro_batch_tokens": "[2, inf)",
     "trainer.deepspeed.reduce_bucket_size": "[1, inf)", "trainer.deepspeed.allgather_bucket_size": "[1, inf)",
     "trainer.deepspeed.sequence_parallel": "[1, inf)",
     "eval.num_prompts": "[1, inf)", "eval.max_new_tokens": "[1, inf)", "eval.num_draft_tokens": "[1, inf)",

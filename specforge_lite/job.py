@@ -44,12 +44,15 @@ def run(config: Config, run_dir: Path, log=print) -> dict:
             job = store_run(config, ctx, log) if config.data.source == "offline" else Run.online(config, ctx, log)
             draft = job.build_draft()
             job.write_stats(run_dir)
-            per_epoch = steps_per_epoch(config, len(job.train_data), ctx.data_world_size)
+            batches = job.batches()
+            groups = batches.micro_batches_per_epoch()  # (token-budget micro-batches: counted from the rows' lengths)
+            per_epoch = steps_per_epoch(config, len(job.train_data), ctx.data_world_size, groups)
             if config.trainer.epochs is not None:  # (the same count on resume: the prepared data is cached)
                 config.trainer.max_steps = max(1, math.ceil(config.trainer.epochs * per_epoch))
-                log(f"[train] {config.trainer.epochs:g} epochs over {len(job.train_data)} conversations: "
-                    f"{config.trainer.max_steps} steps (trainer.epochs)")
-            result = train(config.trainer, job.objective, job.teacher, draft, job.batches(), run_dir,
+                log(f"[train] {config.trainer.epochs:g} epochs over {len(job.train_data)} conversations"
+                    + (f" in {groups} micro-batches of up to {config.trainer.micro_batch_tokens} tokens" if groups
+                       else "") + f": {config.trainer.max_steps} steps (trainer.epochs)")
+            result = train(config.trainer, job.objective, job.teacher, draft, batches, run_dir,
                            lambda step: job.tracker(run_dir, step), draft.spec.to_dict(), log=log, ctx=ctx,
                            steps_per_epoch=per_epoch, periodic=periodic_eval(config, job, draft.spec))
             return finish(job, result, draft, run_dir, log)  # export, evaluation, served check
@@ -137,18 +140,23 @@ def periodic_eval(config: Config, run, spec):
                         acceptance)
 
 
-def steps_per_epoch(config: Config, conversations: int, data_ranks: int) -> float:
+def steps_per_epoch(config: Config, conversations: int, data_ranks: int, micro_batches: int | None = None) -> float:
     """Optimizer steps per pass over ``conversations``: each step reads micro_batch_size x grad_accum_steps
-    conversations on every data-parallel rank."""
+    conversations on every data-parallel rank, or, given ``micro_batches`` (the token-budget micro-batches of an
+    epoch, all ranks together: trainer.micro_batch_tokens), grad_accum_steps of them on every rank."""
     t = config.trainer
+    if micro_batches is not None:
+        return micro_batches / (t.grad_accum_steps * data_ranks)
     return conversations / (t.micro_batch_size * t.grad_accum_steps * data_ranks)
 
 
 def describe_recipe(config: Config, method) -> list[str]:
-    """The run's plan in one line (and a second where the 2-core demo's recipe meets a real target): what is
+    """The run's plan in one line (and a second where the 2-core demo's recipe meets a real target, or the scale
+    recipe's token-budget micro-batches meet rows that cannot pack): what is
     trained (a draft of ``method``), as the settings, the data's sources and a continued draft make it, not as the
     recipe proposed."""
-    from .config import small_offline_model
+    from .compose import unpacked_reason
+    from .config import SCALE_RECIPE, small_offline_model
     from .data.sources import mix_sources
 
     d, g, t = config.data, config.data.generation, config.trainer
@@ -175,10 +183,15 @@ def describe_recipe(config: Config, method) -> list[str]:
         length += f", at most {t.max_minutes:g} min"
     saves = " or ".join(([f"every {t.save_every} steps"] if t.save_every else [])
                         + ([f"every {t.save_every_minutes:g} min"] if t.save_every_minutes else [])) or "at the end"
+    per_step = (f"{t.grad_accum_steps} micro-batch(es) of up to {t.micro_batch_tokens} tokens" if t.micro_batch_tokens
+                else f"{t.micro_batch_size * t.grad_accum_steps} conversation(s)")
     lines = [f"[recipe] {config.recipe_name}: {config.model.name} on {source}, {answers}; rows up to {d.max_length} "
-             f"tokens; {draft}, {depth}; {length}, "
-             f"{t.micro_batch_size * t.grad_accum_steps} conversation(s) per step and rank; {t.optimizer} lr {t.lr:g}; "
+             f"tokens; {draft}, {depth}; {length}, {per_step} per step and rank; {t.optimizer} lr {t.lr:g}; "
              f"checkpoints {saves}"]
+    unpacked = unpacked_reason(config.model.family, str(d.source), config.draft.method)
+    if config.recipe_name == SCALE_RECIPE and unpacked and not t.micro_batch_tokens:
+        lines.append(f"[recipe] {SCALE_RECIPE}: one conversation per micro-batch, not micro-batches of a token budget "
+                     f"(trainer.micro_batch_tokens=null): {unpacked}")
     if config.recipe_name == "cpu_20min" and not small_offline_model(config.model.name):
         lines.append(f"[recipe] cpu_20min is the embedded default's 2-core demo (a few hundred conversations, a small "
                      f"draft vocabulary, a 10-minute cap); to train a draft for {config.model.name}, leave recipe "

@@ -5,11 +5,11 @@ that launches it, and its steps and time per epoch.
     specforge-lite plan model=llama3_8b ...                      (the same)
     python -m specforge_lite.plan --table [--out plan.json]      (the presets of docs/train-your-model.md)
 
-Nothing is downloaded or run on a GPU. The target (a hub preset's shape shipped in the package: targets/shapes.py,
-a tiny preset's own config, or the config.json of a folder or hub id) and the draft are built
-with fake weights, and one capture and one training step run on fake tensors at the run's row length
-(max_length x micro_batch_size): every tensor they create is counted as the allocator would hold it, so the
-activations are those of this code, this method and these settings (TTT attention way, loss chunks,
+Nothing is downloaded or run on a GPU. The target (a hub preset's shape shipped in the package: targets/shapes.py, a
+tiny preset's own config, or the config.json of a folder or hub id) and the draft are built with fake weights, and
+one capture and one training step run on fake tensors at the run's row length (max_length x micro_batch_size, or one
+packed row of trainer.micro_batch_tokens): every tensor they create is counted as the allocator would hold it, so
+the activations are those of this code, this method and these settings (TTT attention way, loss chunks,
 checkpointing). Rows longer than 4096 tokens are traced at 2048 and 4096 and extrapolated on a line, except what
 grows with the square of the row: the TTT ways that hold score matrices (dense, sdpa) and a target under eager
 attention are traced at 1024, 2048 and 4096 and extrapolated on the parabola through them. The training state
@@ -533,17 +533,24 @@ def check_length(config, hf_config) -> None:
                         f"max_position_embeddings ({limit}): give data.max_length={limit} or less")
 
 
+def row_tokens(config) -> int:
+    """The tokens of the rows a run's step reads: its token budget (trainer.micro_batch_tokens, one packed row per
+    micro-batch), else data.max_length."""
+    return config.trainer.micro_batch_tokens or config.data.max_length
+
+
 def plan(config, gpus: int, gpu_gib: float, conversations: int | None, overrides: list[str] | None = None) -> dict:
     """Everything the command prints, as data (``overrides``: the run's, for the command that launches it)."""
     from .job import steps_per_epoch
 
     check_length(config, target_config(config.model))
-    tokens = config.data.max_length
+    tokens = row_tokens(config)
     traced = traced_at(config, tokens)
     t = config.trainer
     fit = proposal(traced, gpus, gpu_gib, t, recomputes(config))
     out = {"model": config.model.name, "recipe": config.recipe_name, "method": config.draft.method,
-           "max_length": tokens, "micro_batch_size": config.trainer.micro_batch_size, "gpus": gpus,
+           "max_length": tokens, "micro_batch_size": config.trainer.micro_batch_size,
+           "micro_batch_tokens": t.micro_batch_tokens, "gpus": gpus,
            "gpu_gib": gpu_gib, "traced": dataclasses.asdict(traced),
            "as_configured": per_gpu(traced, setting_of(config), gpus, t.grad_accum_steps > 1),
            "proposal": None if fit is None else {"overrides": fit[0].overrides,
@@ -554,14 +561,18 @@ def plan(config, gpus: int, gpu_gib: float, conversations: int | None, overrides
         setting = fit[0] if fit is not None else setting_of(config)
         sp = t.deepspeed.sequence_parallel
         ranks = data_ranks(setting, gpus, sp)
-        per_epoch = steps_per_epoch(config, conversations, ranks)
+        # token-budget micro-batches counted as rows of data.max_length fill them (the bound every row is counted at)
+        micro_batches = math.ceil(conversations / (tokens // config.data.max_length)) if t.micro_batch_tokens else None
+        per_epoch = steps_per_epoch(config, conversations, ranks, micro_batches)
         epochs = t.epochs if t.epochs is not None else t.max_steps / per_epoch
-        out["data"] = {"conversations": conversations, "tokens_per_epoch_at_most": conversations * tokens,
+        out["data"] = {"conversations": conversations,
+                       "tokens_per_epoch_at_most": conversations * config.data.max_length,
                        "data_ranks": ranks, "steps_per_epoch": math.ceil(per_epoch), "epochs": epochs,
                        "steps": max(1, math.ceil(epochs * per_epoch))}
         row = row_seconds(traced, tokens, way_keys(config, setting.checkpointing)) if fit is not None else None
         if row is not None:  # each GPU of the data-parallel ranks (and their sequence-parallel groups) on its rows
-            epoch_s = conversations * row["seconds"] / (ranks * (sp if setting.zero_stage is not None else 1))
+            epoch_s = (micro_batches or conversations) * row["seconds"] / (ranks * (sp if setting.zero_stage is not None
+                                                                                     else 1))
             out["data"]["time"] = {"epoch_hours": epoch_s / 3600, "hours": epochs * epoch_s / 3600, **row}
     return out
 
@@ -572,9 +583,10 @@ def _gib(x: float) -> str:
 
 def describe(p: dict) -> list[str]:
     tr = p["traced"]
-    lines = [f"[plan] {p['model']} ({p['recipe']}), {p['method']}: rows of {p['max_length']} tokens x "
-             f"{p['micro_batch_size']} per step and rank; target {_gib(tr['target_weights'])} GiB in bf16, draft "
-             f"{tr['draft_trainable'] / 1e6:.0f}M trainable parameters"]
+    per_step = (f"micro-batches of one packed row of up to {p['max_length']} tokens (trainer.micro_batch_tokens)"
+                if p.get("micro_batch_tokens") else f"rows of {p['max_length']} tokens x {p['micro_batch_size']}")
+    lines = [f"[plan] {p['model']} ({p['recipe']}), {p['method']}: {per_step} per step and rank; target "
+             f"{_gib(tr['target_weights'])} GiB in bf16, draft {tr['draft_trainable'] / 1e6:.0f}M trainable parameters"]
     header = f"{'GiB per GPU':<28}" + "".join(f"{k:>19}" for k in p["as_configured"])
     lines += ["", header, f"{'as configured':<28}" + "".join(f"{_gib(v):>19}" for v in p["as_configured"].values())]
     if p["proposal"]:
@@ -612,13 +624,13 @@ def table(gpu_kinds=((1, 80), (1, 141), (8, 24), (8, 40), (8, 80))) -> dict:
     rows, traced = [], {}
     for name in PRESETS:
         config = load_config([f"model={name}"])
-        tr = traced_at(config, config.data.max_length)
+        tr = traced_at(config, row_tokens(config))
         traced[name] = dataclasses.asdict(tr)
         cells = []
         for gpus, gib in gpu_kinds:
             fit = proposal(tr, gpus, gib, config.trainer, recomputes(config))
             cells.append("does not fit" if fit is None else f"`{fit[0].overrides}` ({fit[1]['total'] / GIB:.0f})")
-        rows.append([name, config.data.max_length, f"{per_gpu(tr, setting_of(config), 1)['total'] / GIB:.0f}",
+        rows.append([name, row_tokens(config), f"{per_gpu(tr, setting_of(config), 1)['total'] / GIB:.0f}",
                      *cells])
     return {"machine": "any machine (fake tensors: nothing runs on a device)",
             "date": datetime.date.today().isoformat(),
@@ -627,7 +639,7 @@ def table(gpu_kinds=((1, 80), (1, 141), (8, 24), (8, 40), (8, 80))) -> dict:
                     "one GPU launches python train.py model=NAME SETTING, N GPUs torchrun --nproc_per_node N "
                     "train.py model=NAME SETTING (a DeepSpeed trainer: train.py runs several processes through "
                     "DeepSpeed only)",
-            "columns": ["target (recipe=scale)", "max_length", "GiB on one GPU as configured",
+            "columns": ["target (recipe=scale)", "row tokens", "GiB on one GPU as configured",
                         *(f"{g} x {m} GiB" for g, m in gpu_kinds)],
             "rows": rows, "traced": traced}
 

@@ -117,7 +117,8 @@ class Run:
         pad = pad_id(self.tokenizer) if self.tokenizer is not None else 0  # pads are masked; never read
         return BatchStream(self.train_data, t.micro_batch_size, pad, t.seed, images=image_inputs(self.target),
                            rank=self.ctx.data_rank, world_size=self.ctx.data_world_size,
-                           pack_length=packing_length(self.config, self.target), blocks=self._blocks())
+                           pack_length=packing_length(self.config, self.target), blocks=self._blocks(),
+                           token_budget=t.micro_batch_tokens)
 
     def _blocks(self) -> list[range] | None:
         """A store's shards, when data.store_order=shard asks to read them one at a time."""

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .compose import unpacked_reason
 from .config import Config, out_of_range
 from .data.sources import data_setting_problems
 from .draft.method import DraftMethod
@@ -35,6 +36,7 @@ def setting_problems(config: Config) -> list[str]:
     except ValueError as e:
         return [*problems, str(e)]
     problems += periodic_problems(config, method) + method.refused(config) + served_target_problems(config)
+    problems += token_budget_problems(config)
     d = config.draft
     if d.compile and not torch.cuda.is_available():
         problems += compiler_problems()
@@ -60,6 +62,30 @@ def setting_problems(config: Config) -> list[str]:
     if config.eval.serve and form is not None and form.cpu_serving_refusal and not torch.cuda.is_available():
         problems.append(f"eval.serve={config.eval.serve} with draft={config.draft.method}: "
                         f"{form.cpu_serving_refusal}; set eval.serve=null (our evaluation still measures it)")
+    return problems
+
+
+def token_budget_problems(config: Config) -> list[str]:
+    """What keeps trainer.micro_batch_tokens from sizing micro-batches by tokens, each in one line with the fix."""
+    t, d = config.trainer, config.data
+    budget = t.micro_batch_tokens
+    if budget is None:
+        return []
+    key = f"trainer.micro_batch_tokens={budget}"
+    off = "or trainer.micro_batch_tokens=null (trainer.micro_batch_size conversations per micro-batch)"
+    reason = unpacked_reason(config.model.family, str(d.source), config.draft.method)
+    if reason is not None:
+        return [f"{key} packs conversations into one row, and {reason}: set trainer.micro_batch_tokens=null"]
+    problems = []
+    if budget < d.max_length:
+        problems.append(f"{key} is below data.max_length={d.max_length}: a conversation of data.max_length tokens "
+                        f"would fit no micro-batch; set trainer.micro_batch_tokens={d.max_length} or more, {off}")
+    if t.micro_batch_size != 1:
+        problems.append(f"{key} with trainer.micro_batch_size={t.micro_batch_size}: a micro-batch is sized either in "
+                        f"tokens or in conversations; set trainer.micro_batch_size=1, {off}")
+    if d.packing:
+        problems.append(f"{key} with data.packing=true: a token-budget micro-batch is one packed row already; set "
+                        f"data.packing=false, {off}")
     return problems
 
 

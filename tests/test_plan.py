@@ -1,5 +1,6 @@
 """The sizing command: its fake run counts what a real run allocates, and its figures meet real measurements."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -247,3 +248,14 @@ def test_a_target_with_no_dense_mlp_width_is_one_line(capsys, monkeypatch):
     assert plan.main(["model=qwen3_5_35b_a3b"]) == 2
     err = capsys.readouterr().err
     assert "names no intermediate_size" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_token_budget_is_the_row_the_plan_sizes_and_counts_micro_batches_by():
+    config = load_config(["model=llama3_tiny", "data.max_length=128", "trainer.micro_batch_size=1",
+                          "trainer.micro_batch_tokens=512", "trainer.grad_accum_steps=1", "trainer.epochs=1"])
+    p = plan.plan(config, gpus=1, gpu_gib=80, conversations=100)
+    assert (p["max_length"], p["micro_batch_tokens"]) == (512, 512)
+    assert p["traced"] == dataclasses.asdict(plan.trace(config, 1, 512))
+    # every conversation counted at data.max_length: four a micro-batch
+    assert (p["data"]["steps_per_epoch"], p["data"]["tokens_per_epoch_at_most"]) == (25, 100 * 128)
+    assert "one packed row of up to 512 tokens" in plan.describe(p)[0]

@@ -50,40 +50,137 @@ def test_the_serving_environment_is_exactly_the_pinned_one(serving_python):
     assert {n: installed.get(n) for n in pins if installed.get(n) != pins[n]} == {}
 
 
-@pytest.mark.parametrize("variant", ["fc_norm", "eagle3.1", "eagle3.1+norm_before_residual"])
-def test_speculators_loads_our_export_and_its_logits_equal_ours(serving_python, tmp_path, variant):
-    """speculators' own Eagle3 model, built from our export, gives our logits at every TTT step: with per-aux
-    norms (fc_norm), as EAGLE 3.1 (norm_before_fc, norm_output fed back, a second layer), and with the first
-    layer's residual taken after hidden_norm as well (norm_before_residual: speculators' own default)."""
+# run by one process of the serving environment for every speculators check below (CI time: speculators and the
+# libraries under it are imported once, not once a check): each job is eval/<script>'s main(args); a job that
+# fails leaves its traceback for its own test
+SERVING_BATCH = """import json, runpy, sys, traceback
+for script, args, error in json.load(open(sys.argv[1])):
+    try:
+        runpy.run_path(script)["main"](args)
+    except BaseException:
+        open(error, "w").write(traceback.format_exc())
+"""
+
+
+def in_serving_env_at_once(python, jobs: dict[str, tuple[str, list]], folder: Path) -> dict:
+    """{name: (eval script, its arguments with --out FILE)} run by SERVING_BATCH: per job the tensors it wrote, or
+    the traceback it stopped with (a str)."""
+    plan = [[str(ROOT / "eval" / script), [str(a) for a in args], str(folder / f"{name}.error")]
+            for name, (script, args) in jobs.items()]
+    (folder / "jobs.json").write_text(json.dumps(plan))
+    proc = subprocess.run([str(python), "-c", SERVING_BATCH, str(folder / "jobs.json")], cwd=folder,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = {}
+    for name, (_, args) in jobs.items():
+        error = folder / f"{name}.error"
+        out[name] = error.read_text() if error.exists() else load_file(str(args[args.index("--out") + 1]))
+    return out
+
+
+LOGITS_VARIANTS = ["fc_norm", "eagle3.1", "eagle3.1+norm_before_residual"]
+BLOCK_METHODS = ["dspark", "dflash2"]
+
+
+def logits_jobs(folder: Path) -> tuple[dict, dict]:
+    """The speculators_logits jobs of LOGITS_VARIANTS, and per variant (draft, ids, aux) to compare with."""
     from specforge_lite.compose import load_config
     from specforge_lite.export import export_draft
     from specforge_lite.targets import build_target
     from conftest import EAGLE31, tiny_draft
 
     target = build_target(load_config(["model=llama3_tiny", "tracker=none"]))
-    options = {"fc_norm": {"use_aux_norm": True}, "eagle3.1": EAGLE31,
-               "eagle3.1+norm_before_residual": {**EAGLE31, "norm_before_residual": True}}[variant]
-    draft = tiny_draft(target, draft_vocab_size=512, **options)
-    with torch.no_grad():  # norms away from 1, so that a norm left out or applied twice shows
-        for name, w in draft.named_parameters():
-            if name.endswith("norm.weight") or ".input_norm." in f".{name}":
-                w.uniform_(0.5, 1.5)
-    out = export_draft(draft.trainable_state_dict(), draft.spec, "speculators", tmp_path / "export",
-                       verifier={"name_or_path": str(target.location), "architectures": ["LlamaForCausalLM"]})
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (1, 24), generator=g)
     aux = target.capture(ids).aux
     shifted = torch.roll(ids, -1, 1)  # row t reads token t+1 at the first step
     save_file({"aux": torch.cat(aux, -1).contiguous(), "input_ids": shifted.contiguous(),
-               "embedding": target.embedding_weight().detach().contiguous()}, str(tmp_path / "in.safetensors"))
-    proc = subprocess.run([str(serving_python), str(ROOT / "eval" / "speculators_logits.py"), "--export", str(out),
-                           "--inputs", str(tmp_path / "in.safetensors"), "--out", str(tmp_path / "out.safetensors")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    theirs = load_file(str(tmp_path / "out.safetensors"))["logits"]
+               "embedding": target.embedding_weight().detach().contiguous()}, str(folder / "logits_in.safetensors"))
+    jobs, ours = {}, {}
+    for variant in LOGITS_VARIANTS:
+        options = {"fc_norm": {"use_aux_norm": True}, "eagle3.1": EAGLE31,
+                   "eagle3.1+norm_before_residual": {**EAGLE31, "norm_before_residual": True}}[variant]
+        draft = tiny_draft(target, draft_vocab_size=512, **options)
+        with torch.no_grad():  # norms away from 1, so that a norm left out or applied twice shows
+            for name, w in draft.named_parameters():
+                if name.endswith("norm.weight") or ".input_norm." in f".{name}":
+                    w.uniform_(0.5, 1.5)
+        out = export_draft(draft.trainable_state_dict(), draft.spec, "speculators", folder / variant / "export",
+                           verifier={"name_or_path": str(target.location), "architectures": ["LlamaForCausalLM"]})
+        jobs[variant] = ("speculators_logits.py", ["--export", out, "--inputs", folder / "logits_in.safetensors",
+                                                   "--out", folder / f"{variant}.safetensors"])
+        ours[variant] = (draft, ids, aux)
+    return jobs, ours
 
+
+@pytest.fixture(scope="module")
+def block_draft_exports(tmp_path_factory) -> dict:
+    """Per method: a DSpark draft (a reduced draft vocabulary, heads whose terms are not negligible) or a DFlash 2
+    draft (convolutions away from the identity, a selector that matters) of two layers for the tiny Qwen3 target,
+    exported in vLLM's layout, with the target it was built for."""
+    from specforge_lite.compose import load_config
+    from specforge_lite.export import export_draft
+    from specforge_lite.targets import build_target
+    from test_dflash import tiny_block_draft
+
+    target = build_target(load_config(["model=qwen3_tiny", "model.tiny.config.head_dim=32", "tracker=none"]))
+    exports = {}
+    for method in BLOCK_METHODS:
+        if method == "dspark":
+            draft = tiny_block_draft(target, "dspark", draft_vocab=512, markov_rank=16, block_size=3)
+        else:
+            draft = tiny_block_draft(target, "dflash2", selector_rank=16, selector_top_k=8, block_size=4)
+            with torch.no_grad():
+                for name, p in draft.named_parameters():
+                    if "_conv." in name:
+                        p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
+        out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm",
+                           tmp_path_factory.mktemp(method) / "export", num_speculative_tokens=3)
+        exports[method] = (target, draft, out)
+    return exports
+
+
+def block_jobs(exports: dict, folder: Path) -> tuple[dict, dict]:
+    """The speculators_block_draft jobs of BLOCK_METHODS, and per method (ids, aux) to compare with."""
+    jobs, ours = {}, {}
+    for method, (target, draft, export) in exports.items():
+        ids = torch.randint(0, target.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+        aux = target.capture(ids).aux
+        save_file({"aux": torch.cat(aux, -1).contiguous(), "input_ids": ids, "loss_mask": torch.ones_like(ids)},
+                  str(folder / f"{method}_in.safetensors"))
+        jobs[method] = ("speculators_block_draft.py", ["--export", export, "--target", target.location, "--inputs",
+                                                       folder / f"{method}_in.safetensors", "--out",
+                                                       folder / f"{method}.safetensors"])
+        ours[method] = (ids, aux)
+    return jobs, ours
+
+
+@pytest.fixture(scope="module")
+def speculators_outputs(serving_python, block_draft_exports, tmp_path_factory) -> dict:
+    """What speculators' own models compute from our exports, every check in one process (SERVING_BATCH): per
+    job name (a LOGITS_VARIANTS variant, a BLOCK_METHODS method), (what ours is compared with, their outputs)."""
+    folder = tmp_path_factory.mktemp("speculators")
+    logits, logits_ours = logits_jobs(folder)
+    blocks, blocks_ours = block_jobs(block_draft_exports, folder)
+    theirs = in_serving_env_at_once(serving_python, {**logits, **blocks}, folder)
+    return {name: (ours, theirs[name]) for name, ours in {**logits_ours, **blocks_ours}.items()}
+
+
+def outputs_of(speculators_outputs: dict, name: str):
+    ours, theirs = speculators_outputs[name]
+    assert not isinstance(theirs, str), f"speculators stopped on {name}:\n{theirs[-4000:]}"
+    return ours, theirs
+
+
+@pytest.mark.parametrize("variant", LOGITS_VARIANTS)
+def test_speculators_loads_our_export_and_its_logits_equal_ours(speculators_outputs, variant):
+    """speculators' own Eagle3 model, built from our export, gives our logits at every TTT step: with per-aux
+    norms (fc_norm), as EAGLE 3.1 (norm_before_fc, norm_output fed back, a second layer), and with the first
+    layer's residual taken after hidden_norm as well (norm_before_residual: speculators' own default)."""
     from specforge_lite.draft.ttt import TTTCache
 
+    (draft, ids, aux), theirs = outputs_of(speculators_outputs, variant)
+    theirs = theirs["logits"]
     T = ids.shape[1]
     hidden, cache, ours = draft.project_aux(aux), TTTCache(), []
     with torch.no_grad():
@@ -95,32 +192,9 @@ def test_speculators_loads_our_export_and_its_logits_equal_ours(serving_python, 
         torch.testing.assert_close(theirs[k][:rows], ours[k][:rows], atol=1e-4, rtol=1e-4)
 
 
-@pytest.fixture(scope="module", params=["dspark", "dflash2"])
-def block_draft_export(request, tmp_path_factory):
-    """A DSpark draft (a reduced draft vocabulary, heads whose terms are not negligible) or a DFlash 2 draft
-    (convolutions away from the identity, a selector that matters) of two layers for the tiny Qwen3 target,
-    exported in vLLM's layout, with the target it was built for."""
-    from specforge_lite.compose import load_config
-    from specforge_lite.export import export_draft
-    from specforge_lite.targets import build_target
-    from test_dflash import tiny_block_draft
-
-    target = build_target(load_config(["model=qwen3_tiny", "model.tiny.config.head_dim=32", "tracker=none"]))
-    if request.param == "dspark":
-        draft = tiny_block_draft(target, "dspark", draft_vocab=512, markov_rank=16, block_size=3)
-    else:
-        draft = tiny_block_draft(target, "dflash2", selector_rank=16, selector_top_k=8, block_size=4)
-        with torch.no_grad():
-            for name, p in draft.named_parameters():
-                if "_conv." in name:
-                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
-    out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm",
-                       tmp_path_factory.mktemp(request.param) / "export", num_speculative_tokens=3)
-    return target, draft, out
-
-
 def in_serving_env(python, script: str, export: Path, target, inputs: dict, tmp_path: Path) -> dict:
-    """eval/<script> on the export and ``inputs`` in the serving environment; its output tensors."""
+    """eval/<script> on the export and ``inputs`` in a process of the serving environment of its own (vLLM's
+    model classes: its distributed state is set up once a process); its output tensors."""
     save_file(inputs, str(tmp_path / "in.safetensors"))
     proc = subprocess.run([str(python), str(ROOT / "eval" / script), "--export", str(export), "--target",
                            str(target.location), "--inputs", str(tmp_path / "in.safetensors"), "--out",
@@ -130,7 +204,8 @@ def in_serving_env(python, script: str, export: Path, target, inputs: dict, tmp_
     return load_file(str(tmp_path / "out.safetensors"))
 
 
-def test_speculators_own_model_computes_our_block_draft(serving_python, block_draft_export, tmp_path):
+@pytest.mark.parametrize("method", BLOCK_METHODS)
+def test_speculators_own_model_computes_our_block_draft(speculators_outputs, block_draft_exports, method):
     """speculators 0.9.0's own model of the method, built from our export, runs its training forward (its
     anchored blocks; DSpark: the Markov bias of each slot's previous token and the confidence head; DFlash 2:
     the convolutions along the block and the selector over the top-k with the teacher's token put in) and gives,
@@ -139,12 +214,8 @@ def test_speculators_own_model_computes_our_block_draft(serving_python, block_dr
     the pre-norm state."""
     from specforge_lite.methods.dflash.model import DFlashContext
 
-    target, draft, export = block_draft_export
-    ids = torch.randint(0, target.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
-    aux = target.capture(ids).aux
-    theirs = in_serving_env(serving_python, "speculators_block_draft.py", export, target,
-                            {"aux": torch.cat(aux, -1).contiguous(), "input_ids": ids,
-                             "loss_mask": torch.ones_like(ids)}, tmp_path)
+    _, draft, _ = block_draft_exports[method]
+    (ids, aux), theirs = outputs_of(speculators_outputs, method)
     S, dspark = draft.spec.block_size, draft.spec.method == "dspark"
     k = S if dspark else S - 1
     assert len(theirs["anchors"]) >= 10
@@ -166,7 +237,8 @@ def test_speculators_own_model_computes_our_block_draft(serving_python, block_dr
             torch.testing.assert_close(theirs["candidate_logits"][rows], scores, atol=1e-4, rtol=1e-4)
 
 
-def test_vllm_loads_our_block_draft_into_its_own_class(serving_python, block_draft_export, tmp_path):
+@pytest.mark.parametrize("method", BLOCK_METHODS)
+def test_vllm_loads_our_block_draft_into_its_own_class(serving_python, block_draft_exports, tmp_path, method):
     """vLLM's own class (``Qwen3DSparkForCausalLM``, ``DFlash2Qwen3ForCausalLM``) takes the export through its
     ``load_weights`` (every weight where its loader puts it, the fused q/k/v and gate/up included) and reads its
     mask token, and vLLM's parts beyond the DFlash backbone compute ours on the same inputs: DSpark's heads
@@ -174,7 +246,7 @@ def test_vllm_loads_our_block_draft_into_its_own_class(serving_python, block_dra
     scores and every layer's convolutions. vLLM 0.32 runs both only in its V2 model runner, which needs Triton's
     CPU backend: a CPU cannot serve them (eval/vllm_block_draft.py), so this is the server's side of the proof;
     the backbone is DFlash's, served above."""
-    target, draft, export = block_draft_export
+    target, draft, export = block_draft_exports[method]
     g = torch.Generator().manual_seed(1)
     states = torch.randn(7, draft.spec.hidden_size, generator=g) * 3
     previous = torch.randint(0, target.vocab_size, (7,), generator=g)
@@ -588,6 +660,10 @@ def test_the_served_check_says_what_is_missing(tmp_path, monkeypatch):
         serve([tmp_path])
 
 
+# vLLM's worker in its engine's process (as eval/vllm_*.py run it), not in a process of its own that imports vLLM
+# again: ~10 s less per server start on 2 cores, the same outputs. For the servers whose answers are tested;
+# the one target.backend=vllm starts keeps vLLM's default processes, between which its states travel.
+ONE_ENGINE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 PROMPTS = ["Name three fruits.", "What is the capital of France?", "Write one sentence about the sea.",
            "How do I boil an egg?", "Give me a synonym for happy.", "What is 12 times 12?",
            "Suggest a name for a cat.", "Why is the sky blue? Answer in one sentence."]
@@ -608,6 +684,8 @@ def test_regeneration_through_vllms_own_server_agrees_with_the_hf_engine(serving
 
     monkeypatch.setenv("SPECFORGE_LITE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SPECFORGE_LITE_SERVING_PYTHON", str(serving_python))
+    for key, value in ONE_ENGINE_PROCESS.items():  # (the server the regeneration starts inherits them)
+        monkeypatch.setenv(key, value)
     config, target, tok = smollm2
     convs = [[{"role": "user", "content": p}, {"role": "assistant", "content": "-"}] for p in PROMPTS]
     answers, servers, settings = {}, {}, {}
@@ -644,7 +722,7 @@ def smollm2_vllm(serving_python, smollm2, tmp_path_factory):
 
     _, target, _ = smollm2
     server = VLLMServer(str(target.location), max_model_len=512, dtype="float32", python=serving_python,
-                        log=lambda m: None, log_requests=True)
+                        log=lambda m: None, log_requests=True, env=ONE_ENGINE_PROCESS)
     server.log_path = tmp_path_factory.mktemp("smollm2_vllm") / "vllm.log"
     with server:
         yield server

@@ -59,6 +59,27 @@ def run_training(run_dir, max_steps, stop_at=None, seed=0, lr=3e-3, accum=2, res
     return result, draft
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The draft's weights after run_training's 8 default steps, left alone: what the interrupted and resumed
+    runs below must end with (trained once for the module: CI time)."""
+    _, draft = run_training(tmp_path_factory.mktemp("uninterrupted"), max_steps=8)
+    return {name: tensor.clone() for name, tensor in draft.trainable_state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def stopped_at_4(tmp_path_factory) -> Path:
+    """The same run stopped at step 4 (checkpoints of steps 2 and 4); a test copies it before changing it."""
+    run_dir = tmp_path_factory.mktemp("stopped_at_4") / "run"
+    assert run_training(run_dir, max_steps=8, stop_at=4)[0].step == 4
+    return run_dir
+
+
+def assert_same_weights(expected: dict, draft) -> None:
+    for name, tensor in draft.trainable_state_dict().items():
+        assert torch.equal(expected[name], tensor), name
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_is_exact(tmp_path, optimizer):
     """With Muon the checkpoint must carry its momentum (and AdamW's moments for the rest)."""
@@ -189,12 +210,12 @@ DAMAGE = {"weights": ckpt_mod.WEIGHTS, "optimizer": "optimizer.safetensors", "st
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_a_damaged_newest_checkpoint_is_named_and_the_older_one_resumed(tmp_path, damage):
+def test_a_damaged_newest_checkpoint_is_named_and_the_older_one_resumed(tmp_path, damage, uninterrupted,
+                                                                        stopped_at_4):
     """A checkpoint file cut short by a full disk, or JSON that is garbled or lacks a key: pointed at it, a run
     refuses in one line naming the file and the older checkpoint to use; resume=auto passes over it to the
     older intact one, says so, and ends where an uninterrupted run ends."""
-    straight, d1 = run_training(tmp_path / "straight", max_steps=8)
-    run_training(tmp_path / "run", max_steps=8, stop_at=4)  # saves steps 2 and 4
+    shutil.copytree(stopped_at_4, tmp_path / "run")  # (saved steps 2 and 4)
     newest = tmp_path / "run" / "checkpoints" / "step_00000004"
     damaged = newest / DAMAGE[damage]
     if damage == "state_key":
@@ -209,8 +230,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_older_one_resumed(tmp_path
     resumed, d2 = run_training(tmp_path / "run", max_steps=8, log=said.append)
     assert any(f"step_00000004 ({DAMAGE[damage]} is damaged" in m and "resuming from the older" in m for m in said)
     assert resumed.step == 8
-    for name, tensor in d1.trainable_state_dict().items():
-        assert torch.equal(tensor, d2.trainable_state_dict()[name]), name
+    assert_same_weights(uninterrupted, d2)
 
 
 def test_checkpoints_that_cannot_be_resumed_stop_auto_resume_and_a_fresh_start_keeps_them(tmp_path):
@@ -352,21 +372,19 @@ class SignalledStream(BatchStream):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_stop_signal_ends_the_step_saves_it_and_the_run_resumes_exactly(tmp_path, signum):
+def test_a_stop_signal_ends_the_step_saves_it_and_the_run_resumes_exactly(tmp_path, signum, uninterrupted):
     """SIGTERM (a scheduler's preemption) or SIGINT mid-step: the step under way finishes, a checkpoint of it
     is written, the run ends with Interrupted (train.py: a one-line error, exit 1, no export), and the same
     command resumes to what an uninterrupted run ends with."""
     from specforge_lite.training.loop import Interrupted, StopRequests
 
-    _, d1 = run_training(tmp_path / "straight", max_steps=8)
     with pytest.raises(Interrupted, match=f"stopped by {signum.name} at step 3; the checkpoint .*step_00000003"):
         run_training(tmp_path / "run", max_steps=8, save_every=100, stream_cls=SignalledStream, at=5, signum=signum)
     assert ckpt_mod.latest_checkpoint(tmp_path / "run").name == "step_00000003"
     assert not isinstance(getattr(signal.getsignal(signum), "__self__", None), StopRequests)  # handler given back
     resumed, d2 = run_training(tmp_path / "run", max_steps=8, save_every=100)
     assert resumed.step == 8
-    for name, tensor in d1.trainable_state_dict().items():
-        assert torch.equal(tensor, d2.trainable_state_dict()[name]), name
+    assert_same_weights(uninterrupted, d2)
 
 
 def test_a_kill_in_the_middle_of_pruning_leaves_no_half_deleted_checkpoint_listed(tmp_path, monkeypatch):

@@ -70,6 +70,7 @@ def new_draft(config, aux_layer_ids: list[int], embedding: torch.Tensor, head: t
     # (mask token 0: read only by the methods with mask slots)
     chosen = draft_method(method)  # (``ttt``: the positions it scores, EAGLE3's unroll or a block draft's k)
     cfg = chosen.settings(draft_vocab_size=draft_vocab, mask_token_id=0, **chosen.steps_settings(ttt))
+    draft_vocab = chosen.draft_vocab_size(cfg, vocab_size)  # (DFlash 2 keeps the whole vocabulary, as a run does)
     spec = chosen.new_spec(config, cfg, aux_layer_ids, CONVENTION, vocab_size=vocab_size, draft_vocab_size=draft_vocab,
                            target_hidden_size=hidden_size)
     torch.manual_seed(0)

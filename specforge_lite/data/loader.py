@@ -1,5 +1,6 @@
 """Deterministic, resumable micro-batches: the order depends only on (seed, epoch), and the position
-in it is two integers saved with every checkpoint."""
+in it is two integers saved with every checkpoint. A micro-batch is a number of conversations
+(trainer.micro_batch_size), or as many as a token budget holds (trainer.micro_batch_tokens: ``group_end``)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,34 @@ def collate(rows: list[dict], pad_id: int, images: Any = None) -> Batch:
     return Batch(ids, att, lm, inputs)
 
 
+def conversation_lengths(dataset) -> list[int]:
+    """Each row's token count: from the token column alone where the dataset is an Arrow table (a prepared
+    split), else row by row."""
+    if hasattr(dataset, "with_format") and "input_ids" in getattr(dataset, "column_names", ()):
+        import pyarrow.compute as pc
+
+        return pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
+    return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+
+
+def group_end(lengths: list[int], order: list[int], start: int, budget: int) -> int:
+    """Where the token-budget group that starts at ``order[start]`` ends: it takes conversations in order until
+    the next one would bring it past ``budget`` tokens (the first is always taken)."""
+    end, used = start + 1, lengths[order[start]]
+    while end < len(order) and used + lengths[order[end]] <= budget:
+        used += lengths[order[end]]
+        end += 1
+    return end
+
+
+def group_count(lengths: list[int], order: list[int], budget: int) -> int:
+    """How many token-budget groups ``order`` makes (``group_end`` from its start to its end)."""
+    count, start = 0, 0
+    while start < len(order):
+        start, count = group_end(lengths, order, start, budget), count + 1
+    return count
+
+
 def content_fingerprint(dataset) -> str:
     """A digest of what training reads: every row's token ids and loss mask (a store says its own: its
     shards' checksums). Two datasets of the same size and vocabulary differ here when their text does."""
@@ -109,22 +138,31 @@ class BatchStream:
     With several data-parallel ranks every ``next()`` takes ``batch_size * world_size`` rows from the
     one shuffled order all ranks share, and this rank keeps its own contiguous slice: the ranks' rows
     are disjoint, and together they are the rows one process with ``world_size`` times the batch (or
-    as many accumulation steps) would see. The position is world-independent, so it resumes anywhere."""
+    as many accumulation steps) would see. The position is world-independent, so it resumes anywhere.
+
+    With a token budget (``token_budget``) every ``next()`` takes the next ``world_size`` groups of the shared
+    order (``group_end``: conversations in order while they fit the budget), rank r the r-th: the groups are the
+    same for any world size, each rank's its own, and the position is still the cursor. An epoch's last groups,
+    fewer than the ranks, are left to the next epoch's shuffle (as rows fewer than the ranks are without one)."""
 
     def __init__(self, dataset, batch_size: int, pad_id: int, seed: int, shuffle: bool = True, images: Any = None,
-                 rank: int = 0, world_size: int = 1, pack_length: int | None = None, blocks: list[range] | None = None):
+                 rank: int = 0, world_size: int = 1, pack_length: int | None = None, blocks: list[range] | None = None,
+                 token_budget: int | None = None):
         """``pack_length``: pack each micro-batch's conversations into rows of at most this many tokens
         (data.packing); the conversations, their order and the checkpointed position stay the same.
         ``blocks`` (a store's shards, data.store_order=shard): each epoch visits the blocks in a shuffled
-        order and the rows of each block shuffled, so reads stay inside one shard at a time."""
+        order and the rows of each block shuffled, so reads stay inside one shard at a time.
+        ``token_budget`` (trainer.micro_batch_tokens): each micro-batch is one token-budget group instead of
+        ``batch_size`` conversations, packed into one row of at most that many tokens."""
         self.dataset, self.batch_size, self.pad_id, self.seed, self.shuffle = dataset, batch_size, pad_id, seed, shuffle
         self.images, self.rank, self.world_size, self.pack_length = images, rank, world_size, pack_length
-        self.blocks = blocks
+        self.blocks, self.token_budget = blocks, token_budget
         if len(dataset) < world_size:
             raise ValueError(f"{len(dataset)} training samples cannot feed {world_size} data-parallel ranks")
         self.epoch, self.cursor = 0, 0
         self._order = self._make_order()
         self._fingerprint: str | None = None  # (computed at the first save or resume)
+        self._lengths = conversation_lengths(dataset) if token_budget else None
 
     def _make_order(self) -> list[int]:
         n = len(self.dataset)
@@ -143,6 +181,8 @@ class BatchStream:
         return self
 
     def __next__(self) -> Batch:
+        if self.token_budget:
+            return self._next_group()
         if len(self._order) - self.cursor < self.world_size:  # the epoch's tail cannot give every rank a row
             self.epoch, self.cursor = self.epoch + 1, 0
             self._order = self._make_order()
@@ -154,6 +194,40 @@ class BatchStream:
         if self.pack_length:
             return collate_packed(rows, self.pad_id, self.pack_length)
         return collate(rows, self.pad_id, self.images)
+
+    def _group_ends(self) -> list[int] | None:
+        """Where the next ``world_size`` groups from the cursor end, or None when the epoch's rest has fewer."""
+        ends, start = [], self.cursor
+        while len(ends) < self.world_size and start < len(self._order):
+            start = group_end(self._lengths, self._order, start, self.token_budget)
+            ends.append(start)
+        return ends if len(ends) == self.world_size else None
+
+    def _next_group(self) -> Batch:
+        ends = self._group_ends()
+        if ends is None:
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._order = self._make_order()
+            ends = self._group_ends()
+            if ends is None:
+                raise ValueError(f"{len(self.dataset)} training conversations fill fewer micro-batches of "
+                                 f"{self.token_budget} tokens than the {self.world_size} data-parallel ranks: give "
+                                 "more data, or a smaller trainer.micro_batch_tokens")
+        starts = [self.cursor, *ends[:-1]]
+        mine = self._order[starts[self.rank] : ends[self.rank]]
+        self.cursor = ends[-1]
+        return collate_packed([self.dataset[i] for i in mine], self.pad_id, self.token_budget)
+
+    def micro_batches_per_epoch(self) -> int | None:
+        """The micro-batches one epoch gives all ranks together with a token budget (None without one): the
+        groups of the first epoch's order, less the last few fewer than the ranks (another epoch's order makes
+        about as many)."""
+        if not self.token_budget:
+            return None
+        epoch, self.epoch = self.epoch, 0
+        order, self.epoch = self._make_order(), epoch
+        groups = group_count(self._lengths, order, self.token_budget)
+        return groups - groups % self.world_size
 
     def fingerprint(self) -> str:
         if self._fingerprint is None:

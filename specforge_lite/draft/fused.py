@@ -33,6 +33,11 @@ def compiled(enabled: bool):
         _enabled = before
 
 
+def compiling() -> bool:
+    """Whether ``run`` calls the compiled twins here (inside ``compiled(True)``)."""
+    return _enabled
+
+
 def checkpoint(fn: Callable, *args):
     """torch.utils.checkpoint of ``fn(*args)`` whose recomputation in backward, which runs after the forward's
     ``compiled`` block has ended, calls the chains as the forward did: else it would save other tensors."""

@@ -51,6 +51,9 @@ class DraftMethod:
     # whether its draft keeps the whole target vocabulary whatever draft.draft_vocab_size says (DFlash 2: its
     # selector indexes codebooks with token ids as vLLM does)
     whole_vocabulary: bool = False
+    # whether its objective trains on packed rows, several conversations a row (data.packing,
+    # trainer.micro_batch_tokens): EAGLE3's TTT keeps them apart by their position ids; a block draft does not
+    packs_rows: bool = True
     # what a new draft takes from its target beyond its lm_head's rows, given its settings (EAGLE3: its layers,
     # with draft.init_layers_from_target)
     warm_start: Callable[[Any, Any, Any], None] = lambda draft, draft_settings, target: None

@@ -41,8 +41,8 @@ def label(spec: dict) -> str:
 
 def block_fields(settings: type) -> dict:
     """What every block draft's ``DraftMethod`` says of its block, for its settings class ``settings``: its mask
-    slots, and its k (what it scores, and is served at) from its block's size."""
-    return {"has_mask_slots": lambda draft_settings: True,
+    slots, its rows one conversation each, and its k (what it scores, and is served at) from its block's size."""
+    return {"has_mask_slots": lambda draft_settings: True, "packs_rows": False,
             "scored_steps": lambda draft_settings: draft_settings.draft_tokens,
             "steps_settings": lambda k: {"block_size": k + settings.anchor_slots},
             "fixed_draft_tokens": lambda spec: spec["block_size"] - settings.anchor_slots}
