@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -156,6 +157,22 @@ def proposal(traced: Traced, gpus: int, gpu_gib: float, trainer,
         if parts["total"] <= usable:
             return setting, parts
     return None
+
+
+def fitting(config, gpus: int, gpu_gib: float, traced_for) -> tuple[Setting, dict, int] | None:
+    """(setting, its bytes per GPU, the row tokens it was sized at): the first setting that fits (``proposal``) at
+    the run's rows, or, where none does and the rows are a token budget above data.max_length, the first that fits
+    at rows of data.max_length with the budget lowered to it among its overrides (fewer tokens per step, the same
+    conversations); None where neither fits. ``traced_for(tokens)``: the fake run at rows of that many tokens."""
+    t, tokens = config.trainer, row_tokens(config)
+    fit = proposal(traced_for(tokens), gpus, gpu_gib, t, recomputes(config))
+    if fit is None and t.micro_batch_tokens and tokens > config.data.max_length:
+        tokens = config.data.max_length
+        fit = proposal(traced_for(tokens), gpus, gpu_gib, t, recomputes(config))
+        if fit is not None:
+            fit = (dataclasses.replace(fit[0], overrides=f"{fit[0].overrides} trainer.micro_batch_tokens={tokens}"),
+                   fit[1])
+    return None if fit is None else (*fit, tokens)
 
 
 # keys a setting decides (its group chooses them): the user's own values of these are left out of its command
@@ -545,9 +562,11 @@ def plan(config, gpus: int, gpu_gib: float, conversations: int | None, overrides
 
     check_length(config, target_config(config.model))
     tokens = row_tokens(config)
-    traced = traced_at(config, tokens)
+    traces = functools.cache(lambda n: traced_at(config, n))
+    traced = traces(tokens)
     t = config.trainer
-    fit = proposal(traced, gpus, gpu_gib, t, recomputes(config))
+    found = fitting(config, gpus, gpu_gib, traces)
+    fit, rows_at = (None, tokens) if found is None else (found[:2], found[2])
     out = {"model": config.model.name, "recipe": config.recipe_name, "method": config.draft.method,
            "max_length": tokens, "micro_batch_size": config.trainer.micro_batch_size,
            "micro_batch_tokens": t.micro_batch_tokens, "gpus": gpus,
@@ -562,14 +581,16 @@ def plan(config, gpus: int, gpu_gib: float, conversations: int | None, overrides
         sp = t.deepspeed.sequence_parallel
         ranks = data_ranks(setting, gpus, sp)
         # token-budget micro-batches counted as rows of data.max_length fill them (the bound every row is counted at)
-        micro_batches = math.ceil(conversations / (tokens // config.data.max_length)) if t.micro_batch_tokens else None
+        micro_batches = (math.ceil(conversations / (rows_at // config.data.max_length)) if t.micro_batch_tokens
+                         else None)
         per_epoch = steps_per_epoch(config, conversations, ranks, micro_batches)
         epochs = t.epochs if t.epochs is not None else t.max_steps / per_epoch
         out["data"] = {"conversations": conversations,
                        "tokens_per_epoch_at_most": conversations * config.data.max_length,
                        "data_ranks": ranks, "steps_per_epoch": math.ceil(per_epoch), "epochs": epochs,
                        "steps": max(1, math.ceil(epochs * per_epoch))}
-        row = row_seconds(traced, tokens, way_keys(config, setting.checkpointing)) if fit is not None else None
+        row = (row_seconds(traces(rows_at), rows_at, way_keys(config, setting.checkpointing)) if fit is not None
+               else None)
         if row is not None:  # each GPU of the data-parallel ranks (and their sequence-parallel groups) on its rows
             epoch_s = (micro_batches or conversations) * row["seconds"] / (ranks * (sp if setting.zero_stage is not None
                                                                                      else 1))
@@ -624,11 +645,12 @@ def table(gpu_kinds=((1, 80), (1, 141), (8, 24), (8, 40), (8, 80))) -> dict:
     rows, traced = [], {}
     for name in PRESETS:
         config = load_config([f"model={name}"])
-        tr = traced_at(config, row_tokens(config))
+        traces = functools.cache(lambda n, config=config: traced_at(config, n))
+        tr = traces(row_tokens(config))
         traced[name] = dataclasses.asdict(tr)
         cells = []
         for gpus, gib in gpu_kinds:
-            fit = proposal(tr, gpus, gib, config.trainer, recomputes(config))
+            fit = fitting(config, gpus, gib, traces)
             cells.append("does not fit" if fit is None else f"`{fit[0].overrides}` ({fit[1]['total'] / GIB:.0f})")
         rows.append([name, row_tokens(config), f"{per_gpu(tr, setting_of(config), 1)['total'] / GIB:.0f}",
                      *cells])

@@ -259,3 +259,22 @@ def test_a_token_budget_is_the_row_the_plan_sizes_and_counts_micro_batches_by():
     # every conversation counted at data.max_length: four a micro-batch
     assert (p["data"]["steps_per_epoch"], p["data"]["tokens_per_epoch_at_most"]) == (25, 100 * 128)
     assert "one packed row of up to 512 tokens" in plan.describe(p)[0]
+
+
+def test_where_no_setting_fits_the_token_budget_the_plan_proposes_rows_of_max_length():
+    # gpt_oss_120b on 8 x 40 GiB fits at rows of 2048 tokens and not at the scale recipe's 8192: the plan proposes
+    # the setting with the budget lowered to data.max_length, and its command replaces the user's budget
+    config = load_config(["model=llama3_tiny", "data.max_length=128", "trainer.micro_batch_size=1",
+                          "trainer.micro_batch_tokens=512"])
+    sized = {512: plan.Traced(GIB, GIB // 8, 1000, 0, 0, 0, 200 * GIB, 200 * GIB),
+             128: plan.Traced(GIB, GIB // 8, 1000, 0, 0, 0, 10 * GIB, 5 * GIB)}
+    setting, parts, tokens = plan.fitting(config, 1, 80, sized.__getitem__)
+    assert tokens == 128 and setting.overrides == "trainer=default trainer.micro_batch_tokens=128", setting
+    assert parts["total"] <= 78 * GIB
+    assert plan.launch_command(["model=llama3_tiny", "trainer.micro_batch_tokens=512"], setting, 1) == \
+        "python train.py model=llama3_tiny trainer=default trainer.micro_batch_tokens=128"
+    # a budget that fits is kept; without a budget (or where neither fits) nothing is lowered
+    assert plan.fitting(config, 1, 80, {512: sized[128]}.__getitem__)[2] == 512
+    assert plan.fitting(config, 1, 8, sized.__getitem__) is None
+    unbudgeted = load_config(["model=llama3_tiny", "data.max_length=512", "trainer.micro_batch_size=1"])
+    assert plan.fitting(unbudgeted, 1, 80, sized.__getitem__) is None
