@@ -75,14 +75,10 @@ def drawn_lengths(count: int, max_length: int, seed: int, path: Path = LENGTHS) 
 
 def token_budget_groups(lengths: list[int], budget: int) -> list[list[int]]:
     """The conversations of ``lengths`` in order as a run's token-budget micro-batches group them."""
-    from specforge_lite.data.loader import group_end
+    from specforge_lite.data.loader import group_ends
 
-    order, groups, start = list(range(len(lengths))), [], 0
-    while start < len(order):
-        end = group_end(lengths, order, start, budget)
-        groups.append(lengths[start:end])
-        start = end
-    return groups
+    ends = group_ends(lengths, list(range(len(lengths))), budget)
+    return [lengths[start:end] for start, end in zip([0, *ends[:-1]], ends)]
 
 
 def capture_conversations(target, teacher, lengths: list[int], seed: int):

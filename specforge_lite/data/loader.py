@@ -110,12 +110,12 @@ def group_end(lengths: list[int], order: list[int], start: int, budget: int) -> 
     return end
 
 
-def group_count(lengths: list[int], order: list[int], budget: int) -> int:
-    """How many token-budget groups ``order`` makes (``group_end`` from its start to its end)."""
-    count, start = 0, 0
-    while start < len(order):
-        start, count = group_end(lengths, order, start, budget), count + 1
-    return count
+def group_ends(lengths: list[int], order: list[int], budget: int) -> list[int]:
+    """Where each token-budget group of the whole ``order`` ends (``group_end`` from its start to its end)."""
+    ends = [0]
+    while ends[-1] < len(order):
+        ends.append(group_end(lengths, order, ends[-1], budget))
+    return ends[1:]
 
 
 def content_fingerprint(dataset) -> str:
@@ -226,7 +226,7 @@ class BatchStream:
             return None
         epoch, self.epoch = self.epoch, 0
         order, self.epoch = self._make_order(), epoch
-        groups = group_count(self._lengths, order, self.token_budget)
+        groups = len(group_ends(self._lengths, order, self.token_budget))
         return groups - groups % self.world_size
 
     def fingerprint(self) -> str:
