@@ -56,6 +56,20 @@ def test_context_last_and_max_turns():
     assert len(out) == 5 and all(len(c) == 2 for c in out)
 
 
+def test_the_answers_made_and_their_rate_are_counted_and_said():
+    """The rate a user multiplies by their data size: answers (not conversations) per second, this call's own
+    (answers a killed run had journaled are read back, not counted)."""
+    said = []
+    dying = Recorder(die_after=2)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(CONVS, dying, GenerationConfig(context="all", batch_size=2), "rate", log=said.append)
+    _, stats = regenerate(CONVS, Recorder(), GenerationConfig(context="all", batch_size=2), "rate", log=said.append)
+    assert stats["answers"] == len(CONVS) * 2 - 2 * 2 and stats["seconds"] > 0
+    assert stats["answers_per_s"] == stats["answers"] / stats["seconds"]
+    line = said[-1]
+    assert line.startswith(f"[regenerate] {stats['answers']} answers in ") and "answers/s" in line, said
+
+
 def test_empty_answers_are_counted_and_cut():
     def shy(batch):
         return ["" if conv[-1]["content"].endswith("b") else "ok" for conv in batch]
@@ -184,6 +198,8 @@ def test_rounds_of_answers_while_there_is_time_ask_for_each_answer_once(tmp_path
                         ["An answer." for _ in b], model_fingerprint="fake", log=lambda m: None)
     assert len(data.train) == 10 and data.stats["regeneration"]["rounds"] == 3
     assert len(asked) == 12 and len(set(asked)) == 12, asked  # (10 training questions, 2 held-out)
+    regen = data.stats["regeneration"]  # every round's training answers and time, not the last round's alone
+    assert regen["answers"] == 10 and regen["answers_per_s"] == 10 / regen["seconds"], regen
 
 
 def test_rounds_stop_when_the_next_would_end_past_the_budget_and_the_next_run_goes_on(tmp_path, smollm2):

