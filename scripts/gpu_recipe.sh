@@ -12,6 +12,7 @@
 #   call 1, carry [".whl/recipe-1"]:  bash scripts/gpu_recipe.sh --stage   (keeps its half in /tmp there)
 #   call 2, carry [".whl/recipe-2"]:  bash scripts/gpu_recipe.sh           (the whole wheel checked, then the run)
 # A call 2 on a fresh machine (call 1's half gone) stops in one line saying so.
+# GPU_RECIPE_ARGS="k=v ...": more train.py overrides; GPU_RECIPE_REGEN_MIN, GPU_RECIPE_TRAIN_MIN: the two time limits.
 # GPU_RECIPE_DRY=1: the same path on a CPU at tiny shapes (a tiny target, nothing installed, no wheel), so a lent
 # GPU finds a command that runs (tests/test_gpu_recipe.py).
 set -uo pipefail
@@ -55,7 +56,6 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
 # the recipe as a user runs it, the regeneration and the training limited in time, the evaluation's prompts fewer
-# (rounds as large as the engine's batch: a round's last shard is answered whole, never asked again)
 args=(recipe=scale tracker=none "data.generation.max_minutes=${GPU_RECIPE_REGEN_MIN:-2}"
   "trainer.max_minutes=${GPU_RECIPE_TRAIN_MIN:-1.5}" eval.num_prompts=4 eval.baseline_prompts=1)
 if [ -n "${GPU_RECIPE_DRY:-}" ]; then  # (the environment it is in, a tiny target, everything cut short)
@@ -67,6 +67,8 @@ else
   args+=(model=smollm2_135m data.generation.max_conversations=16384 data.generation.round_conversations=128
     data.generation.batch_size=128)
 fi
+read -r -a more <<<"${GPU_RECIPE_ARGS:-}"  # (more overrides, e.g. data.generation.max_new_tokens=256: no editing there)
+args+=("${more[@]}")
 [ "${1:-}" = --args ] && { printf '%s\n' "${args[@]}"; exit 0; }  # (what train.py is given: a test composes it)
 if [ -z "${GPU_RECIPE_DRY:-}" ]; then
   cp .whl/recipe-2/* "$STAGE"/ 2>/dev/null

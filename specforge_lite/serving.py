@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -25,6 +26,37 @@ def serving_python() -> Path | None:
     """The serving environment's interpreter (SPECFORGE_LITE_SERVING_PYTHON, else .serving/bin/python)."""
     path = Path(os.environ.get("SPECFORGE_LITE_SERVING_PYTHON") or ROOT / ".serving" / "bin" / "python")
     return path if path.is_file() else None
+
+
+# A process of its own session beside the server's: when the process that started the server is gone without
+# stopping it (SIGKILL, the kernel's OOM killer picking the trainer), the server and the engine processes of its
+# session are ended too (SIGTERM, SIGKILL after 30 s), never left holding a GPU. It leaves when the server does.
+WATCHDOG = """
+import os, signal, sys, time
+parent, server = int(sys.argv[1]), int(sys.argv[2])
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+def end(sig):
+    try:
+        os.killpg(server, sig)
+    except ProcessLookupError:
+        pass
+
+while alive(server) and os.getppid() == parent:
+    time.sleep(0.5)
+if alive(server):
+    end(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while alive(server) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    end(signal.SIGKILL)  # (the engine processes left)
+"""
 
 
 def _free_port() -> int:
@@ -53,6 +85,7 @@ class VLLMServer:
         self.startup_timeout, self.log_requests = startup_timeout, log_requests
         self.extra_args, self.env, self.needed_by, self.instead = list(extra_args), dict(env or {}), needed_by, instead
         self.proc: subprocess.Popen | None = None
+        self.watchdog: subprocess.Popen | None = None  # (WATCHDOG: ends the server if this process dies)
         self.base_url: str | None = None
         self.log_path = Path(tempfile.gettempdir()) / f"specforge_lite_vllm_{os.getpid()}.log"
 
@@ -74,6 +107,8 @@ class VLLMServer:
         self.log(f"[serving] starting vLLM on 127.0.0.1:{port} for {self.model} (log: {self.log_path})")
         with open(self.log_path, "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self.watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), str(self.proc.pid)],
+                                         start_new_session=True, stdin=subprocess.DEVNULL)
         url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
         while not self._healthy(url):
             if self.proc.poll() is not None or time.monotonic() - t0 > self.startup_timeout:
@@ -95,7 +130,13 @@ class VLLMServer:
             except subprocess.TimeoutExpired:
                 self._signal_session(signal.SIGKILL)
                 self.proc.wait()
-        self.proc, self.base_url = None, None
+        if self.watchdog is not None:
+            try:
+                self.watchdog.wait(timeout=5)  # (it sees the server gone within half a second)
+            except subprocess.TimeoutExpired:
+                self.watchdog.kill()
+                self.watchdog.wait()
+        self.proc, self.watchdog, self.base_url = None, None, None
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

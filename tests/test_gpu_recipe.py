@@ -52,8 +52,7 @@ def test_the_gpu_runs_settings_compose_and_pass_the_checks():
     assert proc.returncode == 0 and "recipe=scale" in overrides and "model=smollm2_135m" in overrides, proc
     config = load_config(overrides)
     assert setting_problems(config) == []
-    gen = config.data.generation  # (rounds as large as the engine's batch: no answer asked for twice)
-    assert gen.round_conversations == gen.batch_size and config.trainer.micro_batch_tokens == 8192
+    assert config.data.generation.max_minutes == 2 and config.trainer.micro_batch_tokens == 8192
     assert config.trainer.epochs == 2 and config.data.max_length == 2048
 
 

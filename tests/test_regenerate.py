@@ -92,6 +92,21 @@ def test_resume_after_kill_regenerates_only_what_is_missing():
     assert not any(p in dying.prompts for p in again.prompts)
 
 
+def test_a_journaled_answer_to_another_prompt_is_asked_again():
+    """The journal names the prompt each answer was given to: where the conversations before it changed (a
+    different first turn here), its answers are not attached to prompts they never answered."""
+    cfg = GenerationConfig(context="all", batch_size=2)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(CONVS, Recorder(die_after=3), cfg, "changed", log=lambda m: None)
+    changed = [[{**m, "content": m["content"] + " (edited)"} if i == 0 else m for i, m in enumerate(c)] for c in CONVS]
+    again = Recorder()
+    out, _ = regenerate(changed, again, cfg, "changed", log=lambda m: None)
+    # (the first batch's shard was written whole before the kill and is reused as cached under this key; the
+    # journal held the first answers of conversations 2 and 3, given to their old first turns)
+    assert [c[1]["content"] for c in out[2:]] == [f"model says: q{n}a (edited)" for n in range(2, 7)], out
+    assert [p[0]["content"] for p in again.prompts[:2]] == ["q2a (edited)", "q3a (edited)"], again.prompts
+
+
 def test_sampled_resume_draws_what_an_uninterrupted_run_draws():
     """Sampling uses torch's generator; seeding per shard makes a resumed run identical."""
     state = {"calls": 0}
@@ -186,14 +201,16 @@ def _question_file(tmp_path, n: int):
     return str(tmp_path / "d.jsonl")
 
 
-def test_rounds_of_answers_while_there_is_time_ask_for_each_answer_once(tmp_path, smollm2):
+@pytest.mark.parametrize("batch_size", [4, 3])
+def test_rounds_of_answers_while_there_is_time_ask_for_each_answer_once(tmp_path, smollm2, batch_size):
     # data.generation.max_minutes with room for every round: rounds of 4 up to 10, each a longer prefix of one
-    # order, so every training question is asked exactly once and the data holds all 10.
+    # order, so every training question is asked exactly once and the data holds all 10; also where a round ends
+    # inside a batch (3: the next round's longer batch reads the answers of the shorter one it extends).
     _, _, tok = smollm2
     asked = []
     cfg = DataConfig(source="path", path=_question_file(tmp_path, 14), heldout_samples=2, regenerate=True,
                      generation=GenerationConfig(max_conversations=10, round_conversations=4, max_minutes=60,
-                                                 batch_size=4))
+                                                 batch_size=batch_size))
     data = prepare_data(cfg, tok, generate=lambda b: asked.extend(c[0]["content"] for c in b) or
                         ["An answer." for _ in b], model_fingerprint="fake", log=lambda m: None)
     assert len(data.train) == 10 and data.stats["regeneration"]["rounds"] == 3

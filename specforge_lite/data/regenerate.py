@@ -8,11 +8,12 @@ Here every assistant turn (up to ``max_turns`` per conversation) is replaced by 
 * ``context=last``: each answer sees only the user turn before it (single-turn samples, fully parallel).
 
 Results are cached under a key of (data, model, settings) in shards written atomically, and every answer of an
-unfinished shard is journaled as it arrives: a killed run resumes without asking for any answer it was given,
-and a finished one is reused as is. A request that fails for good (a serving engine, after its client's
-retries) leaves its conversation out, counted and named, and its shard unwritten: the same call asks for that
-conversation again (and for no other). Above ``max_failed_fraction`` of the conversations of a FailureBudget (one
-run's training and held-out splits together) the run stops.
+unfinished shard is journaled as it arrives, with a digest of the prompt it answered: a killed run resumes without
+asking for any answer it was given, a finished one is reused as is, and a larger cap (the next round of a
+``max_minutes`` run) reads back the answers of the shorter last shard it extends. A request that fails for good
+(a serving engine, after its client's retries) leaves its conversation out, counted and named, and its shard
+unwritten: the same call asks for that conversation again (and for no other). Above ``max_failed_fraction`` of the
+conversations of a FailureBudget (one run's training and held-out splits together) the run stops.
 """
 
 from __future__ import annotations
@@ -197,6 +198,11 @@ class FailedAnswer:
     reason: str
 
 
+def prompt_digest(prompt: Messages | str) -> str:
+    """What identifies the prompt an answer was given to, in the journal."""
+    return hashlib.sha256(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 class AnswerJournal:
     """The answers of unfinished shards as they arrive, one JSON line each, appended and flushed at once: a
     killed run keeps every answer it was given. A line cut short (the machine went down while writing) is
@@ -206,8 +212,9 @@ class AnswerJournal:
         self.path = path
         self._file = None
 
-    def read(self) -> dict[tuple[int, int], str]:
-        """The answers so far by (unit, turn). A torn last line is cut off, so the next append starts a line."""
+    def read(self) -> dict[tuple[int, int], tuple[str, str | None]]:
+        """The answers so far and their prompts' digests by (unit, turn) (a journal written before digests: None).
+        A torn last line is cut off, so the next append starts a line."""
         if not self.path.is_file():
             return {}
         data = self.path.read_bytes()
@@ -218,16 +225,37 @@ class AnswerJournal:
         for line in whole.splitlines():
             try:
                 row = json.loads(line)
-                answers[(row["unit"], row["turn"])] = row["answer"]
+                answers[(row["unit"], row["turn"])] = (row["answer"], row.get("prompt"))
             except (ValueError, KeyError, TypeError):
                 continue  # garbled (two writers crashed mid-line): that answer is asked for again
         return answers
 
-    def append(self, unit: int, turn: int, answer: str) -> None:
+    def append(self, unit: int, turn: int, answer: str, prompt: str) -> None:
         if self._file is None:
             self._file = open(self.path, "a", encoding="utf-8")
-        self._file.write(json.dumps({"unit": unit, "turn": turn, "answer": answer}) + "\n")
+        self._file.write(json.dumps({"unit": unit, "turn": turn, "answer": answer, "prompt": prompt}) + "\n")
         self._file.flush()
+
+    def keep(self, units: range) -> None:
+        """Only these units' answers (rewritten atomically, line by line), or no journal when they have none."""
+        self.close()
+        if not units or not self.path.is_file():
+            self.path.unlink(missing_ok=True)
+            return
+        staging, kept = self.path.with_suffix(".tmp"), 0
+        with open(self.path, encoding="utf-8") as lines, open(staging, "w", encoding="utf-8") as out:
+            for line in lines:
+                try:
+                    if json.loads(line)["unit"] in units:
+                        out.write(line)
+                        kept += 1
+                except (ValueError, KeyError, TypeError):
+                    continue
+        if kept:
+            os.replace(staging, self.path)
+        else:
+            staging.unlink()
+            self.path.unlink()
 
     def close(self) -> None:
         if self._file is not None:
@@ -286,6 +314,7 @@ class _Rebuild:
         self.known = {(unit, turn): a for (unit, turn), a in known.items() if unit // cfg.batch_size in self.left}
         self.replayed = len(self.known)
         self.answered = 0  # answers the stream gave this call (not those read back from the journal)
+        self.asked: dict[tuple[int, int], str] = {}  # the digest of each conversation's prompt in flight
         self.failed: list[dict] = []
         self.queue = PromptQueue()
         self.bar = None
@@ -307,8 +336,11 @@ class _Rebuild:
         finally:
             self.journal.close()
             self.bar.close()
-        if not self.failed:
-            self.journal.remove()  # every shard is written
+        if not self.failed:  # every shard is written: kept are the answers a larger cap's last shard extends
+            last = self.shards[-1]
+            partial = len(last) < self.cfg.batch_size
+            start = (len(self.shards) - 1) * self.cfg.batch_size
+            self.journal.keep(range(start, start + len(last)) if partial else range(0))
 
     def unit(self, key: tuple[int, int]) -> int:
         return key[0] * self.cfg.batch_size + key[1]
@@ -317,12 +349,15 @@ class _Rebuild:
         """Queue the conversation's next prompt (answers the journal holds are taken instead), or count it done."""
         job = self.jobs[key]
         while (prompt := job.next_prompt()) is not None:
-            answer = self.known.pop((self.unit(key), job.turns), None)
+            answer, asked = self.known.pop((self.unit(key), job.turns), (None, None))
+            if answer is not None and asked not in (None, prompt_digest(prompt)):
+                answer = None  # (the journal's answer was to another prompt: the data before it changed)
             if answer is None:
                 i, j = key
                 # Seeded per conversation and turn, not by call order: a resumed run samples what an
                 # uninterrupted one would.
                 seed = self.cfg.seed * 1_000_003 + i * 10_007 + j * 101 + job.turns
+                self.asked[key] = prompt_digest(prompt)
                 self.queue.push(key, prompt, seed, first=True)
                 return
             job.take(answer)
@@ -333,7 +368,7 @@ class _Rebuild:
             self._fail(key, answer.reason)
             self._done(key[0])
             return
-        self.journal.append(self.unit(key), self.jobs[key].turns, answer)
+        self.journal.append(self.unit(key), self.jobs[key].turns, answer, self.asked[key])
         self.answered += 1
         self.jobs[key].take(answer)
         self.advance(key)
@@ -410,6 +445,15 @@ def regenerate(conversations: list[Messages], generate: Generate | AnswerStream,
         out += conversations
         empty_total += empty
     stats = {"regenerated": len(out), "empty_answers": empty_total, "failed": len(rebuild.failed), "cache": str(root)}
+    # the rate a user multiplies by their data size (this call's answers alone), said before the failures' line
+    if todo and elapsed > 0:
+        after = counters(stream)
+        stats.update(compute_shares({k: after[k] - before.get(k, 0) for k in after}))
+        stats.update(answers=rebuild.answered, seconds=elapsed, answers_per_s=rebuild.answered / elapsed,
+                     generated_tokens_per_s=stats["generated_tokens"] / elapsed)
+        tokens = f", {stats['generated_tokens_per_s']:.0f} tokens/s" if stats["generated_tokens"] else ""
+        log(f"[regenerate] {rebuild.answered} answers in {elapsed:.1f} s: {stats['answers_per_s']:.2f} answers/s"
+            f"{tokens}")
     if rebuild.failed:
         stats["failed_conversations"] = rebuild.failed
         rebuild.write_failures()
@@ -421,12 +465,4 @@ def regenerate(conversations: list[Messages], generate: Generate | AnswerStream,
             f"{rebuild.failures_path})")
     else:
         rebuild.failures_path.unlink(missing_ok=True)
-    if todo and elapsed > 0:  # (the rate a user multiplies by their data size: this call's answers alone)
-        after = counters(stream)
-        stats.update(compute_shares({k: after[k] - before.get(k, 0) for k in after}))
-        stats.update(answers=rebuild.answered, seconds=elapsed, answers_per_s=rebuild.answered / elapsed,
-                     generated_tokens_per_s=stats["generated_tokens"] / elapsed)
-        tokens = f", {stats['generated_tokens_per_s']:.0f} tokens/s" if stats["generated_tokens"] else ""
-        log(f"[regenerate] {rebuild.answered} answers in {elapsed:.1f} s: {stats['answers_per_s']:.2f} answers/s"
-            f"{tokens}")
     return out, stats
