@@ -99,8 +99,9 @@ def test_a_journaled_answer_to_another_prompt_is_asked_again():
     with pytest.raises(KeyboardInterrupt):
         regenerate(CONVS, Recorder(die_after=3), cfg, "changed", log=lambda m: None)
     changed = [[{**m, "content": m["content"] + " (edited)"} if i == 0 else m for i, m in enumerate(c)] for c in CONVS]
-    again = Recorder()
-    out, _ = regenerate(changed, again, cfg, "changed", log=lambda m: None)
+    again, said = Recorder(), []
+    out, _ = regenerate(changed, again, cfg, "changed", log=said.append)
+    assert any(line.startswith("[regenerate] 2 journaled answers were given to prompts") for line in said), said
     # (the first batch's shard was written whole before the kill and is reused as cached under this key; the
     # journal held the first answers of conversations 2 and 3, given to their old first turns)
     assert [c[1]["content"] for c in out[2:]] == [f"model says: q{n}a (edited)" for n in range(2, 7)], out

@@ -314,6 +314,7 @@ class _Rebuild:
         self.known = {(unit, turn): a for (unit, turn), a in known.items() if unit // cfg.batch_size in self.left}
         self.replayed = len(self.known)
         self.answered = 0  # answers the stream gave this call (not those read back from the journal)
+        self.stale = 0  # journaled answers given to another prompt than this data's (asked again)
         self.asked: dict[tuple[int, int], str] = {}  # the digest of each conversation's prompt in flight
         self.failed: list[dict] = []
         self.queue = PromptQueue()
@@ -351,7 +352,7 @@ class _Rebuild:
         while (prompt := job.next_prompt()) is not None:
             answer, asked = self.known.pop((self.unit(key), job.turns), (None, None))
             if answer is not None and asked not in (None, prompt_digest(prompt)):
-                answer = None  # (the journal's answer was to another prompt: the data before it changed)
+                answer, self.stale = None, self.stale + 1  # (the data before this turn changed since)
             if answer is None:
                 i, j = key
                 # Seeded per conversation and turn, not by call order: a resumed run samples what an
@@ -438,6 +439,9 @@ def regenerate(conversations: list[Messages], generate: Generate | AnswerStream,
         log(f"[regenerate] {len(units)} {what} in {len(shards)} batches of {cfg.batch_size} "
             f"({len(shards) - len(todo)} already cached in {root}{resumed})")
         rebuild.run(stream)
+        if rebuild.stale:
+            log(f"[regenerate] {rebuild.stale} journaled answers were given to prompts this data no longer holds "
+                "(the conversation before them changed): asked again, not reused")
     elapsed = time.perf_counter() - t0
     out, empty_total = [], 0
     for i, path in enumerate(paths):
