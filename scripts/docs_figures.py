@@ -90,15 +90,15 @@ def parity_seeds(data: dict) -> str:
 
 def gpu_scale(data: dict) -> str:
     """A gpu_scale result as the study prints it (``python -m studies gpu_scale --table``): tokens/s and peak of
-    each way and peer per length, ours against the faster peer, and where one profiled step's time went."""
+    each way and peer per length, ours against the faster peer, the bundled conversations' lengths one per
+    micro-batch against token-budget micro-batches, and where one profiled step's time went."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from studies.gpu_scale import profiles_markdown, table_markdown
+    from studies.gpu_scale import tables_markdown
 
     caption = (f"*{data['device']}, {data['date']}; torch {data['torch']}, transformers {data['transformers']}; "
                f"`{data['command']}`.*")
-    profiles = profiles_markdown(data["rows"])
-    return "\n\n".join([caption, table_markdown(data), *([profiles] if profiles else [])])
+    return f"{caption}\n\n{tables_markdown(data)}"
 
 
 def adapt_table(data: dict) -> str:

@@ -8,7 +8,8 @@
 # 3. the run's default step on a GPU (flex attention, compiled chains: draft/objective.py BY_DEVICE), also with
 #    the lm_head frozen as speculators trains (+frozen_head), on packed rows of three lengths, checked against the
 #    fp32 reference; the bundled conversations' lengths one per micro-batch against token-budget micro-batches
-#    (trainer.micro_batch_tokens, the scale recipe's); the DFlash, DSpark and DFlash 2 steps at 2k and 8k;
+#    (trainer.micro_batch_tokens, the scale recipe's), each way's draft steps profiled (is the device still
+#    waiting on the host?); the DFlash, DSpark and DFlash 2 steps at 2k and 8k;
 # 4. studies gpu_scale on Llama-3.1-8B's shape against both peers at 2k and 32k, and 64k and 128k with
 #    checkpointing (a peer out of memory or time is a row that says so);
 # 5. (GPU_SCALE_32B_S > 0) Qwen3-32B's shape online at 8k (64 GB of bf16 weights: one H200, or an H100 with

@@ -23,7 +23,8 @@ lengths, each checked and timed, as a run's batches come.
 ``--real-mix B``: conversations of the bundled data's token lengths (studies/chitchat_lengths.json, drawn at
 random), each micro-batch captured through the target and its default-way draft step run, end to end over the same
 conversations two ways: one conversation per micro-batch (the scale recipe without a budget) and micro-batches of
-up to B tokens packed in one row (trainer.micro_batch_tokens=B); the tokens/s of each and their ratio.
+up to B tokens packed in one row (trainer.micro_batch_tokens=B); the tokens/s of each and their ratio, and each
+way's draft steps alone under the profiler (the device's busy share: does the step still wait on the host?).
 Before timing, each way's loss and gradients at the first length are compared with blockwise's (bf16
 tolerance): an incorrect way is never the chosen one.
 
@@ -381,11 +382,24 @@ class Run:
                 self.res.add({**row, **_oom_row(e)})
                 continue
             row.update(r, tokens_per_s=tokens / r["seconds"])
+            row["steps_profile"] = self.steps_profile(draft, step_objective, batches)
             if way == "one_per_micro_batch":
                 single = row["tokens_per_s"]
             elif single:
                 row["ratio_to_one_per_micro_batch"] = row["tokens_per_s"] / single
             self.res.add(row)
+
+    def steps_profile(self, draft, objective, batches: list[list[int]]) -> dict:
+        """The draft steps of one pass over ``batches`` alone (captured beforehand) under the profiler: whether
+        the device still waits on the host there (its busy share of the wall: the profiler's own cost makes it a
+        lower bound), which decides whether CUDA graphs over length buckets are worth building."""
+        captured = [capture_conversations(self.target, self.teacher, group, i) for i, group in enumerate(batches)]
+        steps = [draft_step(draft, objective, inputs, self.autocast) for inputs in captured]
+        try:
+            return profile_kernels(lambda: [step() for step in steps], self.device)
+        except Exception as e:  # noqa: BLE001 (the timing stands without it)
+            draft.zero_grad(set_to_none=True)
+            return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
 
     def peers_at(self, lens: list[int]) -> None:
         """Each peer in its own process, one for all these lengths (its compiles paid once), on the saved rows."""
@@ -439,13 +453,13 @@ def _time_way(res, draft, objective, inputs, device, autocast, repeats, T, way, 
 
 
 def print_table(data: dict) -> None:
-    print("\n" + table_markdown(data))
-    mix = real_mix_markdown(data["rows"])
-    if mix:
-        print("\n" + mix)
-    profiles = profiles_markdown(data["rows"])
-    if profiles:
-        print("\n" + profiles)
+    print("\n" + tables_markdown(data))
+
+
+def tables_markdown(data: dict) -> str:
+    """A result file's tables: per length (table_markdown), the real-length mix, the profiled steps."""
+    return "\n\n".join(filter(None, [table_markdown(data), real_mix_markdown(data["rows"]),
+                                      profiles_markdown(data["rows"])]))
 
 
 # Like for like: each peer against the way that trains what it trains. SpecForge trains the lm_head, as our
@@ -497,13 +511,15 @@ def real_mix_markdown(rows: list[dict]) -> str:
         return ""
     lines = ["Bundled conversations' lengths, captured and trained end to end: one per micro-batch against "
              "micro-batches of a token budget", "",
-             "| micro-batches | budget | conversations | micro-batch count | tokens | tokens/s (peak GiB) | ratio |",
-             "|---|---|---|---|---|---|---|"]
+             "| micro-batches | budget | conversations | micro-batch count | tokens | tokens/s (peak GiB) | ratio "
+             "| draft steps: device busy |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in mixed:
-        ratio = r.get("ratio_to_one_per_micro_batch")
+        ratio, prof = r.get("ratio_to_one_per_micro_batch"), r.get("steps_profile", {})
+        busy = f"{prof['busy_ms'] / prof['wall_ms']:.0%}" if prof.get("wall_ms") else prof.get("error", "")
         lines.append(f"| {r['way']} | {r['budget'] if r['way'] == 'token_budget' else ''} | "
                      f"{r.get('conversations', '')} | {r.get('micro_batches', '')} | {r.get('tokens', '')} | "
-                     f"{_cell(r)} | {f'{ratio:.2f}x' if ratio else ''} |")
+                     f"{_cell(r)} | {f'{ratio:.2f}x' if ratio else ''} | {busy} |")
     return "\n".join(lines)
 
 

@@ -41,6 +41,9 @@ def test_gpu_scale_dry_run_checks_and_times_every_way_and_method(tmp_path, capsy
     assert single["micro_batches"] == single["conversations"] == budget["conversations"] == 6
     assert 1 < budget["micro_batches"] < 6 and budget["tokens"] == single["tokens"]
     assert budget["ratio_to_one_per_micro_batch"] == budget["tokens_per_s"] / single["tokens_per_s"]
+    for r in (single, budget):  # each way's draft steps alone under the profiler: does the device wait on the host?
+        prof = r["steps_profile"]
+        assert prof["by_kind_ms"]["matmul"] > 0 and 0 < prof["busy_ms"] <= 1.05 * prof["wall_ms"], prof
     for r in rows:  # one step of each way profiled at the first length: where its time goes
         if r["what"] == "ours" and r["T"] == 64:
             prof = r["profile"]
@@ -50,7 +53,7 @@ def test_gpu_scale_dry_run_checks_and_times_every_way_and_method(tmp_path, capsy
     assert ("| T | capture tok/s | ours blockwise | ours blockwise+compile | ours default | ours default+frozen_head "
             "| ours dense | ours sdpa | dflash | dflash2 | dspark | packed default |" in table)
     assert "| step | T | wall ms | busy | attention | matmul | compiled | copy | elementwise |" in table
-    assert "| token_budget | 160 | 6 |" in table
+    assert "| token_budget | 160 | 6 |" in table and "| draft steps: device busy |" in table
 
 
 def test_a_way_it_cannot_run_is_refused_before_the_target_is_built(monkeypatch):
