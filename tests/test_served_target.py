@@ -54,6 +54,14 @@ class ExtractingServer(ThreadingHTTPServer):
             aux = self.target.capture(torch.tensor([ids])).aux
         return torch.stack([a[0] for a in aux], dim=1).contiguous()  # [T, n_ids, H], as vLLM writes them
 
+    def prompt_logprobs(self, ids: list[int]) -> list:
+        """vLLM's ``prompt_logprobs`` answer: per prompt token (None for the first) its log-probability given the
+        tokens before it, keyed by its id, from the target's own forward."""
+        with self.lock, torch.no_grad():
+            logits = self.target.model(torch.tensor([ids])).logits[0].float()
+        given = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+        return [None, *({str(t): {"logprob": float(x), "rank": 1}} for t, x in zip(ids[1:], given))]
+
     def close(self) -> None:
         self.shutdown()
         self.server_close()
@@ -100,6 +108,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         ids = body["prompt"]
         answer = {"choices": [{"text": "x", "finish_reason": "length"}]}
+        if body.get("prompt_logprobs") is not None:
+            answer["choices"][0]["prompt_logprobs"] = srv.prompt_logprobs(ids)
         if fault == "plain":  # a server started without the extraction options
             self.reply(200, answer)
             return
@@ -158,7 +168,7 @@ def test_the_served_capture_equals_the_in_process_one(server):
     assert not list(server.storage.iterdir())
     one_row = 40 * (len(hf.aux_layer_ids) + 1) * hf.hidden_size * 4
     assert one_row <= sv.peak_buffer_bytes <= 6 * one_row + 6 * 4096  # (at most the six sequences' files)
-    assert server.requests == 3 + 6
+    assert server.requests == 1 + 3 + 6  # (the first: the probe of the final state, tested below)
 
 
 def test_a_run_through_a_failing_server_trains_as_in_process(server, tmp_path):
@@ -211,9 +221,10 @@ def test_a_server_the_run_started_is_restarted_after_it_went_away(server):
     ids = torch.randint(0, hf.vocab_size, (3, 20), generator=torch.Generator().manual_seed(2))
     sv.capture(ids)
     first = started.current
-    first.faults = {5: "die"}  # (the second request of the second batch)
+    first.faults = {6: "die"}  # (the second request of the second batch: the first request was the probe)
     theirs, ours = sv.capture(ids), hf.capture(ids)
     assert started.starts == 2 and started.current is not first
+    said = [m for m in said if m.startswith("[target] batch")]
     assert len(said) == 1 and said[0].startswith("[target] batch 2 (3 sequences, 60 tokens): the server went away")
     assert "restarted the vLLM server" in said[0]
     torch.testing.assert_close(theirs.final_hidden, ours.final_hidden, rtol=1e-5, atol=1e-5)
@@ -297,3 +308,31 @@ def test_the_plan_counts_only_the_parts_a_served_target_leaves_in_the_trainer():
     table, head = parts.embedding_weight(), parts.full_head()[0]
     want = table.numel() * 2 + (0 if head is table else head.numel() * 2) + parts.hidden_size * 2  # (bf16)
     assert served.target_weights == want < hf.target_weights
+
+
+def test_a_server_started_with_other_layer_ids_of_the_same_count_is_refused(tmp_path):
+    """A server that writes the input of the last layer where the pre-norm final state belongs (started with
+    other layer ids of the same count: its states have the shape the run reads) would have the teacher read
+    another layer. The first capture refuses it in one line with the command to start it: through the final norm
+    and lm_head, the state it writes for id L does not give the server's own log-probabilities of the prompt.
+    On the real SmolLM2: a random model's distributions are too flat for any layer's to stand apart."""
+    from specforge_lite.errors import UserError
+    from specforge_lite.targets import build_target
+    from specforge_lite.targets.served import server_layer_ids
+
+    config = load_config(["tracker=none", "recipe=none"])
+    parts = build_target(config, parts_only=True)
+    ids = server_layer_ids(parts.aux_layer_ids, parts.num_layers)
+    wrong = [*ids[:-1], parts.num_layers - 1]  # (the aux ids, then the last layer's input in the final state's place)
+    (tmp_path / "states").mkdir()
+    srv = ExtractingServer(build_target(config, aux_layer_ids=wrong), tmp_path / "states")
+    try:
+        sv = build_target(load_config(["tracker=none", "recipe=none", "target.backend=vllm",
+                                       f"target.server_url={srv.url}"]), log=lambda m: None)
+        batch = torch.randint(0, sv.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+        with pytest.raises(UserError, match=rf"does not write the target's pre-norm final state as its state for id "
+                                            rf"{parts.num_layers}: .* nats from the server's own .* start it with "
+                                            r"PYTHONPATH="):
+            sv.capture(batch)
+    finally:
+        srv.close()

@@ -634,6 +634,10 @@ def test_training_through_the_vllm_server_a_run_starts_equals_online(serving_pyt
     assert losses == pytest.approx(live_online_losses, rel=1e-5)
     retried = [m for m in said if m.startswith("[target] batch")]
     assert len(retried) == 1 and "restarted the vLLM server" in retried[0], retried
+    # the state vLLM wrote for id 30, through our final norm and lm_head, gave vLLM's own log-probabilities of
+    # the first prompt (its input of layer 29 in that place: 3.7 nats apart, refused; tests/test_served_target.py)
+    checked = [m for m in said if "its state for id 30 gives its own log-probabilities" in m]
+    assert len(checked) == 1 and float(checked[0].split(" within ")[1].split(" nats")[0]) < 0.2, checked
     gc.collect()  # (the run's target, and with it the server, is released when the run ends)
     assert server_processes(str(buffer)) == [] and list(buffer.iterdir()) == []
 

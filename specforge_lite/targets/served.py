@@ -7,7 +7,8 @@ checkpoint, as a store's ingest reads them) and asks the server for the rest. vL
 hidden-states connector writes them per request to a file (targets/extraction.py) whose path the completion's
 answer names. Each sequence of a prepared batch is one completion request (its token ids, one token generated);
 its file is read as soon as its writer lets go of it and deleted at once, so the folder the server writes to
-holds at most one batch's files: a buffer, never a store.
+holds at most one batch's files: a buffer, never a store. At the first capture one more request checks that the
+state written for id L is the pre-norm final state the teacher reads (``ServedTarget._check_final_state``).
 
 The server is either started by the run from the serving environment (scripts/setup_serving.sh; the connector is
 eval/vllm_hidden_states.py's) or one the user runs, named by ``target.server_url``. A capture that fails in a way
@@ -40,10 +41,16 @@ from ..serving import ROOT, VLLMServer, serving_python
 from .extraction import read_extraction
 from .hf import HFTarget
 from .protocol import Captured
+from .teacher import LogitHead
 
 CONNECTOR_SCRIPT = ROOT / "eval" / "vllm_hidden_states.py"  # its connector writes on a CPU as on a GPU
 CONNECTOR_CLASS = "CpuHiddenStatesConnector"
 MAX_CONCURRENT_REQUESTS = 16  # a batch's sequences in flight at once (the server batches them)
+# The check of the state a server writes for id L (the pre-norm final state, the teacher's input): through the final
+# norm and lm_head it must give the server's own log-probabilities of a prompt's tokens. Measured on SmolLM2 with
+# vLLM's CPU build (fp32): 0.06 nats apart on average for the final state, 3.7 for the input of the last layer.
+PROBE_TOKENS = 64  # the first sequence's first tokens (log-probabilities of [T, vocabulary] cost the server memory)
+FINAL_STATE_GAP = 1.0  # nats, on average over the probe's tokens
 
 
 class CaptureFault(Exception):
@@ -101,14 +108,33 @@ class ServerCapture:
         return [f.result() for f in futures]
 
     def _one(self, ids: list[int]) -> torch.Tensor:
-        path = self._ask(ids)
-        try:
-            return self._read(path, ids)
-        finally:
-            self._delete(path)
+        return self._states(self._ask(ids), ids)
 
-    def _ask(self, ids: list[int]) -> Path:
-        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0}
+    def probe(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The states of ``ids`` and the server's own log-probability of each of their tokens after the first,
+        given the tokens before it (None when its answer has none)."""
+        answer = self._ask(ids, prompt_logprobs=0)
+        states = self._states(answer, ids)
+        given = answer["choices"][0].get("prompt_logprobs") if answer.get("choices") else None
+        if not given or len(given) != len(ids):
+            return states, None
+        try:  # (vLLM: one entry per prompt token, None for the first, each keyed by token id)
+            return states, torch.tensor([float(given[t][str(ids[t])]["logprob"]) for t in range(1, len(ids))])
+        except (KeyError, TypeError, ValueError):
+            return states, None
+
+    def _states(self, answer: dict, ids: list[int]) -> torch.Tensor:
+        path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise UserError(f"the vLLM server at {self.base_url} answers without writing hidden states: start it with "
+                            f"the extraction options, {server_command(self.model, self.layer_ids)}")
+        try:
+            return self._read(Path(path), ids)
+        finally:
+            self._delete(Path(path))
+
+    def _ask(self, ids: list[int], **options: Any) -> dict:
+        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, **options}
         request = urllib.request.Request(f"{self.base_url}/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         try:
@@ -125,11 +151,7 @@ class ServerCapture:
                 from None
         except (urllib.error.URLError, ConnectionError, OSError, json.JSONDecodeError) as e:
             raise CaptureFault(f"the server went away ({getattr(e, 'reason', e)})") from None
-        path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
-        if not path:
-            raise UserError(f"the vLLM server at {self.base_url} answers without writing hidden states: start it with "
-                            f"the extraction options, {server_command(self.model, self.layer_ids)}")
-        return Path(path)
+        return answer
 
     def _read(self, path: Path, ids: list[int]) -> torch.Tensor:
         deadline = time.monotonic() + self.timeout
@@ -201,6 +223,7 @@ class ServedTarget:
         self._base_url, self._model = base_url, model
         self.client: ServerCapture | None = None
         self.batches = 0
+        self.checked = False  # the server's final state against its own log-probabilities (at the first capture)
         self._norm = parts.family.final_norm(parts.model)
         self._closed = weakref.finalize(self, _release, server, storage)
 
@@ -232,6 +255,7 @@ class ServedTarget:
             self._base_url = self.server.start()  # (on another free port)
             self.client.base_url = self._base_url.rstrip("/")
             return "restarted the vLLM server"
+        self.checked = False  # (a named server may come back with other options)
         deadline = time.monotonic() + self.timeout
         while not _answers(self._base_url):
             if time.monotonic() > deadline:
@@ -270,7 +294,11 @@ class ServedTarget:
         again = "Run the same command again (training resumes from its last checkpoint)"
         for attempt in range(1, self.retries + 2):
             try:
-                return self._connect().states(sequences)
+                client = self._connect()
+                probe = next((ids for ids in sequences if len(ids) > 1), None)
+                if not self.checked and probe is not None:
+                    self._check_final_state(client, probe[:PROBE_TOKENS])
+                return client.states(sequences)
             except CaptureFault as fault:
                 if attempt > self.retries:
                     raise CaptureFailed(f"{what}: {fault}, after {attempt} tries (target.server_retries="
@@ -283,6 +311,32 @@ class ServedTarget:
                 self.log(f"[target] {what}: {fault}; {done}, asking again (try {attempt + 1} of "
                          f"{self.retries + 1}; nothing of the failed try is trained)")
         raise AssertionError("unreachable")
+
+    def _check_final_state(self, client: ServerCapture, ids: list[int]) -> None:
+        """Refuse a server whose state for id L is not the target's pre-norm final state (started with other layer
+        ids of the same count: the shapes agree, the teacher would read another layer): through the final norm and
+        lm_head it must give the server's own log-probabilities of the probe's tokens. The aux ids themselves
+        cannot be read back from a server; what it was started with decides them."""
+        parts, final = self.parts, self.layer_ids.index(self.parts.num_layers)
+        states, theirs = client.probe(ids)
+        self.checked = True
+        where = f"the vLLM server at {client.base_url}"
+        if theirs is None:
+            self.log(f"[target] {where} answers without prompt log-probabilities: its state for id {parts.num_layers} "
+                     "(the pre-norm final state) is not checked against its own output")
+            return
+        head = LogitHead(*parts.full_head(), parts.family, parts.config)
+        h = self._norm(states[:-1, final].to(parts.device, parts.dtype))
+        ours = torch.log_softmax(head(h), -1).gather(-1, torch.tensor(ids[1:], device=h.device)[:, None])
+        gap = float((ours[:, 0].cpu() - theirs).abs().mean())
+        if gap > FINAL_STATE_GAP:
+            raise UserError(f"{where} does not write the target's pre-norm final state as its state for id "
+                            f"{parts.num_layers}: through the final norm and lm_head it gives log-probabilities "
+                            f"{gap:.2f} nats from the server's own (at most {FINAL_STATE_GAP:g}), so it was started "
+                            f"with other layer ids than this run reads ({self.layer_ids}): start it with "
+                            f"{server_command(client.model, self.layer_ids)}")
+        self.log(f"[target] {where}: its state for id {parts.num_layers} gives its own log-probabilities of "
+                 f"{len(theirs)} prompt tokens within {gap:.3f} nats on average (the pre-norm final state)")
 
     def forward_cached(self, *args, **kwargs):
         raise ValueError("target.backend=vllm keeps no decoder in the trainer: decoding (evaluation) runs the target "
@@ -333,7 +387,8 @@ def build_served_target(config: Config, parts: HFTarget, ctx=None, log=print) ->
     t = config.target
     if t.server_url:
         served_model(t.server_url, t.server_timeout)  # (one that does not answer is said before the data is read)
-        log(f"[target] capturing through the vLLM server at {t.server_url}")
+        log(f"[target] capturing through the vLLM server at {t.server_url}, started with layer ids "
+            f"{server_layer_ids(parts.aux_layer_ids, parts.num_layers)} (the aux ids, then the pre-norm final state)")
         return ServedTarget(parts, t.server_url, None, None, t.server_timeout, t.server_retries, log=log)
     if ctx is not None and ctx.enabled:
         raise ValueError("target.backend=vllm in a distributed run: start a vLLM server and name it in "
