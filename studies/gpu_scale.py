@@ -393,11 +393,11 @@ class Run:
         """The draft steps of one pass over ``batches`` alone (captured beforehand) under the profiler: whether
         the device still waits on the host there (its busy share of the wall: the profiler's own cost makes it a
         lower bound), which decides whether CUDA graphs over length buckets are worth building."""
-        captured = [capture_conversations(self.target, self.teacher, group, i) for i, group in enumerate(batches)]
-        steps = [draft_step(draft, objective, inputs, self.autocast) for inputs in captured]
         try:
+            captured = [capture_conversations(self.target, self.teacher, group, i) for i, group in enumerate(batches)]
+            steps = [draft_step(draft, objective, inputs, self.autocast) for inputs in captured]
             return profile_kernels(lambda: [step() for step in steps], self.device)
-        except Exception as e:  # noqa: BLE001 (the timing stands without it)
+        except Exception as e:  # noqa: BLE001 (the timing stands without it: out of memory, the profiler's own)
             draft.zero_grad(set_to_none=True)
             return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
 
