@@ -246,6 +246,10 @@ class GenerationConfig:
     engine: GenerationEngine = GenerationEngine.auto
     server_url: Optional[str] = None  # openai: e.g. http://127.0.0.1:8000/v1 (null: start vLLM, stop it after)
     server_model: Optional[str] = None  # openai: the model name the server serves (null: the target's path)
+    # openai with server_url: before the first answer, the server's log-probabilities of a chat prompt's tokens are
+    # held against the target's own; more than 1 nat apart on average (another model, or a copy quantized past
+    # what a draft of the target learns from) stops the run. false: not checked.
+    check_server: bool = True
     concurrency: int = 64  # openai: completion requests in flight
     # openai: each request is retried this many times by the openai client (connection errors, timeouts, HTTP
     # 408/409/429/5xx; exponential backoff from 0.5 s to 8 s, or the server's Retry-After), and so is an HTTP 200

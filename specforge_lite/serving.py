@@ -59,6 +59,20 @@ if alive(server):
 """
 
 
+def prompt_logprobs(answer: dict, ids: list[int]) -> list[float] | None:
+    """A completion's ``prompt_logprobs`` (vLLM's option: one entry per prompt token, None for the first, each keyed by
+    token id): the log-probability of each of ``ids`` after the first given those before it; None when the answer
+    has none (a server without the option)."""
+    choices = answer.get("choices") or [{}]
+    given = choices[0].get("prompt_logprobs") if isinstance(choices[0], dict) else None
+    if not isinstance(given, list) or len(given) != len(ids):
+        return None
+    try:
+        return [float(given[t][str(ids[t])]["logprob"]) for t in range(1, len(ids))]
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -26,6 +26,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import torch
 
 from specforge_lite.config import GenerationConfig
 from specforge_lite.data.regenerate import PromptQueue, RegenerationFailed, regenerate
@@ -96,7 +97,16 @@ class LeanCompletions(_Server):
     def complete(self, body: dict) -> tuple[int, dict]:
         if body.get("model") != MODEL:
             return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist."}}
-        return self.engine.submit(self._answer, body).result()
+        status, reply = self.engine.submit(self._answer, body).result()
+        if body.get("prompt_logprobs") is not None:  # (vLLM's option: each prompt token's, keyed by its id)
+            reply["choices"][0]["prompt_logprobs"] = self.engine.submit(self._prompt_logprobs, body["prompt"]).result()
+        return status, reply
+
+    def _prompt_logprobs(self, ids: list[int]) -> list:
+        with torch.no_grad():
+            logits = self.target.model(torch.tensor([ids])).logits[0].float()
+        given = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+        return [None, *({str(t): {"logprob": float(x), "rank": 1}} for t, x in zip(ids[1:], given))]
 
     def _answer(self, body: dict) -> tuple[int, dict]:
         decoder = lean_decoder(self.target, self.target.model, 1, body["max_tokens"],
@@ -135,7 +145,7 @@ class _ProxyHandler(_Handler):
             payload = response.read()
         finally:
             connection.close()
-        if response.status == 200:
+        if response.status == 200 and "prompt_logprobs" not in body:  # (the check of the model served: no answer)
             self.server.answered.append((tuple(body["prompt"]), json.loads(payload)["choices"][0]["text"]))
         self.reply(response.status, payload)
 
@@ -211,8 +221,12 @@ def check_every_answer_arrives(config, target, tok, proxy: FlakyProxy, model: st
     gen = replace(CFG, server_url=proxy.url, server_model=model, request_timeout=timeout)
     # about 30 requests: one in five fails, the third of them by hanging
     proxy.kinds, proxy.hang_s = ("500", "drop", "hang", "500", "drop", "500", "drop", "500"), timeout + 1
-    generator = LazyGenerator(replace(config, data=replace(config.data, generation=gen)), target, tok)
+    said = []
+    generator = LazyGenerator(replace(config, data=replace(config.data, generation=gen)), target, tok, log=said.append)
     out, stats = regenerate(CONVS, generator, gen, "flaky", log=lambda m: None)
+    # first, the server's log-probabilities of a chat prompt held against the target's: the same model
+    (checked,) = [m for m in said if "serves the target" in m]
+    assert float(checked.split(" are ")[1].split(" nats")[0]) < 0.2, checked
     assert all(proxy.failures[kind] >= 1 for kind in proxy.kinds), proxy.failures
     assert stats["failed"] == 0
     given = [text.strip() for text in dict(proxy.answered).values()]  # by prompt
@@ -358,6 +372,46 @@ def test_a_server_that_does_not_serve_the_model_stops_at_once(tiny, servers, cac
                                         r"check data.generation.server_url and server_model"):
         regenerate(CONVS, answers, CFG, "wrong-model", log=lambda m: None)
     assert proxy.requests <= CFG.concurrency and proxy.answered == []  # the first requests, none retried
+
+
+def test_a_server_of_another_model_is_refused_before_any_answer(smollm2, cache):
+    """data.generation.server_url naming a server of another model than the target (here the real SmolLM2's weights
+    each moved by 20% of their spread: another fine-tune of the same architecture and tokenizer) would write the
+    draft's training text in another model's voice, unsaid. Before the first answer, its log-probabilities of a
+    chat prompt are held against the target's: the run stops in one line with the figure and the fix, and no
+    answer was asked for. data.generation.check_server=false asks nothing. (A random model's distributions are
+    too flat for two of them to stand apart: the real weights.)"""
+    import copy
+
+    from specforge_lite.targets import HFTarget
+
+    config, target, tok = smollm2
+    other = copy.deepcopy(target.model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.2 * p.std() * torch.randn(p.shape, generator=generator))
+    server = LeanCompletions(HFTarget(other, target.family, target.aux_layer_ids, target.location), tok)
+    serve(server)
+    try:
+        gen = replace(CFG, server_url=server.url, server_model=MODEL)
+        generator = LazyGenerator(replace(config, data=replace(config.data, generation=gen)), target, tok,
+                                  log=lambda m: None)
+        refused = (r"^the server at .* serves another model than the target \(.*\): its log-probabilities of a "
+                   r"chat prompt's tokens are [0-9.]+ nats from the target's own .* Serve the target there, or train "
+                   r"with model= set to the model it serves")
+        with pytest.raises(UserError, match=refused):
+            regenerate(CONVS[:2], generator, gen, "other-model", log=lambda m: None)
+        journal = cache / "other-model" / "answers.jsonl"
+        assert not journal.exists() or journal.read_text() == ""  # (no answer was asked for)
+        unchecked = replace(gen, check_server=False, max_new_tokens=2)
+        generator = LazyGenerator(replace(config, data=replace(config.data, generation=unchecked)), target, tok,
+                                  log=lambda m: pytest.fail(m))
+        out, _ = regenerate(CONVS[:1], generator, unchecked, "unchecked", log=lambda m: None)
+        assert len(out) == 1
+    finally:
+        close(server)
+        server.engine.shutdown()
 
 
 def test_self_generated_requests_whose_sampling_failed_are_counted_as_dropped(tiny, servers, cache):

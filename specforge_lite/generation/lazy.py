@@ -36,13 +36,13 @@ class LazyGenerator:
     second copy is loaded in it. ``generation.engine``: lean (continuous batching over our lean forward),
     hf (transformers' generate), auto (lean where the family has a lean forward)."""
 
-    def __init__(self, config: Config, target: HFTarget, tokenizer, server=None, **overrides):
+    def __init__(self, config: Config, target: HFTarget, tokenizer, server=None, log=print, **overrides):
         """``overrides``: generation settings that differ from data.generation's (sampling of self-generated
         requests: temperature, top_p, max_new_tokens, seed). ``server``: engine openai without a server_url,
         the VLLMServer (serving.py) to start on first use."""
         from dataclasses import replace
 
-        self.config, self.target, self.tokenizer, self.server = config, target, tokenizer, server
+        self.config, self.target, self.tokenizer, self.server, self.log = config, target, tokenizer, server, log
         self.settings = replace(config.data.generation, **overrides)
         self._impl = None
 
@@ -82,9 +82,13 @@ class LazyGenerator:
                              "offline dump), or regenerate through a server (data.generation.engine=openai)")
         if self.engine == "openai":
             from .engines import ServedAnswers
+            from .served_model import check_served_model
 
-            url = gen.server_url or self.server.start
-            return ServedAnswers(url, gen.server_model or str(self.target.location), self.tokenizer,
+            url, model = gen.server_url or self.server.start, gen.server_model or str(self.target.location)
+            if gen.server_url and gen.check_server:  # (a server the run starts serves the target's own folder)
+                whole = not self.target.parts_only and self.config.target.shard == "none"
+                check_served_model(url, model, self.target, self.tokenizer, gen.request_timeout, whole, self.log)
+            return ServedAnswers(url, model, self.tokenizer,
                                  gen.max_new_tokens, gen.temperature, gen.top_p, stops, gen.concurrency,
                                  gen.request_timeout, gen.max_retries)
         model = self.target.model

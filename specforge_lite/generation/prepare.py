@@ -14,9 +14,9 @@ def prepare_with_target(config: Config, target: HFTarget, tokenizer, log=print):
     """The prepared data (data.prepare_data), with the target as the answer generator when data.regenerate is on
     and as the request writer when the mix holds self_generated."""
     server = vllm_server(config, target, log)  # (engine openai with no server_url; started on first use)
-    generator = LazyGenerator(config, target, tokenizer, server)
+    generator = LazyGenerator(config, target, tokenizer, server, log)
     sg = config.data.self_generated
-    writer = LazyGenerator(config, target, tokenizer, server, temperature=sg.temperature, top_p=sg.top_p,
+    writer = LazyGenerator(config, target, tokenizer, server, log, temperature=sg.temperature, top_p=sg.top_p,
                            max_new_tokens=sg.max_new_tokens, seed=sg.seed)
     try:
         return prepare_data(config.data, tokenizer, generate=generator, model_fingerprint=generator.fingerprint(),

@@ -37,11 +37,11 @@ import torch
 from ..config import Config
 from ..device import dtype_name
 from ..errors import UserError
-from ..serving import ROOT, VLLMServer, serving_python
+from ..serving import ROOT, VLLMServer, prompt_logprobs, serving_python
 from .extraction import read_extraction
 from .hf import HFTarget
 from .protocol import Captured
-from .teacher import LogitHead
+from .teacher import LogitHead, logprob_gap
 
 CONNECTOR_SCRIPT = ROOT / "eval" / "vllm_hidden_states.py"  # its connector writes on a CPU as on a GPU
 CONNECTOR_CLASS = "CpuHiddenStatesConnector"
@@ -110,18 +110,11 @@ class ServerCapture:
     def _one(self, ids: list[int]) -> torch.Tensor:
         return self._states(self._ask(ids), ids)
 
-    def probe(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def probe(self, ids: list[int]) -> tuple[torch.Tensor, list[float] | None]:
         """The states of ``ids`` and the server's own log-probability of each of their tokens after the first,
         given the tokens before it (None when its answer has none)."""
         answer = self._ask(ids, prompt_logprobs=0)
-        states = self._states(answer, ids)
-        given = answer["choices"][0].get("prompt_logprobs") if answer.get("choices") else None
-        if not given or len(given) != len(ids):
-            return states, None
-        try:  # (vLLM: one entry per prompt token, None for the first, each keyed by token id)
-            return states, torch.tensor([float(given[t][str(ids[t])]["logprob"]) for t in range(1, len(ids))])
-        except (KeyError, TypeError, ValueError):
-            return states, None
+        return self._states(answer, ids), prompt_logprobs(answer, ids)
 
     def _states(self, answer: dict, ids: list[int]) -> torch.Tensor:
         path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
@@ -326,9 +319,7 @@ class ServedTarget:
                      "(the pre-norm final state) is not checked against its own output")
             return
         head = LogitHead(*parts.full_head(), parts.family, parts.config)
-        h = self._norm(states[:-1, final].to(parts.device, parts.dtype))
-        ours = torch.log_softmax(head(h), -1).gather(-1, torch.tensor(ids[1:], device=h.device)[:, None])
-        gap = float((ours[:, 0].cpu() - theirs).abs().mean())
+        gap = logprob_gap(head, self._norm(states[:, final].to(parts.device, parts.dtype)), ids, theirs)
         if gap > FINAL_STATE_GAP:
             raise UserError(f"{where} does not write the target's pre-norm final state as its state for id "
                             f"{parts.num_layers}: through the final norm and lm_head it gives log-probabilities "

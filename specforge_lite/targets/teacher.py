@@ -43,6 +43,14 @@ class LogitHead:
         return self.in_head_dtype(h).argmax(-1)
 
 
+def logprob_gap(head: LogitHead, final_hidden: torch.Tensor, ids: list[int], theirs: list[float]) -> float:
+    """How far, in nats on average, the log-probabilities of ``ids[1:]`` that the post-norm states of ``ids``
+    (``final_hidden`` [T, H]) give through ``head`` are from ``theirs`` (a server's ``prompt_logprobs``)."""
+    next_ids = torch.tensor(ids[1:], device=final_hidden.device)[:, None]
+    ours = torch.log_softmax(head(final_hidden[:-1]), -1).gather(-1, next_ids)[:, 0]
+    return float((ours.cpu() - torch.tensor(theirs)).abs().mean())
+
+
 class Teacher:
     def __init__(self, target: Target, draft_to_target: torch.Tensor, t2d: torch.Tensor):
         rows, bias = target.head_rows(draft_to_target)
