@@ -49,7 +49,7 @@ MAX_CONCURRENT_REQUESTS = 16  # a batch's sequences in flight at once (the serve
 # The check of the state a server writes for id L (the pre-norm final state, the teacher's input): through the final
 # norm and lm_head it must give the server's own log-probabilities of a prompt's tokens. Measured on SmolLM2 with
 # vLLM's CPU build (fp32): 0.06 nats apart on average for the final state, 3.7 for the input of the last layer.
-PROBE_TOKENS = 64  # the first sequence's first tokens (log-probabilities of [T, vocabulary] cost the server memory)
+PROBE_TOKENS = 64  # the longest sequence's first tokens (log-probabilities of [T, vocabulary] cost the server memory)
 FINAL_STATE_GAP = 1.0  # nats, on average over the probe's tokens
 
 
@@ -288,9 +288,9 @@ class ServedTarget:
         for attempt in range(1, self.retries + 2):
             try:
                 client = self._connect()
-                probe = next((ids for ids in sequences if len(ids) > 1), None)
-                if not self.checked and probe is not None:
-                    self._check_final_state(client, probe[:PROBE_TOKENS])
+                probe = max(sequences, key=len)[:PROBE_TOKENS]  # (the most tokens to average over)
+                if not self.checked and len(probe) > 1:
+                    self._check_final_state(client, probe)
                 return client.states(sequences)
             except CaptureFault as fault:
                 if attempt > self.retries:
