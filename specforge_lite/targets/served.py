@@ -288,9 +288,8 @@ class ServedTarget:
         for attempt in range(1, self.retries + 2):
             try:
                 client = self._connect()
-                probe = max(sequences, key=len)[:PROBE_TOKENS]  # (the most tokens to average over)
-                if not self.checked and len(probe) > 1:
-                    self._check_final_state(client, probe)
+                if not self.checked:
+                    self._check_final_state(client, max(sequences, key=len)[:PROBE_TOKENS])
                 return client.states(sequences)
             except CaptureFault as fault:
                 if attempt > self.retries:
@@ -310,6 +309,8 @@ class ServedTarget:
         ids of the same count: the shapes agree, the teacher would read another layer): through the final norm and
         lm_head it must give the server's own log-probabilities of the probe's tokens. The aux ids themselves
         cannot be read back from a server; what it was started with decides them."""
+        if len(ids) < 2:  # (no token to score: the next batch's longest sequence is asked)
+            return
         parts, final = self.parts, self.layer_ids.index(self.parts.num_layers)
         states, theirs = client.probe(ids)
         self.checked = True
