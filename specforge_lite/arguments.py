@@ -9,7 +9,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from .compose import override_problems, with_draft_group
+from .compose import override_problems, hydra_overrides
 from .config import Config, available_presets
 from .training.output_dir import OutputDirError, check_output_dir
 
@@ -19,7 +19,7 @@ def check_arguments(argv: list[str], conf_dir: Path) -> None:
     groups = sorted({p.name for p in conf_dir.iterdir() if p.is_dir()} | {"draft"})  # (draft: compose.py)
     keys = [f.name for f in dataclasses.fields(Config)]
     try:
-        problems = override_problems(with_draft_group(argv))
+        problems = override_problems(hydra_overrides(argv))
     except ValueError as e:
         problems = [str(e)]
     if problems:

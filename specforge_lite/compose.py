@@ -5,12 +5,13 @@ composes or reads a run's config (tests, evaluation, adaptation, the offline sto
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import (CONF_DIR, SAVED_CONFIG_FIX, TRACKER_KINDS, Choice, Config, choices, model_as_given,
-                     read_config_node, with_recipe)
+from .config import (CONF_DIR, RUN_LENGTH, SAVED_CONFIG_FIX, TRACKER_KINDS, Choice, Config, choices,
+                     model_as_given, read_config_node, with_recipe)
 from .methods import DEFAULT, METHODS, draft_method
 from .targets.families import FAMILIES
 
@@ -64,13 +65,38 @@ def unpacked_reason(family: str, source: str, method: str) -> str | None:
     return None
 
 
-def with_draft_group(overrides: list[str]) -> list[str]:
-    """``draft.method=<name>`` read as ``draft=<name>`` (the method is its settings group); naming two methods
-    is refused."""
+# Settings that are mappings of the user's own keys (eval.prompt_files.<set>=PATH): Hydra adds a key to them only
+# with ``+`` (or ``++``, which also replaces one a recipe set), which the docs and the messages never write.
+OPEN_MAPPINGS = ("eval.prompt_files.",)
+
+
+def hydra_overrides(overrides: list[str]) -> list[str]:
+    """The overrides as Hydra takes them: ``draft.method=<name>`` read as ``draft=<name>`` (the method is its
+    settings group; naming two methods is refused), a key of an ``OPEN_MAPPINGS`` setting given as ``++``."""
     named = {o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] in ("draft", "draft.method")}
     if len(named) > 1:
         raise ValueError(f"draft={' and draft='.join(sorted(named))}: choose one method (draft=<name>)")
-    return [f"draft={o.split('=', 1)[1]}" if o.startswith("draft.method=") else o for o in overrides]
+    return [f"draft={o.split('=', 1)[1]}" if o.startswith("draft.method=") else
+            f"++{o}" if o.startswith(OPEN_MAPPINGS) and "=" in o else o for o in overrides]
+
+
+# OmegaConf's detail lines under its message (the key again, the classes): the key and value lead the one line
+DETAIL_LINES = ("full_key:", "reference_type=", "object_type=")
+
+
+def composition_error(e: Exception) -> str:
+    """Hydra's or OmegaConf's refusal of an override, as one line led by the override (or the unknown key)."""
+    from omegaconf.errors import ConfigKeyError
+
+    if isinstance(e, ConfigKeyError) and getattr(e, "full_key", None):
+        return f"{e.full_key}: no such setting (python train.py --help lists every key)"
+    lines = [line.strip() for part in (e, e.__cause__) if part is not None for line in str(part).splitlines()]
+    lines = [line for line in lines if line and not line.startswith(DETAIL_LINES)]
+    merging = re.fullmatch(r"Error merging override (\S+)", lines[0]) if lines else None
+    if merging:
+        return f"{merging.group(1)}: {' '.join(lines[1:])}"
+    quoted = re.search(r"'([^'=]+=[^']*)'", lines[0]) if lines else None
+    return f"{quoted.group(1)}: {' '.join(lines)}" if quoted else " ".join(lines) or type(e).__name__
 
 
 def draft_setting_problems(overrides: list[str]) -> list[str]:
@@ -95,8 +121,24 @@ def draft_setting_problems(overrides: list[str]) -> list[str]:
 
 def override_problems(overrides: list[str]) -> list[str]:
     """What Hydra would refuse of the command line's overrides, or compose without refusing, each said in one line
-    (``draft_setting_problems``, ``choice_problems``)."""
-    return draft_setting_problems(overrides) + choice_problems(overrides)
+    (``draft_setting_problems``, ``choice_problems``, ``given_problems``)."""
+    return draft_setting_problems(overrides) + choice_problems(overrides) + given_problems(overrides)
+
+
+def given_problems(overrides: list[str]) -> list[str]:
+    """Settings given on the command line that the run would not read, where only the command line tells a value
+    given from a recipe's: both lengths of a run (config.py ``RUN_LENGTH``), and a draft vocabulary for a method
+    that keeps the whole target vocabulary (the scale recipe sets one for every method)."""
+    given = dict(o.lstrip("+").split("=", 1) for o in overrides if "=" in o and not o.startswith(("-", "~")))
+    problems = []
+    if all(given.get(key, "null") != "null" for key in RUN_LENGTH):  # (epochs=null: ``with_run_length``'s own)
+        problems.append(f"{RUN_LENGTH[0]}={given[RUN_LENGTH[0]]} and {RUN_LENGTH[1]}={given[RUN_LENGTH[1]]}: a run's "
+                        "length is one of them; drop the other")
+    method = METHODS.get(given.get("draft", DEFAULT))
+    if method is not None and method.whole_vocabulary and "draft.draft_vocab_size" in given:
+        problems.append(f"draft={method.name} drafts over the target's whole vocabulary whatever "
+                        f"draft.draft_vocab_size says: drop draft.draft_vocab_size={given['draft.draft_vocab_size']}")
+    return problems
 
 
 def choice_problems(overrides: list[str]) -> list[str]:
@@ -165,12 +207,16 @@ def to_config(cfg: Any) -> Config:
     dropped; one set otherwise is refused (the file is not what its method says), and so is a registry's name
     that names nothing registered (``registry_problems``)."""
     from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import ConfigKeyError
 
     tree = OmegaConf.to_container(cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg), resolve=True)
     method = draft_method((tree.get("draft") or {}).get("method") or DEFAULT)
     if "draft" in tree:
         tree["draft"] = method_settings(method.settings, tree["draft"])
-    merged = OmegaConf.merge(OmegaConf.structured(Config(draft=method.settings())), tree)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config(draft=method.settings())), tree)
+    except ConfigKeyError as e:  # (a key Hydra added, +foo=1: the typed tree has no such setting)
+        raise ValueError(composition_error(e)) from None
     config: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     config.model = model_as_given(config.model)  # (a path the user gave is that target, never the preset's package)
     problems = registry_problems(config)
@@ -222,12 +268,17 @@ def load_config(overrides: list[str] | None = None, config_name: str = "config")
     """Compose the Hydra config from Python (tests, eval, export) exactly as train.py would (the recipe the
     target calls for included: ``with_recipe``)."""
     from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
-    overrides = with_draft_group(with_recipe(list(overrides or [])))
+    overrides = hydra_overrides(with_recipe(list(overrides or [])))
     problems = override_problems(overrides)
     if problems:
         raise ValueError("; ".join(problems))
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=overrides)
+        try:
+            cfg = compose(config_name=config_name, overrides=overrides)
+        except (HydraException, OmegaConfBaseException) as e:
+            raise ValueError(composition_error(e)) from None
     return to_config(cfg)

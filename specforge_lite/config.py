@@ -693,7 +693,27 @@ def with_recipe(overrides: list[str]) -> list[str]:
     offline models (the embedded default, the registry and tiny presets) keep conf/config.yaml's recipe, the
     2-core demo's. A sweep over presets (model=a,b) takes the scale recipe when every preset is a real target;
     one mixing real and small ones is refused (each needs its own recipe). The recipe goes right after the
-    last override, so that Hydra's flags (--cfg job, --info, --resolve, -m) around them still parse."""
+    last override, so that Hydra's flags (--cfg job, --info, --resolve, -m) around them still parse. A run length
+    given replaces the recipe's (``with_run_length``)."""
+    return with_run_length(_recipe_added(overrides))
+
+
+# A run's length is trainer.max_steps or trainer.epochs (job.py turns epochs into steps, and they win): a
+# trainer.max_steps the user gives replaces the epochs a recipe set (the scale recipe's 2). Both given: refused
+# (compose.py).
+RUN_LENGTH = ("trainer.max_steps", "trainer.epochs")
+
+
+def with_run_length(overrides: list[str]) -> list[str]:
+    """The overrides with ``trainer.epochs=null`` after the last one where trainer.max_steps is given alone."""
+    keys = {o.split("=", 1)[0].lstrip("+") for o in overrides if not o.startswith("-")}
+    if RUN_LENGTH[0] not in keys or RUN_LENGTH[1] in keys:
+        return list(overrides)
+    last = max(i for i, o in enumerate(overrides) if "=" in o and not o.startswith("-"))
+    return [*overrides[:last + 1], f"{RUN_LENGTH[1]}=null", *overrides[last + 1:]]
+
+
+def _recipe_added(overrides: list[str]) -> list[str]:
     keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides if not o.startswith("-")}
     if "recipe" in keys:
         return list(overrides)

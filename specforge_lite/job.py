@@ -171,7 +171,8 @@ def describe_recipe(config: Config, method) -> list[str]:
     if d.source == "offline":
         source, answers = f"the hidden-state store {d.store}", "its stored states and tokens"
     draft = (f"continuing the draft of {config.draft.init_from} (its vocabulary, aux ids and shape)"
-             if config.draft.init_from else f"draft vocabulary {config.draft.draft_vocab_size}")
+             if config.draft.init_from else "the target's whole vocabulary" if method.whole_vocabulary
+             else f"draft vocabulary {config.draft.draft_vocab_size}")
     depth = ", ".join(f"{key.replace('_', ' ')} {value}"  # (what its objective unrolls: EAGLE3's TTT, a block)
                       for key, value in method.steps_settings(method.scored_steps(config.draft)).items())
     if d.regenerate and d.source != "offline" and g.max_minutes is not None and \

@@ -32,6 +32,10 @@ REPLACED = ".replaced-"  # a step's previous folder, kept until its re-save is i
 # the keys a resume reads from each JSON file of a checkpoint
 REQUIRED_KEYS = {STATE: ("step", "tokens_seen", "data"), OPTIMIZER_META: ("step", "lrs", "scheduler"),
                  "rng_rank*.json": ("python", "numpy", "torch")}
+# what every spec a checkpoint has recorded holds (a field added since is filled by its default on resume)
+SPEC_KEYS = ("hidden_size", "vocab_size", "draft_vocab_size")
+# the keys of a file's object that a resume reads in turn (the batch stream's position: data/loader.py)
+REQUIRED_INNER = {STATE: {"data": ("size", "epoch", "cursor", "seed")}}
 
 
 class CheckpointError(UserError):
@@ -64,7 +68,7 @@ def checkpoint_problem(path: Path) -> str | None:
                if not (path / name).is_file()]
     if missing:
         return f"it is incomplete (missing {', '.join(missing)})"
-    for pattern, keys in {**REQUIRED_KEYS, SPEC: ()}.items():
+    for pattern, keys in {**REQUIRED_KEYS, SPEC: SPEC_KEYS}.items():
         for f in sorted(path.glob(pattern)):
             try:
                 data = json.loads(f.read_text())
@@ -73,6 +77,10 @@ def checkpoint_problem(path: Path) -> str | None:
             lacking = [k for k in keys if not isinstance(data, dict) or k not in data]
             if lacking or not isinstance(data, dict):
                 return f"{f.name} is damaged: it lacks {', '.join(lacking) or 'its fields'}"
+            lacking = [f"{outer}.{k}" for outer, inner in REQUIRED_INNER.get(pattern, {}).items() for k in inner
+                       if not isinstance(data[outer], dict) or k not in data[outer]]
+            if lacking:
+                return f"{f.name} is damaged: it lacks {', '.join(lacking)}"
     return next(filter(None, map(safetensors_problem, sorted(path.glob("*.safetensors")))), None)
 
 

@@ -286,6 +286,22 @@ def _check_fixed_shape(config: Config, spec: DraftSpec) -> None:
                      f"was trained (a block is the draft's input); continue it with {how}")
 
 
+def _check_kept_shape(config: Config, spec: DraftSpec) -> None:
+    """A continued draft keeps its shape (its layers, norms, mask slots): settings of the shape that differ from
+    their defaults were given to be used, so where they differ from the draft's own too they are refused, never
+    dropped. Left at their defaults, the draft's own shape is taken, whatever it is."""
+    method, d = draft_method(spec.method), config.draft
+    shape = lambda settings: {"num_layers": settings.num_layers, **method.spec_fields(settings)}  # noqa: E731
+    given, defaults = shape(d), shape(type(d)())
+    differ = [key for key, value in given.items() if value != defaults[key] and getattr(spec, key) != value]
+    if differ:
+        said = lambda value: str(value).lower() if isinstance(value, bool) else str(value)  # noqa: E731 (as typed)
+        raise ValueError(f"draft.init_from={d.init_from} is a draft with "
+                         f"{' and '.join(f'{key} {said(getattr(spec, key))}' for key in differ)}, and this run gives "
+                         f"{' and '.join(f'draft.{key}={said(given[key])}' for key in differ)}: a continued draft "
+                         "keeps its shape; drop those settings, or train a new draft (no draft.init_from)")
+
+
 def initial_draft(config: Config, log=print) -> tuple[DraftSpec, dict[str, torch.Tensor]]:
     """draft.init_from: the (spec, weights) of the draft a run continues, from an export folder or a run folder's
     final/. Its method must be the run's (the objective trains that method)."""
@@ -299,6 +315,7 @@ def initial_draft(config: Config, log=print) -> tuple[DraftSpec, dict[str, torch
         raise ValueError(f"draft.init_from={config.draft.init_from} is a {spec.method} draft and this run trains "
                          f"draft={config.draft.method}: use draft={spec.method}")
     _check_fixed_shape(config, spec)
+    _check_kept_shape(config, spec)
     ids = spec.aux_layer_ids or "the servers' default (it names none)"
     log(f"[draft] continuing the {spec.method} draft of {folder} (its {spec.num_layers} layer(s), aux ids "
         f"{ids} and {spec.draft_vocab_size}-token vocabulary)")

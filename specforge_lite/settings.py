@@ -23,8 +23,10 @@ from .config import Config, out_of_range
 from .data.sources import data_setting_problems
 from .draft.method import DraftMethod
 from .evaluate.prompts import prompt_set_problems
+from .evaluate.served import served_check_problems
 from .export import export_format, export_refusals
 from .methods import draft_method
+from .targets.families import FAMILIES
 from .targets.served import served_target_problems
 from .training.tracking import tracker_problems
 
@@ -37,6 +39,10 @@ def setting_problems(config: Config) -> list[str]:
         return [*problems, str(e)]
     problems += periodic_problems(config, method) + method.refused(config) + served_target_problems(config)
     problems += token_budget_problems(config)
+    family = FAMILIES.get(config.model.family)
+    if config.target.backend == "lean" and family is not None and family.lean_forward is None:
+        problems.append(f"target.backend=lean: the {config.model.family} family has no lean forward (the transformers "
+                        "modules would run); use target.backend=hf")
     d = config.draft
     if d.compile and not torch.cuda.is_available():
         problems += compiler_problems()
@@ -52,7 +58,7 @@ def setting_problems(config: Config) -> list[str]:
                         "train in one process")
     if config.eval.enabled:
         problems += prompt_set_problems(list(config.eval.prompt_sets), dict(config.eval.prompt_files or {}))
-    problems += method.refused_evaluation(config.draft, config.eval)
+    problems += method.refused_evaluation(config.draft, config.eval) + served_check_problems(config)
     try:
         form = export_format(config.export.format, config.draft.method)
         problems += export_refusals(form, config.draft)

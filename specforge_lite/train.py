@@ -15,7 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from .arguments import check_arguments
-from .compose import register_configs, to_config, with_draft_group
+from .compose import register_configs, to_config, hydra_overrides
 from .config import CONF_DIR, with_recipe
 from .errors import said_in_one_line
 from .job import run
@@ -47,7 +47,7 @@ def cli() -> None:
         args = with_recipe(args)  # (a real target: recipe=scale, unless one is named)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    sys.argv = [sys.argv[0], *with_draft_group(args)]  # (draft.method=<name> is draft=<name>)
+    sys.argv = [sys.argv[0], *hydra_overrides(args)]  # (draft.method=<name> is draft=<name>, ...)
     main()
 
 

@@ -115,6 +115,22 @@ def test_promote_reject_and_rollback(base_run, tmp_path):
     assert again.returncode != 0 and "nothing to roll back to" in again.stderr and "Traceback" not in again.stderr
 
 
+def test_a_candidate_trains_the_steps_adapt_was_given_when_the_base_ran_by_epochs(base_run, tmp_path):
+    """A base run of the scale recipe (trainer.epochs=2) made every candidate train 2 epochs of the traffic, not
+    --steps: the epochs replaced the steps adapt set, unsaid."""
+    from omegaconf import OmegaConf
+
+    from specforge_lite.adapt.candidate import candidate_config
+    from specforge_lite.adapt.home import Home
+
+    home = new_home(tmp_path, base_run)
+    base = OmegaConf.load(home / "base_config.yaml")
+    base.trainer.epochs = 2
+    OmegaConf.save(base, home / "base_config.yaml")
+    config = candidate_config(Home(home), home / "v0001", tmp_path / "traffic.jsonl", 40, tmp_path / "run")
+    assert (config.trainer.max_steps, config.trainer.epochs) == (4, None)  # (RAILS: --steps 4)
+
+
 def test_watch_names_bad_files_and_goes_on_after_a_failed_candidate(base_run, tmp_path):
     home = new_home(tmp_path, base_run, "--margin", "-1")
     inbox = tmp_path / "inbox"

@@ -106,6 +106,18 @@ def test_an_export_that_does_not_name_its_target_is_refused_at_init(tmp_path):
     assert not (home.root / "decisions.jsonl").exists()
 
 
+@pytest.mark.parametrize("setting, value", [("heldout_fraction", 1.5), ("k", 0), ("steps", 0), ("minutes", -1)])
+def test_init_refuses_a_setting_run_would_refuse(tmp_path, setting, value):
+    """init wrote --heldout-fraction 1.5 (and --k 0, --steps 0, --minutes -1) into the home; adapt run then called
+    settings.json damaged and sent the user to a backup."""
+    from specforge_lite.adapt import init
+
+    export, home = export_folder(tmp_path, target="meta-llama/Llama-3.1-8B-Instruct"), Home(tmp_path / "home")
+    with pytest.raises(AdaptHomeError, match=rf"^--{setting.replace('_', '-')} {value}: ") as e:
+        init(home, export, [], {"judge": "ours", setting: value}, **QUIET)
+    assert "\n" not in str(e.value) and not (home.root / "settings.json").exists()
+
+
 def test_an_export_is_adapted_for_the_target_and_method_it_names(tmp_path):
     from specforge_lite.adapt.loop import base_config
 

@@ -171,3 +171,104 @@ def test_every_export_names_the_target_it_drafts_for(tmp_path):
         out = export_draft(draft.trainable_state_dict(), draft.spec, fmt, tmp_path / fmt,
                            verifier={"name_or_path": "meta-llama/Llama-3.1-8B-Instruct"})
         assert target_overrides(out, []) == ["model=llama3_8b"], fmt
+
+
+def test_eval_serve_without_a_serving_environment_is_refused_before_training(tmp_path, monkeypatch):
+    """It was said at the end of the run ("[serve] skipped"), after the whole training, as target.backend=vllm
+    without one never was."""
+    from specforge_lite.settings import setting_problems
+
+    monkeypatch.setenv("SPECFORGE_LITE_SERVING_PYTHON", str(tmp_path / "no-python"))
+    problems = setting_problems(load_config(["tracker=none", "eval.serve=vllm"]))
+    assert problems == ["eval.serve=vllm serves the export from the serving environment, and there is none: build it "
+                        "with bash scripts/setup_serving.sh, or set eval.serve=null (python -m "
+                        "specforge_lite.evaluate.served RUN serves it later)"]
+
+
+def test_the_run_length_the_user_gives_replaces_the_recipes():
+    """trainer.max_steps=500 on a real target trained the scale recipe's 2 epochs, the recipe line saying so and
+    nothing of the 500; given both, the epochs won unsaid."""
+    from specforge_lite.job import describe_recipe
+
+    config = load_config(["model=llama3_8b", "trainer.max_steps=500"])
+    assert (config.recipe_name, config.trainer.max_steps, config.trainer.epochs) == ("scale", 500, None)
+    assert "; 500 steps, " in describe_recipe(config, METHODS["eagle3"])[0]
+    assert load_config(["model=llama3_8b"]).trainer.epochs == 2  # (the recipe's, given nothing)
+    assert load_config(["model=llama3_8b", "trainer.epochs=3"]).trainer.epochs == 3
+    with pytest.raises(ValueError, match=r"^trainer.max_steps=500 and trainer.epochs=3: a run's length is one of "
+                                         r"them; drop the other"):
+        load_config(["model=llama3_8b", "trainer.max_steps=500", "trainer.epochs=3"])
+    shown = run_train("model=llama3_8b", "trainer.max_steps=500", "--cfg", "job")
+    assert shown.returncode == 0 and "max_steps: 500" in shown.stdout and "epochs: null" in shown.stdout, shown.stderr
+
+
+def test_a_whole_vocabulary_draft_refuses_a_draft_vocabulary_and_the_recipe_line_says_the_whole_one():
+    from specforge_lite.job import describe_recipe
+
+    with pytest.raises(ValueError, match=r"^draft=dflash2 drafts over the target's whole vocabulary whatever "
+                                         r"draft.draft_vocab_size says: drop draft.draft_vocab_size=4096"):
+        load_config(["draft=dflash2", "draft.draft_vocab_size=4096"])
+    line = describe_recipe(load_config(["model=llama3_8b", "draft=dflash2"]), METHODS["dflash2"])[0]
+    assert "the target's whole vocabulary" in line and "32000" not in line  # (the scale recipe's 32000: not read)
+
+
+@pytest.mark.parametrize("override, said", [
+    ("+foo=1", "foo: no such setting (python train.py --help lists every key)"),
+    ("++trainer.max_stepz=3", "trainer.max_stepz: no such setting (python train.py --help lists every key)"),
+    ("trainer.max_steps=abc", "trainer.max_steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+    ("draft.aux_layer_ids=2,4", "draft.aux_layer_ids=2,4: Ambiguous value for argument 'draft.aux_layer_ids=2,4' 1. "
+                                "To use it as a list, use key=[value1,value2]"),
+])
+def test_an_override_that_does_not_compose_is_said_in_one_line(override, said):
+    """A traceback (ConfigKeyError from the typed tree; every tool composing with load_config) or Hydra's message
+    over several lines, without the key's value."""
+    with pytest.raises(ValueError) as refused:
+        load_config(["tracker=none", override])
+    assert str(refused.value).startswith(said) and "\n" not in str(refused.value), str(refused.value)
+
+
+def test_an_unknown_key_on_train_pys_command_line_is_one_error_line(tmp_path):
+    refused = run_train("model=llama3_tiny", "tracker=none", "+foo=1", f"output_dir={tmp_path / 'run'}")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert refused.stderr.startswith("error: foo: no such setting"), refused.stderr
+
+
+def test_a_prompt_file_is_named_as_the_docs_spell_it_and_read_before_training(tmp_path):
+    """eval.prompt_files.mtbench=PATH (docs/evaluation.md) was refused by Hydra (only +eval.prompt_files... composed),
+    and the file itself was first read after the whole training: a missing or cut-short one ended the run there."""
+    import gzip
+
+    from specforge_lite.settings import setting_problems
+
+    good = tmp_path / "question.jsonl"
+    good.write_text('{"turns": ["Hello?"]}\n')
+    config = load_config(["tracker=none", "eval.prompt_sets=[mtbench]", f"eval.prompt_files.mtbench={good}"])
+    assert config.eval.prompt_files == {"mtbench": str(good)} and setting_problems(config) == []
+    shown = run_train("tracker=none", f"eval.prompt_files.mtbench={good}", "--cfg", "job")
+    assert shown.returncode == 0 and f"mtbench: {good}" in shown.stdout, shown.stderr
+    cut = tmp_path / "question.jsonl.gz"
+    cut.write_bytes(gzip.compress(b'{"turns": ["Hello?"]}\n' * 200)[:60])
+    for path, said in ((tmp_path / "missing.jsonl", "does not exist"), (cut, "cannot be read")):
+        problems = setting_problems(load_config(["tracker=none", "eval.prompt_sets=[mtbench]",
+                                                 f"eval.prompt_files.mtbench={path}"]))
+        assert len(problems) == 1 and f"prompt file {path} {said}" in problems[0], problems
+
+
+def test_a_model_folder_whose_weight_names_do_not_fit_its_architecture_is_refused(tmp_path):
+    """A checkpoint saved through a wrapper (DDP's module., torch.compile's _orig_mod.) loaded with every weight
+    MISSING: transformers printed its load report and the run trained against a randomly initialised target."""
+    from safetensors.torch import load_file, save_file
+
+    from specforge_lite.targets import build_target
+    from specforge_lite.targets.acquire import tiny_model_dir
+
+    folder = tmp_path / "wrapped"
+    shutil.copytree(tiny_model_dir(load_config(["model=llama3_tiny"]).model), folder)
+    for path in folder.glob("*.safetensors"):
+        save_file({f"module.{k}": v for k, v in load_file(str(path)).items()}, str(path), metadata={"format": "pt"})
+    config = load_config(["model=llama3_tiny", f"model.path={folder}", "tracker=none"])
+    with pytest.raises(ValueError, match=rf"^model folder {folder}: its weights do not fit the model: \d+ of its "
+                                         r"parameters are missing \(lm_head.weight, .*\) and \d+ weights "
+                                         r"there are not the model's \(module.lm_head.weight, .*\)") as refused:
+        build_target(config)
+    assert "\n" not in str(refused.value)

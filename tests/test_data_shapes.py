@@ -7,8 +7,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import datasets
 import pyarrow as pa
@@ -232,6 +234,32 @@ def test_a_tool_result_without_its_call_is_a_malformed_row(row, said):
     """Accepted and trained as if whole before; each is a conversation no server would be sent."""
     with pytest.raises(MalformedRow, match=said):
         normalize_conversation(row)
+
+
+@pytest.mark.parametrize("row, said", [
+    ({"messages": [{"role": {"name": "user"}, "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+     "unknown role {'name': 'user'}"),  # (a TypeError: unhashable type)
+    ({"input_ids": None, "loss_mask": [0, 1]}, "input_ids is not a list of integers"),  # (a TypeError: len(None))
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": None}]},
+                   {"role": "assistant", "content": "yo"}]}, "a text part has no text"),  # (trained as "None")
+    (_tool_turns(CALL, {"role": "tool", "content": [{"type": "text", "text": None}]}), "a text part has no text"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "f" * 400 + ".png"}, "hi"]},
+                   {"role": "assistant", "content": "yo"}]}, "is not a path this machine can open"),  # (OSError)
+])
+def test_a_row_that_crashed_the_reader_or_read_as_other_text_is_a_malformed_row(row, said):
+    with pytest.raises(MalformedRow, match=re.escape(said)):
+        normalize_conversation(row, Path("/tmp"))
+
+
+def test_an_empty_saved_dataset_is_named(tmp_path):
+    """datasets' load_from_disk of a saved dataset with no rows raised IndexError."""
+    import datasets
+
+    from specforge_lite.data.readers import saved_dataset
+
+    datasets.Dataset.from_list([{"messages": []}]).select([]).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(DataError, match=rf"^data.path={tmp_path / 'saved'} is a saved dataset that holds no rows"):
+        saved_dataset(tmp_path / "saved")
 
 
 def test_well_formed_tool_turns_pass_the_check():

@@ -150,6 +150,53 @@ def test_bad_stores_are_named(tmp_path, tiny_store):
         StoreReader(tmp_path / "nothing")
 
 
+def test_ingest_takes_its_arguments_in_the_order_the_docs_write_them(tmp_path, capsys):
+    """docs/offline.md writes --layer-ids after the source folder, then the overrides: argparse refused that as
+    "unrecognized arguments". Taken now, the command goes on to say the folder is missing."""
+    from specforge_lite.offline.__main__ import main
+
+    with pytest.raises(SystemExit) as ended:
+        main(["ingest", "--from", "vllm", str(tmp_path / "hidden_states"), "--layer-ids", "2,4,5,8", *TINY,
+              f"store={tmp_path / 'store'}"])
+    assert str(ended.value.code).startswith(f"error: {tmp_path / 'hidden_states'} is not a folder of vllm"), \
+        (ended.value.code, capsys.readouterr().err)
+
+
+def test_data_settings_a_store_holds_otherwise_are_refused(tiny_store):
+    """A store holds the rows it was made with: other data.max_length, max_samples, heldout_samples or loss_turns
+    went unread (rows of 96 tokens trained under data.max_length=32, all of them under data.max_samples=2)."""
+    from specforge_lite.offline import StoreTarget
+
+    store = ["data.source=offline", f"data.store={tiny_store}"]
+    StoreTarget.open(load_config([*TINY, *store]))  # (the dump's own settings)
+    with pytest.raises(StoreError, match=r"does not fit this run: data.max_length=32 and data.max_samples=2 given, "
+                                         r"the store was made with data.max_length=96 and data.max_samples=24 \(its "
+                                         r"rows are those it was made with: set those, or dump again\)"):
+        StoreTarget.open(load_config([*TINY, *store, "data.max_length=32", "data.max_samples=2"]))
+    with pytest.raises(StoreError, match=r"data.loss_turns=last given, the store was made with data.loss_turns=all"):
+        StoreTarget.open(load_config([*TINY, *store, "data.loss_turns=last"]))
+
+
+def test_a_store_trained_run_continues_the_draft_it_is_given(tmp_path, tiny_store):
+    """draft.init_from with data.source=offline trained a new draft, the recipe line and data_stats.json saying it
+    continued the given one. At lr 0 the continued draft comes out as it went in; one of other aux ids than the
+    store's is refused by name."""
+    store = ["data.source=offline", f"data.store={tiny_store}"]
+    first, again = tmp_path / "first", tmp_path / "again"
+    _train([*TINY, *TRAIN, *store], first)
+    _train([*TINY, *TRAIN, *store, "trainer.lr=0", "trainer.max_steps=2", f"draft.init_from={first}"], again)
+    a, b = _weights(first), _weights(again)
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    config = json.loads((first / "final" / "config.json").read_text())
+    ours = config["specforge_lite"]  # (a draft of other aux ids, wherever its config.json names them)
+    config["eagle_aux_hidden_state_layer_ids"] = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = \
+        ours["aux_layer_ids"] = ours["spec"]["aux_layer_ids"] = [1, 3, 5]
+    (first / "final" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(StoreError, match=rf"draft.init_from={first} reads aux ids \[1, 3, 5\] and the store holds "
+                                         rf"\[2, 4, 5\] \(make the store with draft.init_from={first}\)"):
+        _train([*TINY, *TRAIN, *store, f"draft.init_from={first}"], tmp_path / "other")
+
+
 def _reference_states(target, ids, ids_to_capture):
     """Independent of our capture: HF output_hidden_states (input of layer i = entry i) and a pre-hook on
     the final norm for id L (HF's last entry is after the norm)."""

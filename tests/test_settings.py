@@ -42,6 +42,22 @@ from specforge_lite.settings import check_settings, setting_problems
      "data.source is mix: use data=sharegpt data.path=/nowhere/chats.jsonl (or add {source: path, path: ...}"),
     (["data=chitchat", "data.path=chats.parquet"], "data.source is builtin_chitchat: use data=sharegpt "
      "data.path=chats.parquet"),
+    # (each of these was composed without a word, then never read: the run trained on something else)
+    (["data.store=/stores/s"], "data.store=/stores/s is read only with data.source=offline, and data.source is mix: "
+     "add data.source=offline, or drop data.store"),
+    (["data.store_order=shard"], "data.store_order=shard is read only with data.source=offline"),
+    (["data.generation.server_url=http://127.0.0.1:8000/v1"], "data.generation.server_url=http://127.0.0.1:8000/v1 "
+     "is read by data.generation.engine=openai only (auto answers in-process): set data.generation.engine=openai"),
+    (["data.generation.server_model=served"], "data.generation.server_model=served is read by "
+     "data.generation.engine=openai only"),
+    (["eval.serve=vllm", "eval.enabled=false"], "eval.serve=vllm serves the export after the run's evaluation, and "
+     "eval.enabled=false: set eval.enabled=true, or eval.serve=null"),
+    (["eval.serve=vllm", "data.source=offline", "data.store=/stores/s"], "eval.serve=vllm with data.source=offline: "
+     "a store-trained run is evaluated where its target runs"),
+    (["eval.serve=vllm", "target.backend=vllm"], "eval.serve=vllm with target.backend=vllm: a draft trained from a "
+     "served target is evaluated where its target runs in-process"),
+    (["model=qwen3_moe_tiny", "target.backend=lean"], "target.backend=lean: the qwen3_moe family has no lean forward "
+     "(the transformers modules would run); use target.backend=hf"),
 ])
 def test_a_setting_no_run_could_finish_with_is_refused_before_training(overrides, said):
     """Each of these used to be refused only at the export or the evaluation, after the whole training."""

@@ -189,6 +189,27 @@ def test_job_names_a_configuration_it_cannot_read(tmp_path, capsys, content, wha
     assert not (tmp_path / "run").exists()  # refused before anything was made
 
 
+@pytest.mark.parametrize("flags, said", [(["--k", "0"], "eval.num_draft_tokens=0: allowed [1, inf)"),
+                                         (["--max-new-tokens", "0"], "eval.max_new_tokens=0: allowed [1, inf)"),
+                                         (["--temperature", "-1"], "eval.temperature=-1.0: allowed [0, inf)")])
+def test_evaluate_refuses_a_flag_out_of_its_range_before_anything_loads_or_is_written(export, tmp_path, flags, said):
+    """--k 0 crashed after the whole evaluation, having rewritten eval_inputs.json with k 0 (the served check then
+    failed on it); --max-new-tokens 0 divided by zero; --temperature -1 was recorded as measured."""
+    from omegaconf import OmegaConf
+
+    from specforge_lite.compose import load_config
+    from specforge_lite.evaluate.__main__ import main
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(export, run_dir / "final")
+    OmegaConf.save(OmegaConf.structured(load_config(["model=llama3_tiny", "tracker=none"])), run_dir / "config.yaml")
+    (run_dir / "eval_inputs.json").write_text("{}")
+    with pytest.raises(SystemExit) as ended:
+        main(["--run-dir", str(run_dir), *flags])
+    assert str(ended.value.code).startswith(f"error: {said}"), ended.value.code
+    assert (run_dir / "eval_inputs.json").read_text() == "{}"
+
+
 # ---- draft.init_from -----------------------------------------------------------------------------------------
 def init_from(folder, *overrides):
     from specforge_lite.compose import load_config
@@ -253,6 +274,24 @@ def test_init_from_a_block_draft_of_another_k_is_refused_with_the_setting_to_con
         initial_draft(init_from(out, f"draft.method={method}", f"draft.block_size={trained_block + 2}"),
                       log=lambda m: None)
     assert "\n" not in str(refused.value)
+
+
+def test_init_from_with_a_shape_given_otherwise_is_refused_and_the_drafts_own_shape_is_kept(export):
+    """A continued EAGLE3 draft keeps its shape: draft.num_layers=2 and draft.parallel_drafting=true trained (and
+    exported) the one-layer chain draft of the folder, unsaid. Settings left at their defaults still take the
+    draft's own shape, whatever it is."""
+    from specforge_lite.run import initial_draft
+
+    spec, _ = initial_draft(init_from(export), log=lambda m: None)
+    assert (spec.num_layers, spec.parallel_drafting) == (1, False)
+    edit_json(export / "config.json", lambda c: c["specforge_lite"]["spec"].update(norm_before_fc=False,
+                                                                                   norm_output=False))
+    assert not initial_draft(init_from(export), log=lambda m: None)[0].norm_before_fc  # (the defaults: EAGLE 3.1's)
+    with pytest.raises(ValueError, match=rf"^draft.init_from={export} is a draft with num_layers 1 and "
+                                         r"parallel_drafting false, and this run gives draft.num_layers=2 and "
+                                         r"draft.parallel_drafting=true: a continued draft keeps its shape; drop "
+                                         r"those settings, or train a new draft \(no draft.init_from\)$"):
+        initial_draft(init_from(export, "draft.num_layers=2", "draft.parallel_drafting=true"), log=lambda m: None)
 
 
 def test_init_from_a_draft_of_another_target_names_the_target_not_an_overridden_setting(tmp_path):

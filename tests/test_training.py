@@ -206,7 +206,8 @@ def test_every_file_and_folder_is_on_disk_before_a_checkpoint_is_published(tmp_p
 
 
 DAMAGE = {"weights": ckpt_mod.WEIGHTS, "optimizer": "optimizer.safetensors", "state": ckpt_mod.STATE,
-          "state_key": ckpt_mod.STATE, "optimizer_json": "optimizer.json", "rng": "rng_rank0.json"}
+          "state_key": ckpt_mod.STATE, "state_cursor": ckpt_mod.STATE, "optimizer_json": "optimizer.json",
+          "rng": "rng_rank0.json"}
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
@@ -218,9 +219,9 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_older_one_resumed(tmp_path
     shutil.copytree(stopped_at_4, tmp_path / "run")  # (saved steps 2 and 4)
     newest = tmp_path / "run" / "checkpoints" / "step_00000004"
     damaged = newest / DAMAGE[damage]
-    if damage == "state_key":
+    if damage in ("state_key", "state_cursor"):  # (the cursor's loss was a KeyError deep in the resume)
         state = json.loads(damaged.read_text())
-        del state["data"]
+        del (state["data"] if damage == "state_cursor" else state)["data" if damage == "state_key" else "cursor"]
         damaged.write_text(json.dumps(state))
     else:
         damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
@@ -231,6 +232,38 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_older_one_resumed(tmp_path
     assert any(f"step_00000004 ({DAMAGE[damage]} is damaged" in m and "resuming from the older" in m for m in said)
     assert resumed.step == 8
     assert_same_weights(uninterrupted, d2)
+
+
+def _without(name):
+    def damage(folder):
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(str(folder / ckpt_mod.WEIGHTS))
+        del weights[name]
+        save_file(weights, str(folder / ckpt_mod.WEIGHTS))
+    return damage
+
+
+MISFIT = {"fc.weight": _without("fc.weight"), "d2t": _without("d2t"),
+          "spec": lambda folder: (folder / ckpt_mod.SPEC).write_text("{}")}
+
+
+@pytest.mark.parametrize("damage", sorted(MISFIT))
+def test_a_checkpoint_whose_weights_do_not_fit_its_spec_is_named_at_resume_and_export(tmp_path, stopped_at_4, damage):
+    """Files that read but do not fit each other: a resume ended in a RuntimeError's traceback, an export in a
+    KeyError or a TypeError, or (d2t gone) wrote a folder no server can load."""
+    from specforge_lite.export import export_run
+
+    shutil.copytree(stopped_at_4, tmp_path / "run")
+    newest = tmp_path / "run" / "checkpoints" / "step_00000004"
+    MISFIT[damage](newest)
+    said = rf"checkpoint {newest} .*" + ("spec.json is damaged" if damage == "spec" else rf"is damaged: .*'{damage}'")
+    with pytest.raises(ckpt_mod.CheckpointError, match=said) as refused:
+        run_training(tmp_path / "other", max_steps=8, resume=str(newest))
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ckpt_mod.CheckpointError, match=said):
+        export_run(tmp_path / "run", "vllm", tmp_path / "out", checkpoint=newest)
+    assert not (tmp_path / "out").exists()
 
 
 def test_checkpoints_that_cannot_be_resumed_stop_auto_resume_and_a_fresh_start_keeps_them(tmp_path):

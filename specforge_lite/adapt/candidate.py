@@ -96,7 +96,9 @@ def candidate_config(home, current: Path, traffic_file: Path, n_traffic: int, ru
     config.draft.init_from = str(current)
     config.eval.enabled, config.eval.serve = False, None
     config.tracker.kind = "none"
-    config.trainer.max_steps, config.trainer.max_minutes = settings["steps"], settings["minutes"]
+    # the steps the home was given, never the base run's epochs (job.py would turn those into steps instead)
+    config.trainer.max_steps, config.trainer.epochs = settings["steps"], None
+    config.trainer.max_minutes = settings["minutes"]
     config.trainer.stop_at_step = None
     config.output_dir = str(run_dir)
     return config

@@ -67,13 +67,17 @@ LOST = ("it has lost lines. Nothing was changed: restore it from a backup, then 
 # what each setting in HOME/settings.json must be (``settings_problem``); timeout_minutes may be absent (a home made
 # before it: loop.py's TIMEOUT_MINUTES), minutes and timeout_minutes null (no budget, no timeout)
 KINDS = {"judge": "judge", "margin": "number", "tolerance": "number", "replay_ratio": "share",
-         "heldout_fraction": "share", "min_conversations": "count", "steps": "count", "minutes": "number or null",
-         "timeout_minutes": "number or null", "k": "count", "eval_prompts": "count", "max_new_tokens": "count"}
+         "heldout_fraction": "share", "min_conversations": "count", "steps": "positive count",
+         "minutes": "positive number or null", "timeout_minutes": "positive number or null", "k": "positive count",
+         "eval_prompts": "positive count", "max_new_tokens": "positive count"}
+WANTED = {"judge": f"one of {', '.join(JUDGES)}", "count": "a whole number, 0 or more",
+          "positive count": "a whole number, 1 or more", "share": "a share in [0, 1)",
+          "positive number or null": "a number above 0, or null"}
 
 
 def settings_problem(settings: dict) -> str | None:
     """What is wrong with a home's settings (HOME/settings.json read as a JSON object), or None: a setting missing
-    or unknown, or not of its kind (a number, a count, a share in [0, 1), a judge)."""
+    or unknown, or not of its kind (``setting_problem``)."""
     unknown = sorted(set(settings) - set(KINDS))
     if unknown:
         return f"{', '.join(unknown)} {'is not a setting' if len(unknown) == 1 else 'are not settings'} (the " \
@@ -81,16 +85,20 @@ def settings_problem(settings: dict) -> str | None:
     missing = [k for k in KINDS if k not in settings and k != "timeout_minutes"]
     if missing:
         return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
-    for key, value in settings.items():
-        kind, number = KINDS[key], isinstance(value, (int, float)) and not isinstance(value, bool)
-        wrong = {"judge": value not in JUDGES, "number": not number, "number or null": value is not None and not number,
-                 "count": not (number and isinstance(value, int) and value >= 0),
-                 "share": not (number and 0 <= value < 1)}[kind]
-        if wrong:
-            want = {"judge": f"one of {', '.join(JUDGES)}", "count": "a whole number, 0 or more",
-                    "share": "a share in [0, 1)"}.get(kind, f"a {kind}")
-            return f"{key} is {json.dumps(value)}: it must be {want}"
-    return None
+    return next((f"{key} is {json.dumps(value)}: {problem}" for key, value in settings.items()
+                 if (problem := setting_problem(key, value))), None)
+
+
+def setting_problem(key: str, value) -> str | None:
+    """What is wrong with one setting of a home (``KINDS``: a number, a count, a share in [0, 1), a judge), or None
+    (adapt init checks what it is given with it, so a home never holds what adapt run refuses)."""
+    kind, number = KINDS[key], isinstance(value, (int, float)) and not isinstance(value, bool)
+    count = number and isinstance(value, int)
+    wrong = {"judge": value not in JUDGES, "number": not number,
+             "positive number or null": value is not None and not (number and value > 0),
+             "count": not (count and value >= 0), "positive count": not (count and value >= 1),
+             "share": not (number and 0 <= value < 1)}[kind]
+    return f"it must be {WANTED.get(kind, f'a {kind}')}" if wrong else None
 
 
 class AdaptHomeError(UserError):

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..data.prepare import opening
 from .candidate import TIMEOUT_MINUTES, as_prompts, split_traffic, train_candidate
 from ..files import sha256_file, write_jsonl
-from .home import REPORTS, AdaptHomeError, Home, write_json_atomic
+from .home import REPORTS, AdaptHomeError, Home, setting_problem, write_json_atomic
 from .judge import JUDGES, decide, judge_folder, measure
 from .traffic import read_traffic
 
@@ -123,8 +123,10 @@ def _init(home: Home, draft: Path, overrides: list[str], settings: dict, regress
     home.refuse_to_start_over()
     settings = {**DEFAULTS, **settings}
     check_judge(settings["judge"])
-    if not 0 <= settings["replay_ratio"] < 1:
-        raise AdaptHomeError(f"--replay-ratio {settings['replay_ratio']}: use a share in [0, 1)")
+    for key, value in settings.items():  # (what adapt run would call a damaged settings.json, refused here)
+        problem = setting_problem(key, value)
+        if problem:
+            raise AdaptHomeError(f"--{key.replace('_', '-')} {value}: {problem}; nothing was written")
     if settings["timeout_minutes"] <= (settings["minutes"] or 0):
         budget = f"than its budget (--minutes {settings['minutes']:g})" if settings["minutes"] else "minutes"
         raise AdaptHomeError(f"--timeout-minutes {settings['timeout_minutes']:g}: give the candidate's training more "

@@ -24,7 +24,7 @@ from typing import Any
 from .errors import MalformedRow
 from .images import IMAGE_MARKER
 from .readers import iter_rows  # noqa: F401  (adapt/ and bench/ read rows through here)
-from .tools import calls_from, check_tool_turns, row_tools, tool_calls, tool_result
+from .tools import calls_from, check_tool_turns, part_text, row_tools, tool_calls, tool_result
 
 ROLES = {
     "human": "user", "user": "user",
@@ -56,7 +56,12 @@ def _image_path(ref: Any, base_dir: Path | None, confine: bool) -> str:
     if confine and base_dir is not None and not path.resolve().is_relative_to(Path(base_dir).resolve()):
         raise MalformedRow(f"image {ref!r} lies outside the data file's folder {base_dir}: move it there, or set "
                            "data.images_outside_folder=true to read images from anywhere")
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except OSError as e:  # (a name longer than the file system takes: a row holding the image's bytes as text)
+        raise MalformedRow(f"image {ref[:40]!r}... is not a path this machine can open ({e.strerror}): give the "
+                           "image's file path") from None
+    if not found:
         raise MalformedRow(f"image file not found: {path}")
     return str(path.resolve())
 
@@ -67,7 +72,7 @@ def _content_parts(parts: list, base_dir: Path | None, confine: bool) -> tuple[s
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
-            text.append(str(part.get("text", "")))
+            text.append(part_text(part))
         elif kind in ("image", "image_url"):
             images.append(_image_path(part.get(kind, part.get("path")), base_dir, confine))
             text.append(IMAGE_MARKER)
@@ -130,7 +135,7 @@ def _field(turn: dict, *keys: str) -> Any:
 
 def _message(turn: dict, role_key: str, text_key: str, base_dir: Path | None, confine: bool) -> dict[str, Any]:
     role = _field(turn, role_key, "role", "from")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise MalformedRow(f"unknown role {role!r}")
     text = _field(turn, text_key, "content", "value")
     if ROLES[role] == "tool":
@@ -199,6 +204,8 @@ def _unpadded(row: dict) -> tuple[list[int], list[int]]:
     ids, mask, attention = row["input_ids"], row.get("loss_mask"), row.get("attention_mask")
     if mask is None:
         raise MalformedRow("a pre-tokenized row (input_ids) has no loss_mask: add one, 1 on the tokens to learn")
+    if not isinstance(ids, list):
+        raise MalformedRow("input_ids is not a list of integers")
     for name, values in (("input_ids", ids), ("loss_mask", mask), ("attention_mask", attention)):
         if values is not None and not (isinstance(values, list) and all(type(v) is int for v in values)):
             raise MalformedRow(f"{name} is not a list of integers")

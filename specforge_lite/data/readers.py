@@ -156,7 +156,11 @@ def saved_dataset(path: Path) -> Any:
     """A folder written by ``save_to_disk``: a Dataset, or a DatasetDict's ``train`` split (or its only one)."""
     import datasets
 
-    loaded = datasets.load_from_disk(str(path))
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except IndexError:  # (datasets' own reader of a saved dataset with no rows)
+        raise DataError(f"data.path={path} is a saved dataset that holds no rows: save the conversations again, or "
+                        "point data.path at the data") from None
     if isinstance(loaded, datasets.DatasetDict):
         splits = list(loaded)
         if "train" not in loaded and len(splits) != 1:

@@ -53,7 +53,15 @@ def data_setting_problems(cfg: DataConfig) -> list[str]:
         problems.append(f"data.path={cfg.path} is read only with data.source=path, and data.source is {cfg.source}: "
                         f"use data=sharegpt data.path={cfg.path}"
                         + (" (or add {source: path, path: ...} to data.mix)" if cfg.source == "mix" else ""))
+    if cfg.source != "offline":
+        store = {"data.store": cfg.store, "data.store_order": None if cfg.store_order == "global" else cfg.store_order}
+        problems += [f"{key}={value} is read only with data.source=offline, and data.source is {cfg.source}: add "
+                     f"data.source=offline, or drop {key}" for key, value in store.items() if value is not None]
     gen = cfg.generation
+    if gen.engine != "openai":
+        problems += [f"data.generation.{key}={value} is read by data.generation.engine=openai only ({gen.engine} "
+                     f"answers in-process): set data.generation.engine=openai, or drop data.generation.{key}"
+                     for key, value in (("server_url", gen.server_url), ("server_model", gen.server_model)) if value]
     if (gen.round_conversations is None) != (gen.max_minutes is None):
         given, missing = ("round_conversations", "max_minutes") if gen.max_minutes is None else \
             ("max_minutes", "round_conversations")

@@ -69,10 +69,18 @@ def _call(call: Any) -> dict:
     return out
 
 
+def part_text(part: dict) -> str:
+    """The text of an OpenAI text part; one with no text (null, absent) is malformed, never the text "None"."""
+    text = part.get("text")
+    if text is None:
+        raise MalformedRow("a text part has no text")
+    return str(text)
+
+
 def tool_result(turn: dict, text: Any) -> dict:
     """A tool turn: its result as text (a structured one as JSON, as a client sends it) and its call's id/name."""
     if isinstance(text, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in text):
-        text = "".join(str(p.get("text", "")) for p in text)  # (OpenAI's content parts)
+        text = "".join(part_text(p) for p in text)  # (OpenAI's content parts)
     elif isinstance(text, (dict, list)):
         text = json.dumps(text, ensure_ascii=False)
     if text is not None and not isinstance(text, str):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..config import Config
+from ..config import Config, out_of_range
 from ..export import load_export
 from ..export.for_target import draft_from_weights, export_final
 from ..generation import prepare_with_target
@@ -14,6 +14,7 @@ from ..methods import shape_settings
 from ..targets import build_target, describe_target, load_tokenizer
 from ..targets.store import Manifest
 from .acceptance import evaluate_export, write_eval
+from .prompts import prompt_set_problems
 
 
 def finished_run(run_dir: Path, eval_overrides: dict | None = None, log=print) -> tuple[Config, Any, Any, Any]:
@@ -34,10 +35,20 @@ def finished_run(run_dir: Path, eval_overrides: dict | None = None, log=print) -
         config.data = to_config({"data": saved}).data
     if config.target.backend == "vllm":  # (decoding with a KV cache runs the target in this process)
         config.target.backend = "hf"
-    for key, value in (eval_overrides or {}).items():
-        setattr(config.eval, key, value)
+    with_eval_settings(config, eval_overrides)
     spec, _ = load_export(run_dir / "final")
     return (config, *online_parts(config, spec.aux_layer_ids, log))
+
+
+def with_eval_settings(config: Config, eval_overrides: dict | None) -> None:
+    """The evaluation's own settings (the command line's --k, --num-prompts, ...) set in ``config.eval``, checked as
+    train.py checks them (their ranges, the prompt files read whole) before anything loads or is written."""
+    for key, value in (eval_overrides or {}).items():
+        setattr(config.eval, key, value)
+    problems = [p for p in out_of_range(config) if p.startswith("eval.")]
+    problems += prompt_set_problems(list(config.eval.prompt_sets), dict(config.eval.prompt_files or {}))
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def online_parts(config: Config, aux_layer_ids: list[int], log=print) -> tuple[Any, Any, Any]:
@@ -77,8 +88,7 @@ def evaluate_published(draft_dir: Path, run_dir: Path, overrides: list[str], eva
     config.draft.init_from = str(draft_dir.resolve())
     for key, value in (shape_settings(config.draft, spec) or {}).items():  # (a block draft's k is its own)
         setattr(config.draft, key, value)
-    for key, value in (eval_overrides or {}).items():
-        setattr(config.eval, key, value)
+    with_eval_settings(config, eval_overrides)
     target, tokenizer, data = online_parts(config, spec.aux_layer_ids, log)  # (the draft's own aux ids)
     spec = draft_from_weights(spec, weights, target).spec  # (the weights fit this target; what a published
     # folder leaves unsaid settled for it)

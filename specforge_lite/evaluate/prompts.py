@@ -62,15 +62,19 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
         raise PromptSetError(f"prompt file {path} does not exist; fix eval.prompt_files or drop the set from "
                              "eval.prompt_sets")
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptSetError(f"{path}:{line_no} is not JSON ({e.msg}); a prompt file holds one JSON "
-                                     "object per line") from None
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield line_no, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise PromptSetError(f"{path}:{line_no} is not JSON ({e.msg}); a prompt file holds one JSON "
+                                         "object per line") from None
+    except (EOFError, OSError, UnicodeDecodeError) as e:  # (a cut-short or damaged gzip, bytes that are not UTF-8)
+        raise PromptSetError(f"prompt file {path} cannot be read ({e}): give an intact UTF-8 file (.jsonl, or "
+                             ".jsonl.gz), or drop the set from eval.prompt_sets") from None
 
 
 def _text(value: Any) -> str | None:
@@ -177,6 +181,12 @@ def prompt_set_problems(names: list[str], files: dict[str, str]) -> list[str]:
     unknown_files = sorted(set(files) - set(FORMATS))
     if unknown_files:
         problems.append(f"eval.prompt_files names unknown sets {unknown_files}; file-backed sets: {sorted(FORMATS)}")
+    for name in names:  # (each file a set measures, read whole: a missing or damaged one is said before training)
+        if files.get(name) and name in FORMATS:
+            try:
+                load_file_set(name, files[name])
+            except PromptSetError as e:
+                problems.append(str(e))
     return problems
 
 

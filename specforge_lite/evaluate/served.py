@@ -91,9 +91,32 @@ def serve(run_dirs: list[Path], k: int | None = None, python: Path | None = None
     return results
 
 
+def served_check_problems(config) -> list[str]:
+    """What keeps eval.serve=vllm from serving this run's export at its end, each in one line with the fix (settings.py
+    says them before anything is built: a check skipped at the end would be said after the whole training)."""
+    ev = config.eval
+    if not ev.serve:
+        return []
+    if not ev.enabled:
+        return [f"eval.serve={ev.serve} serves the export after the run's evaluation, and eval.enabled=false: set "
+                "eval.enabled=true, or eval.serve=null"]
+    later = "set eval.serve=null and evaluate it there (python -m specforge_lite.evaluate --run-dir RUN)"
+    if config.data.source == "offline":
+        return [f"eval.serve={ev.serve} with data.source=offline: a store-trained run is evaluated where its target "
+                f"runs, not by the run; {later}"]
+    if config.target.backend == "vllm":
+        return [f"eval.serve={ev.serve} with target.backend=vllm: a draft trained from a served target is evaluated "
+                f"where its target runs in-process, not by the run; {later}"]
+    if serving_python() is None:
+        return [f"eval.serve={ev.serve} serves the export from the serving environment, and there is none: build it "
+                "with bash scripts/setup_serving.sh, or set eval.serve=null (python -m specforge_lite.evaluate.served "
+                "RUN serves it later)"]
+    return []
+
+
 def served_check(run_dir: Path, log) -> str:
     """eval.serve=vllm: vLLM serves the export; 'failed: why' when its outputs differ from greedy."""
-    if serving_python() is None:  # asked for, not possible here: say how, keep the run's results
+    if serving_python() is None:  # (gone since the settings were checked): say how, keep the run's results
         log("[serve] skipped: no serving environment. Build it (bash scripts/setup_serving.sh), then "
             f"python -m specforge_lite.evaluate.served {run_dir}")
         return "skipped (no serving environment)"

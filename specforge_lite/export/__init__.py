@@ -18,7 +18,8 @@ from ..draft.model import DRAFT_ACT, DraftSpec
 from ..formats import PROVENANCE_KEY, ExportFormat, ExportRefused
 from ..formats.layout import draft_weights, write_export
 from ..methods import DEFAULT, METHODS, draft_method, read_spec
-from ..records import latest_checkpoint, load_checkpoint, unusable_checkpoints
+from ..records import (SPEC, WEIGHTS, CheckpointError, latest_checkpoint, load_checkpoint,
+                       unusable_checkpoints)
 from .card import write_model_card
 from .check import AGAIN
 from .published import (fit_to_target, meta_state, published_formats, read_published, vocab_map_problem,
@@ -104,13 +105,26 @@ def export_run(run_dir: Path, fmt: str, out_dir: Path, checkpoint: Path | None =
     return out
 
 
+# the way out of a damaged checkpoint (an export, as a resume: training/checkpoint.py says the same)
+EARLIER = "export an earlier checkpoint of the run (--checkpoint FOLDER)"
+
+
 def _run_draft(run_dir: Path, checkpoint: Path | None) -> tuple[dict[str, torch.Tensor], DraftSpec]:
     """The draft of a run to export: the checkpoint given, else the newest; a run without checkpoints whose final/
     holds a draft (an evaluated published draft: python -m specforge_lite.evaluate --export) exports that."""
     ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir, log=print)
     if ckpt is not None:
-        weights, _, spec = load_checkpoint(ckpt)
-        return weights, read_spec(spec)
+        weights, _, saved = load_checkpoint(ckpt)
+        try:
+            spec = read_spec(saved)
+        except (TypeError, ValueError) as e:  # (a dataclass built from a mapping that lacks fields: a TypeError)
+            raise CheckpointError(f"checkpoint {ckpt} is damaged: its {SPEC} does not read as a draft's ({e}); "
+                                  f"{EARLIER}") from None
+        problem = weight_mismatch(meta_state(spec), weights)
+        if problem:  # (an export would stop on a missing name, or write a folder no server loads)
+            raise CheckpointError(f"checkpoint {ckpt} is damaged: its {WEIGHTS} does not fit its own {SPEC} "
+                                  f"({problem}); {EARLIER}")
+        return weights, spec
     unusable = unusable_checkpoints(run_dir)
     if not unusable and (run_dir / "final" / "config.json").is_file():
         spec, weights = load_export(run_dir / "final")

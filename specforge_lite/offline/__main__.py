@@ -31,7 +31,13 @@ def main(argv=None) -> None:
                                                      "(default: speculators' [2, L//2, L-3, L])")
     i.add_argument("src")
     i.add_argument("overrides", nargs="*")
-    a = p.parse_args(argv)
+    # (the overrides may follow --layer-ids, as the docs write them: argparse leaves those to the extras, and
+    # parse_intermixed_args takes no subcommands)
+    a, extra = p.parse_known_args(argv)
+    unknown = [x for x in extra if "=" not in x or x.startswith("-")]
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
+    a.overrides += extra
     with said_in_one_line():
         run(a)
 

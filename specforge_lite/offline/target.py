@@ -17,7 +17,7 @@ import torch
 from ..config import Config
 from ..data.vocab import DraftVocab
 from ..methods import draft_vocab_size
-from ..run import Run
+from ..run import Run, initial_draft
 from ..targets.capture import CONVENTION, resolve_aux_layer_ids
 from ..targets.families import get_family
 from ..targets.protocol import Captured
@@ -43,6 +43,11 @@ def _final_norm_module(family, model: torch.nn.Module, state: dict[str, torch.Te
     norm = copy.deepcopy(family.final_norm(model)).to_empty(device="cpu")
     norm.load_state_dict(state)
     return norm.float().eval()
+
+
+# The data settings that decide which rows a store holds and how they are cut and masked: a store-trained run reads
+# the stored rows, so each is the store's or refused (read nowhere else in such a run).
+STORED_DATA = ("max_length", "max_samples", "heldout_samples", "loss_turns")
 
 
 class StoreTarget:
@@ -73,32 +78,64 @@ class StoreTarget:
         self._model_dir = model_dir
 
     @classmethod
-    def open(cls, config: Config, device: str = "cpu") -> "StoreTarget":
-        """The store named by ``data.store``, checked against the run's config."""
+    def open(cls, config: Config, device: str = "cpu", continued: tuple | None = None) -> "StoreTarget":
+        """The store named by ``data.store``, checked against the run's config and the draft it continues
+        (``continued``: draft.init_from's (spec, weights))."""
         if not config.data.store:
             raise StoreError("data.source=offline needs data.store=DIR (made by python -m specforge_lite.offline dump)")
         from ..targets.acquire import resolve_model_dir
 
         target = cls(StoreReader(config.data.store), device, model_dir=lambda: resolve_model_dir(config.model))
-        target.check_against(config)
+        target.check_against(config, continued)
         return target
 
-    def check_against(self, config: Config) -> None:
+    def check_against(self, config: Config, continued: tuple | None = None) -> None:
+        m = self.manifest
+        problems = [] if m.convention == CONVENTION else [
+            f"convention {m.convention!r} (this build reads {CONVENTION!r})"]
+        if m.source.get("model") not in (None, config.model.name):
+            problems.append(f"made for model={m.source['model']}, this run has model={config.model.name}")
+        problems += self._draft_problems(config) if continued is None else self._continued_problems(config, *continued)
+        problems += self._data_problems(config)
+        if problems:
+            raise StoreError(f"the store {self.location} does not fit this run: " + "; ".join(problems))
+
+    def _draft_problems(self, config: Config) -> list[str]:
+        """A new draft's aux ids and vocabulary (its settings) against those the store holds."""
         m, problems = self.manifest, []
-        if m.convention != CONVENTION:
-            problems.append(f"convention {m.convention!r} (this build reads {CONVENTION!r})")
         wanted = resolve_aux_layer_ids(config.draft.aux_layer_ids, m.num_layers)
         if wanted != list(m.aux_layer_ids):
             problems.append(f"aux ids {m.aux_layer_ids} stored, draft.aux_layer_ids resolves to {wanted} "
                             f"(set draft.aux_layer_ids={list(m.aux_layer_ids)})")
-        if m.source.get("model") not in (None, config.model.name):
-            problems.append(f"made for model={m.source['model']}, this run has model={config.model.name}")
         want_vocab = draft_vocab_size(config.draft, m.vocab_size)
         if want_vocab != m.draft_vocab_size:
             problems.append(f"draft vocabulary of {m.draft_vocab_size} tokens stored, draft.draft_vocab_size gives "
                             f"{want_vocab} (set draft.draft_vocab_size={m.draft_vocab_size} or dump again)")
-        if problems:
-            raise StoreError(f"the store {self.location} does not fit this run: " + "; ".join(problems))
+        return problems
+
+    def _continued_problems(self, config: Config, spec, weights: dict) -> list[str]:
+        """draft.init_from's aux ids and vocabulary (the draft's own, whatever the settings say) against the
+        store's: a dump with the same draft.init_from writes those."""
+        given = f"draft.init_from={config.draft.init_from}"
+        fix = f"make the store with {given}"
+        ids = resolve_aux_layer_ids(spec.aux_layer_ids, self.num_layers)
+        if ids != list(self.aux_layer_ids):
+            return [f"{given} reads aux ids {ids} and the store holds {self.aux_layer_ids} ({fix})"]
+        vocab = DraftVocab.from_d2t(weights["d2t"], spec.vocab_size).draft_to_target
+        if not torch.equal(vocab, self.vocab.draft_to_target):
+            return [f"{given} drafts over another vocabulary ({vocab.numel()} tokens) than the store's draft rows "
+                    f"({self.vocab.size}) ({fix})"]
+        return []
+
+    def _data_problems(self, config: Config) -> list[str]:
+        """The data settings a store's rows were made with (``STORED_DATA``) given otherwise."""
+        stored = self.manifest.source.get("data") or {}
+        differ = [key for key in STORED_DATA if key in stored and stored[key] != getattr(config.data, key)]
+        if not differ:
+            return []
+        said = lambda values: " and ".join(f"data.{key}={values(key)}" for key in differ)  # noqa: E731
+        return [f"{said(lambda key: getattr(config.data, key))} given, the store was made with "
+                f"{said(lambda key: stored[key])} (its rows are those it was made with: set those, or dump again)"]
 
     # ---- what the training loop and the draft builder read ------------------------------------
     def embedding_weight(self) -> torch.Tensor:
@@ -160,9 +197,10 @@ class StoreTarget:
 def store_run(config: Config, ctx: DistributedContext | None = None, log=print) -> Run:
     """The run that trains from ``data.store`` (data.source=offline): the store's target, its draft
     vocabulary and its samples, in the same Run object as an online run."""
-    target = StoreTarget.open(config)
+    initial = initial_draft(config, log) if config.draft.init_from else None
+    target = StoreTarget.open(config, continued=initial)
     reader = target.reader
     log(f"[store] {target.location}: {len(reader)} samples, {target.manifest.tokens} tokens, aux ids "
         f"{target.aux_layer_ids} ({target.convention}), draft vocabulary {target.vocab.size}")
     stats = {"store": target.location, "samples": len(reader), "tokens": target.manifest.tokens}
-    return Run(config, target, target.vocab, reader, stats, ctx=ctx or DistributedContext())
+    return Run(config, target, target.vocab, reader, stats, ctx=ctx or DistributedContext(), initial=initial)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..config import TrainerConfig
+from ..records import WEIGHTS, CheckpointError
 from .distributed import DistributedContext, deepspeed_config, sequence_parallel_mpu, use_bf16
 from .optim import Budget, build_optimizer, build_scheduler, named_lrs
 from .optimizer_state import (MASTER, MOMENTS, OptimizerState, adam_step, ensure_adam_state,
@@ -210,9 +211,10 @@ def _partitioned(p: torch.nn.Parameter) -> bool:
 
 def load_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor], where: Path) -> None:
     result = module.load_state_dict(weights, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise RuntimeError(f"checkpoint {where} does not fit this draft: missing {result.missing_keys}, "
-                           f"unexpected {result.unexpected_keys}")
+    if result.missing_keys or result.unexpected_keys:  # (the spec matched: the weights file is damaged)
+        raise CheckpointError(f"checkpoint {where} is damaged: its {WEIGHTS} does not fit this draft (missing "
+                              f"{result.missing_keys}, unexpected {result.unexpected_keys}); resume from an earlier "
+                              "checkpoint (trainer.resume=FOLDER), or start anew (trainer.resume=never)")
 
 
 def build_engine(draft: torch.nn.Module, cfg: TrainerConfig, ctx: DistributedContext, budget: Budget | None = None):

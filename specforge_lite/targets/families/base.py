@@ -35,9 +35,14 @@ class TargetFamily:
 
     # ---- loading -----------------------------------------------------------------------------
     def load(self, location: str, **kwargs: Any) -> nn.Module:
-        """The checkpoint's own architecture class (multimodal wrappers included), else AutoModelForCausalLM."""
+        """The checkpoint's own architecture class (multimodal wrappers included), else AutoModelForCausalLM; a
+        checkpoint whose weight names do not fit it is refused (``weight_names_problem``)."""
         cls, _ = _architecture(location, kwargs.get("trust_remote_code", False))
-        return cls.from_pretrained(location, **kwargs)
+        model, info = cls.from_pretrained(location, output_loading_info=True, **kwargs)
+        problem = weight_names_problem(model, info)
+        if problem:
+            raise ValueError(f"model folder {location}: {problem}")
+        return model
 
     def load_parts(self, location: str, dtype: torch.dtype, device: torch.device | str = "cpu",
                    trust_remote_code: bool = False) -> nn.Module:
@@ -185,3 +190,18 @@ def architecture_class(config: Any) -> type:
         if cls is not None:
             return cls
     return AutoModelForCausalLM
+
+
+def weight_names_problem(model: nn.Module, info: dict) -> str | None:
+    """What transformers' loading report says of a checkpoint that would leave the model with random weights, or
+    None. transformers loads such a checkpoint with a printed report: parameters it found no weight for keep their
+    random start. Refused where the names do not line up (weights missing and others left over: a wrapper's
+    prefix such as DDP's module. or torch.compile's _orig_mod.), or where most parameters are missing."""
+    missing, unexpected = sorted(info.get("missing_keys") or []), sorted(info.get("unexpected_keys") or [])
+    if not missing or not (unexpected or 2 * len(missing) >= sum(1 for _ in model.parameters())):
+        return None
+    first = lambda names: ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")  # noqa: E731
+    return (f"its weights do not fit the model: {len(missing)} of its parameters are missing ({first(missing)})"
+            + (f" and {len(unexpected)} weights there are not the model's ({first(unexpected)})" if unexpected else "")
+            + "; save the model with save_pretrained (a training wrapper's prefix such as module. or _orig_mod. "
+              "removed), or point model.path at the intact checkpoint: it would run with random weights")
