@@ -84,6 +84,39 @@ def hydra_overrides(overrides: list[str]) -> list[str]:
 DETAIL_LINES = ("full_key:", "reference_type=", "object_type=")
 
 
+# Settings read only when another setting says so, as (the key or a key prefix, whether this run reads it, what it
+# needs). Most have a default, so only the command line tells a value given from that default: one given where it is
+# not read is refused (``unread_given``), never dropped. (Those without a default are refused by value: settings.py.)
+READ_WHEN: tuple[tuple[str, Callable[[Config], bool], str], ...] = (
+    ("target.server_timeout", lambda c: c.target.backend == "vllm", "target.backend=vllm"),
+    ("target.server_retries", lambda c: c.target.backend == "vllm", "target.backend=vllm"),
+    ("trainer.deepspeed.", lambda c: c.trainer.deepspeed.enabled, "trainer.deepspeed.enabled=true (trainer=zero2, "
+                                                                   "zero3, ...)"),
+    ("trainer.muon_", lambda c: c.trainer.optimizer == "muon", "trainer.optimizer=muon"),
+    ("draft.mask_token_id", lambda c: METHODS[c.draft.method].has_mask_slots(c.draft),
+     "a draft with mask slots (draft.parallel_drafting=true, or a block draft)"),
+    ("eval.tree_", lambda c: c.eval.drafting == "tree", "eval.drafting=tree"),
+    ("data.generation.", lambda c: c.data.regenerate, "data.regenerate=true"),
+    ("data.self_generated.", lambda c: c.data.regenerate and any(m.source == "self_generated" for m in c.data.mix),
+     "a self_generated source in data.mix, with data.regenerate=true"),
+)
+NOT_READ_WHEN_EXEMPT = ("trainer.deepspeed.enabled",)
+
+
+def unread_given(config: Config, overrides: list[str]) -> list[str]:
+    """Each override of ``READ_WHEN`` that this run would not read, in one line with what it needs."""
+    problems = []
+    for override in overrides:
+        key, given, value = override.lstrip("+").partition("=")
+        if not given or override.startswith(("~", "-")) or key in NOT_READ_WHEN_EXEMPT:
+            continue
+        for prefix, read, needs in READ_WHEN:
+            if (key == prefix or (prefix.endswith((".", "_")) and key.startswith(prefix))) and not read(config):
+                problems.append(f"{key}={value} is read only with {needs}: set that, or drop {key}")
+                break
+    return problems
+
+
 def composition_error(e: Exception) -> str:
     """Hydra's or OmegaConf's refusal of an override, as one line led by the override (or the unknown key)."""
     from omegaconf.errors import ConfigKeyError
@@ -281,4 +314,8 @@ def load_config(overrides: list[str] | None = None, config_name: str = "config")
             cfg = compose(config_name=config_name, overrides=overrides)
         except (HydraException, OmegaConfBaseException) as e:
             raise ValueError(composition_error(e)) from None
-    return to_config(cfg)
+    config = to_config(cfg)
+    problems = unread_given(config, overrides)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return config

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -272,3 +273,44 @@ def test_a_model_folder_whose_weight_names_do_not_fit_its_architecture_is_refuse
                                          r"there are not the model's \(module.lm_head.weight, .*\)") as refused:
         build_target(config)
     assert "\n" not in str(refused.value)
+
+
+def test_a_model_config_with_a_field_of_the_wrong_type_is_named(tmp_path):
+    """"num_hidden_layers": "8" ended in huggingface_hub's StrictDataclassFieldValidationError, a traceback."""
+    from specforge_lite.targets import tokenizer_before_target
+    from specforge_lite.targets.acquire import ModelUnavailableError, tiny_model_dir
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir(load_config(["model=llama3_tiny"]).model), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "8"}))
+    with pytest.raises(ModelUnavailableError, match=rf"^model folder {folder}: config.json does not read \(.*"
+                                                    r"'num_hidden_layers' expected int, got str"):
+        tokenizer_before_target(load_config(["model=llama3_tiny", f"model.path={folder}"]))
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["recipe=none", "trainer.muon_lr=0.1"], "trainer.muon_lr=0.1 is read only with trainer.optimizer=muon"),
+    (["eval.tree_topk=4"], "eval.tree_topk=4 is read only with eval.drafting=tree"),
+    (["target.server_timeout=5"], "target.server_timeout=5 is read only with target.backend=vllm"),
+    (["trainer.deepspeed.zero_stage=3"], "trainer.deepspeed.zero_stage=3 is read only with "
+                                         "trainer.deepspeed.enabled=true"),
+    (["draft.mask_token_id=3"], "draft.mask_token_id=3 is read only with a draft with mask slots"),
+    (["data.regenerate=false", "data.generation.max_new_tokens=9"], "data.generation.max_new_tokens=9 is read only "
+                                                                    "with data.regenerate=true"),
+    (["data=sharegpt", "data.path=x.jsonl", "data.self_generated.temperature=0.5"],
+     "data.self_generated.temperature=0.5 is read only with a self_generated source in data.mix"),
+])
+def test_a_setting_given_where_the_run_does_not_read_it_is_refused_in_one_line(overrides, said):
+    """Each has a default, so only the command line tells it was given: set, then never read (no Muon, a chain
+    evaluation, no served target, no DeepSpeed, no mask slots, no regeneration, no self-generated requests)."""
+    with pytest.raises(ValueError, match="^" + re.escape(said)):
+        load_config(["tracker=none", *overrides])
+    # what a recipe sets is not the user's: the scale recipe's generation settings, regeneration turned off
+    assert load_config(["model=llama3_8b", "data.regenerate=false"]).data.generation.max_new_tokens == 1024
+
+
+def test_train_py_refuses_a_setting_given_where_the_run_does_not_read_it(tmp_path):
+    refused = run_train("model=llama3_tiny", "tracker=none", "eval.tree_topk=4", f"output_dir={tmp_path / 'run'}")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert refused.stderr.startswith("error: eval.tree_topk=4 is read only with eval.drafting=tree"), refused.stderr

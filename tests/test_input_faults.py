@@ -170,3 +170,19 @@ def test_a_hub_dataset_whose_endpoint_never_answers_is_refused_within_the_bound(
     assert isinstance(error, DataError) and "\n" not in said, repr(error)
     assert said.startswith(f"data.path={source}: the hub ({silent_hub}) did not answer within 1 s "
                            "(HF_HUB_ETAG_TIMEOUT)") and "HF_HUB_OFFLINE=1" in said, said
+
+
+@pytest.mark.parametrize("damage", ["stats.json", "train arrow"])
+def test_a_damaged_prepared_data_cache_is_prepared_again(tmp_path, tokenizer, cache, damage):
+    """A cache folder cut short (a full disk, a copy interrupted) ended every later run with "Unterminated string"
+    or pyarrow's "Expected to read N metadata bytes", naming neither the folder nor the fix, and was never rebuilt."""
+    (tmp_path / "chats.jsonl").write_bytes(jsonl(conversations(0, 12)))
+    cfg = DataConfig(source="path", path=str(tmp_path / "chats.jsonl"), heldout_samples=2)
+    first = prepare_data(cfg, tokenizer, log=lambda m: None)
+    folder = next((tmp_path / "cache" / "prepared").iterdir())
+    cut = folder / "stats.json" if damage == "stats.json" else next((folder / "train").glob("*.arrow"))
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    said = []
+    again = prepare_data(cfg, tokenizer, log=said.append)
+    assert list(again.train["input_ids"]) == list(first.train["input_ids"])
+    assert damage != "train arrow" or any(f"the prepared data in {folder} does not read" in m for m in said), said

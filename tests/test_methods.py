@@ -23,7 +23,8 @@ TARGET = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
 
 
 def new_spec(method: str):
-    config = load_config(["tracker=none", f"draft={method}", "draft.mask_token_id=1"])
+    slots = METHODS[method].has_mask_slots(METHODS[method].settings())  # (a mask token is read by mask slots only)
+    config = load_config(["tracker=none", f"draft={method}", *(["draft.mask_token_id=1"] if slots else [])])
     return draft_spec(TARGET, config.draft, [2, 4, 5], "input", 256, 256, 64)
 
 

@@ -135,7 +135,8 @@ def test_a_real_target_trains_with_the_scale_recipe_and_says_so_before_loading(t
 
 
 def test_every_problem_is_said_at_once_and_train_py_says_them_before_building_anything(tmp_path):
-    overrides = ["trainer.micro_batch_size=0", "export.format=sglang", "draft.num_layers=2", "eval.tree_budget=0"]
+    overrides = ["trainer.micro_batch_size=0", "export.format=sglang", "draft.num_layers=2", "eval.drafting=tree",
+                 "eval.tree_budget=0"]
     problems = setting_problems(load_config(["tracker=none", *overrides]))
     assert len(problems) == 3 and "trainer.micro_batch_size=0: allowed [1, inf)" in problems[0]
     run = subprocess.run([sys.executable, str(ROOT / "train.py"), "model=llama3_tiny", "tracker=none", *overrides,

@@ -132,7 +132,12 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, generate=None, model_fingerpri
 
     done = prepared(cfg.generation.max_conversations)
     if _complete(done):
-        return _load_prepared(done)
+        try:
+            return _load_prepared(done)
+        except (OSError, ValueError) as e:  # (cut short on disk: pyarrow's and json's errors are ValueErrors)
+            log(f"[data] the prepared data in {done} does not read ({' '.join(str(e).split())[:200]}): prepared "
+                "again")
+            _discard(done)
     if _other_rank() and (_incomplete(done) / "stats.json").is_file():
         return _load_prepared(_incomplete(done))  # what rank 0 made just now, its failed conversations left out
 
@@ -200,10 +205,13 @@ def _incomplete(folder: Path) -> Path:
 
 
 def _complete(folder: Path) -> bool:
-    """Prepared data there, every conversation it asked the target for answered."""
-    if not (folder / "stats.json").is_file():
+    """Prepared data there, every conversation it asked the target for answered (a stats.json that does not read:
+    not, and prepared again in its place)."""
+    try:
+        stats = json.loads((folder / "stats.json").read_text())
+    except (OSError, ValueError):
         return False
-    return not (json.loads((folder / "stats.json").read_text()).get("regeneration") or {}).get("failed")
+    return isinstance(stats, dict) and not (stats.get("regeneration") or {}).get("failed")
 
 
 def _other_rank() -> bool:

@@ -59,11 +59,30 @@ def check_model_files(path: Path) -> Path:
             break
     if damaged is None:
         damaged = next(filter(None, map(safetensors_problem, sorted(path.glob("*.safetensors")))), None)
+    if damaged is None:
+        damaged = config_problem(path)
     if damaged is not None:
         raise ModelUnavailableError(f"model folder {path}: {damaged}. Copy or download that file again, or point "
                                     "model.path at an intact copy (a preset's folder under the cache is rebuilt "
                                     "when deleted)")
     return path
+
+
+def config_problem(path: Path) -> str | None:
+    """What transformers refuses in a folder's config.json (a field of the wrong type: huggingface_hub's strict
+    dataclasses raise an error of their own, which no caller expects), or None."""
+    if not (path / "config.json").is_file():
+        return None
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(str(path))
+    except StrictDataclassError as e:
+        return f"config.json does not read ({' '.join(str(e).split())})"
+    except Exception:  # (anything else, e.g. remote code not trusted: from_pretrained says it where it loads)
+        return None
+    return None
 
 
 def resolve_model_dir(cfg: ModelConfig, config_only: bool = False) -> str:
