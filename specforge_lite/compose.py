@@ -80,10 +80,6 @@ def hydra_overrides(overrides: list[str]) -> list[str]:
             f"++{o}" if o.startswith(OPEN_MAPPINGS) and "=" in o else o for o in overrides]
 
 
-# OmegaConf's detail lines under its message (the key again, the classes): the key and value lead the one line
-DETAIL_LINES = ("full_key:", "reference_type=", "object_type=")
-
-
 # Settings read only when another setting says so, as (the key or a key prefix, whether this run reads it, what it
 # needs). Most have a default, so only the command line tells a value given from that default: one given where it is
 # not read is refused (``unread_given``), never dropped. (Those without a default are refused by value: settings.py.)
@@ -115,6 +111,10 @@ def unread_given(config: Config, overrides: list[str]) -> list[str]:
                 problems.append(f"{key}={value} is read only with {needs}: set that, or drop {key}")
                 break
     return problems
+
+
+# OmegaConf's detail lines under its message (the key again, the classes): the key and value lead the one line
+DETAIL_LINES = ("full_key:", "reference_type=", "object_type=")
 
 
 def composition_error(e: Exception) -> str:

@@ -116,17 +116,22 @@ def unusable_checkpoints(run_dir: Path) -> list[str]:
     return [f"{name}: {problem}" for name, problem in problems.items() if problem is not None]
 
 
+def unreadable(path: Path, problem: str) -> str:
+    """Checkpoint ``path`` cannot be read for ``problem``: what to use instead (the newest older one that reads)."""
+    older = [p for name, p in sorted(checkpoint_folders(path.parent).items())
+             if name < path.name.removeprefix(REPLACED) and checkpoint_problem(p) is None]
+    way_out = (f"resume from {older[-1]} (trainer.resume={older[-1]})" if older else
+               "point trainer.resume at another checkpoints/step_* folder")
+    return (f"checkpoint {path} cannot be read: {problem}. Use another: {way_out}, or start anew (a new output_dir, "
+            "or trainer.resume=never)")
+
+
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict]:
     """(weights, trainer state, spec): safetensors and JSON only; nothing is unpickled."""
     path = Path(path)
     problem = checkpoint_problem(path)
     if problem is not None:
-        older = [p for name, p in sorted(checkpoint_folders(path.parent).items())
-                 if name < path.name.removeprefix(REPLACED) and checkpoint_problem(p) is None]
-        way_out = (f"resume from {older[-1]} (trainer.resume={older[-1]})" if older else
-                   "point trainer.resume at another checkpoints/step_* folder")
-        raise CheckpointError(f"checkpoint {path} cannot be read: {problem}. Use another: {way_out}, or start "
-                              "anew (a new output_dir, or trainer.resume=never)")
+        raise CheckpointError(unreadable(path, problem))
     state, spec = json.loads((path / STATE).read_text()), json.loads((path / SPEC).read_text())
     return load_file(str(path / WEIGHTS)), state, spec
 

@@ -26,6 +26,7 @@ from .evaluate.prompts import prompt_set_problems
 from .evaluate.served import served_check_problems
 from .export import export_format, export_refusals
 from .methods import draft_method
+from .records import checkpoint_folders, checkpoint_problem, unreadable
 from .targets.families import FAMILIES
 from .targets.served import served_target_problems
 from .training.tracking import tracker_problems
@@ -38,7 +39,7 @@ def setting_problems(config: Config) -> list[str]:
     except ValueError as e:
         return [*problems, str(e)]
     problems += periodic_problems(config, method) + method.refused(config) + served_target_problems(config)
-    problems += token_budget_problems(config)
+    problems += token_budget_problems(config) + resume_problems(config.trainer.resume)
     family = FAMILIES.get(config.model.family)
     if config.target.backend == "lean" and family is not None and family.lean_forward is None:
         problems.append(f"target.backend=lean: the {config.model.family} family has no lean forward (the transformers "
@@ -69,6 +70,24 @@ def setting_problems(config: Config) -> list[str]:
         problems.append(f"eval.serve={config.eval.serve} with draft={config.draft.method}: "
                         f"{form.cpu_serving_refusal}; set eval.serve=null (our evaluation still measures it)")
     return problems
+
+
+def resume_problems(resume: str) -> list[str]:
+    """What keeps trainer.resume=PATH from resuming: no folder there, a run's folder instead of one of its
+    checkpoints, or a checkpoint that does not read (said before the target loads, not after)."""
+    if resume in ("auto", "never", "none", ""):
+        return []
+    path = Path(resume).expanduser()
+    key, choices = f"trainer.resume={resume}", "auto (output_dir's newest checkpoint) or never"
+    if not path.is_dir():
+        return [f"{key}: no such folder; give a run's checkpoints/step_* folder, or {choices}"]
+    if (path / "checkpoints").is_dir():
+        newest = sorted(checkpoint_folders(path / "checkpoints"))
+        named = f" ({path / 'checkpoints' / newest[-1]} is its newest)" if newest else ""
+        return [f"{key} is a run's folder: give one of its checkpoints/step_* folders{named}, or continue that run "
+                f"with output_dir={resume}"]
+    problem = checkpoint_problem(path)
+    return [f"{key}: {unreadable(path, problem)}"] if problem else []
 
 
 def token_budget_problems(config: Config) -> list[str]:

@@ -138,17 +138,17 @@ def test_watch_names_bad_files_and_goes_on_after_a_failed_candidate(base_run, tm
     (inbox / "garbage.jsonl").write_bytes(b"\x00\xff not json\n{\"request\": 3}\n")
     half = traffic_file(inbox / "half.jsonl", 30)
     half.write_text(half.read_text() + '{"request": {"messages": []}, "response": {}}\nnot json at all\n')
-    settings = json.loads((home / "settings.json").read_text())
-    (home / "settings.json").write_text(json.dumps({**settings, "steps": 0}))  # the candidate's settings refuse
+    base = (home / "base_config.yaml").read_text()  # the candidate's settings refuse (a rate below 0)
+    (home / "base_config.yaml").write_text(base.replace("\n  lr: ", "\n  lr: -1.0 #", 1))
     ok(adapt("watch", inbox, "--home", home, "--once", "--settle", "0"))
     log = events(home)
     skip = next(e for e in log if e["event"] == "skip")
     assert skip["files"][0]["path"].endswith("garbage.jsonl") and skip["skipped_rows"] == 2
     fail = log[-1]
-    assert fail["event"] == "fail" and "max_steps" in fail["error"] and current(home) == "v0001"
+    assert fail["event"] == "fail" and "trainer.lr=-1.0" in fail["error"] and current(home) == "v0001"
     assert fail["skipped_rows"] == 2 and "half.jsonl:31" in fail["first_skipped"][0]
 
-    (home / "settings.json").write_text(json.dumps(settings))
+    (home / "base_config.yaml").write_text(base)
     ok(adapt("watch", inbox, "--home", home, "--once", "--settle", "0"))  # nothing new: no adaptation
     assert len(events(home)) == len(log)
     traffic_file(inbox / "more.jsonl", 30, start=100)

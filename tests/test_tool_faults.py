@@ -465,3 +465,21 @@ def test_prompts_longer_than_the_targets_positions_are_counted_and_skipped_with_
     result = _run_set(PromptSet("heldout", "here", items), decode, target, None, ev, set(), said_.append)
     assert decoded == [10, 480] and result["prompts"] == 2 and result["too_long_prompts"] == 2
     assert any("2 prompt(s)" in m and "512 positions" in m and "eval.max_new_tokens" in m for m in said_), said_
+
+
+def test_trainer_resume_naming_no_checkpoint_is_refused_before_the_target_loads(tmp_path):
+    """A missing path, or a run's folder in place of one of its checkpoints, was said as "incomplete (missing
+    draft.safetensors, ...)" once the target had loaded."""
+    from specforge_lite.compose import load_config
+    from specforge_lite.settings import setting_problems
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000004").mkdir(parents=True)
+    for given, said in ((tmp_path / "nowhere", "no such folder; give a run's checkpoints/step_* folder"),
+                        (run, f"is a run's folder: give one of its checkpoints/step_* folders "
+                              f"({run / 'checkpoints' / 'step_00000004'} is its newest), or continue that run with "
+                              f"output_dir={run}"),
+                        (run / "checkpoints" / "step_00000004", "cannot be read: it is incomplete")):
+        problems = setting_problems(load_config(["tracker=none", f"trainer.resume={given}"]))
+        assert problems == [p for p in problems if p.startswith(f"trainer.resume={given}")] and len(problems) == 1
+        assert said in problems[0], problems

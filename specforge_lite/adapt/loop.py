@@ -123,14 +123,14 @@ def _init(home: Home, draft: Path, overrides: list[str], settings: dict, regress
     home.refuse_to_start_over()
     settings = {**DEFAULTS, **settings}
     check_judge(settings["judge"])
-    for key, value in settings.items():  # (what adapt run would call a damaged settings.json, refused here)
-        problem = setting_problem(key, value)
-        if problem:
-            raise AdaptHomeError(f"--{key.replace('_', '-')} {value}: {problem}; nothing was written")
     if settings["timeout_minutes"] <= (settings["minutes"] or 0):
         budget = f"than its budget (--minutes {settings['minutes']:g})" if settings["minutes"] else "minutes"
         raise AdaptHomeError(f"--timeout-minutes {settings['timeout_minutes']:g}: give the candidate's training more "
                              f"{budget} to start and finish in")
+    for key, value in settings.items():  # (what adapt run would call a damaged settings.json, refused here)
+        problem = setting_problem(key, value)
+        if problem:
+            raise AdaptHomeError(f"--{key.replace('_', '-')} {value}: {problem}; nothing was written")
     draft = Path(draft).expanduser().resolve()
     config = base_config(draft, overrides)
     if config.data.source == "offline" and settings["replay_ratio"] > 0:
