@@ -314,3 +314,18 @@ def test_train_py_refuses_a_setting_given_where_the_run_does_not_read_it(tmp_pat
     refused = run_train("model=llama3_tiny", "tracker=none", "eval.tree_topk=4", f"output_dir={tmp_path / 'run'}")
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
     assert refused.stderr.startswith("error: eval.tree_topk=4 is read only with eval.drafting=tree"), refused.stderr
+
+
+def test_a_model_folder_without_its_tokenizer_is_one_line(tmp_path):
+    """transformers' several lines ("Couldn't instantiate the backend tokenizer ..."), naming neither the folder's
+    missing files nor the fix."""
+    from specforge_lite.targets import tokenizer_before_target
+    from specforge_lite.targets.acquire import tiny_model_dir
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir(load_config(["model=llama3_tiny"]).model), folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
+        (folder / name).unlink(missing_ok=True)
+    with pytest.raises(ValueError, match=rf"^model folder {folder}: its tokenizer does not load \(") as refused:
+        tokenizer_before_target(load_config(["model=llama3_tiny", f"model.path={folder}"]))
+    assert "\n" not in str(refused.value) and "tokenizer files" in str(refused.value)

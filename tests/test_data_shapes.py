@@ -262,6 +262,19 @@ def test_an_empty_saved_dataset_is_named(tmp_path):
         saved_dataset(tmp_path / "saved")
 
 
+def test_a_damaged_saved_dataset_is_named(tmp_path):
+    """A saved dataset whose state.json is cut short raised datasets' own error, naming neither folder nor fix."""
+    from specforge_lite.data.readers import saved_dataset
+
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}]}]).save_to_disk(str(folder))
+    state = folder / "state.json"
+    state.write_text(state.read_text()[:20])
+    with pytest.raises(DataError, match=rf"^data.path={folder} is a saved dataset that does not read \(.*\): save it "
+                                        r"again"):
+        saved_dataset(folder)
+
+
 def test_well_formed_tool_turns_pass_the_check():
     two = {**CALL, "tool_calls": [CALL["tool_calls"][0], {**CALL["tool_calls"][0], "id": "call_2"}]}
     answered_out_of_order = _tool_turns(two, {"role": "tool", "tool_call_id": "call_2", "content": "a"},

@@ -483,3 +483,11 @@ def test_trainer_resume_naming_no_checkpoint_is_refused_before_the_target_loads(
         problems = setting_problems(load_config(["tracker=none", f"trainer.resume={given}"]))
         assert problems == [p for p in problems if p.startswith(f"trainer.resume={given}")] and len(problems) == 1
         assert said in problems[0], problems
+
+
+def test_export_of_a_checkpoint_that_is_not_there_says_so_without_proposing_a_resume(tmp_path):
+    from specforge_lite.export import export_run
+
+    with pytest.raises(FileNotFoundError, match=rf"^--checkpoint {tmp_path / 'nope'}: no such folder; give one of the "
+                                                r"run's checkpoints/step_\* folders"):
+        export_run(tmp_path, "vllm", tmp_path / "out", checkpoint=tmp_path / "nope")

@@ -161,6 +161,9 @@ def saved_dataset(path: Path) -> Any:
     except IndexError:  # (datasets' own reader of a saved dataset with no rows)
         raise DataError(f"data.path={path} is a saved dataset that holds no rows: save the conversations again, or "
                         "point data.path at the data") from None
+    except (OSError, ValueError) as e:  # (its state.json or an arrow file cut short: json's, pyarrow's errors)
+        raise DataError(f"data.path={path} is a saved dataset that does not read ({' '.join(str(e).split())[:200]}): "
+                        "save it again (save_to_disk), or copy the folder again") from None
     if isinstance(loaded, datasets.DatasetDict):
         splits = list(loaded)
         if "train" not in loaded and len(splits) != 1:

@@ -112,6 +112,9 @@ EARLIER = "export an earlier checkpoint of the run (--checkpoint FOLDER)"
 def _run_draft(run_dir: Path, checkpoint: Path | None) -> tuple[dict[str, torch.Tensor], DraftSpec]:
     """The draft of a run to export: the checkpoint given, else the newest; a run without checkpoints whose final/
     holds a draft (an evaluated published draft: python -m specforge_lite.evaluate --export) exports that."""
+    if checkpoint is not None and not Path(checkpoint).is_dir():
+        raise FileNotFoundError(f"--checkpoint {checkpoint}: no such folder; give one of the run's checkpoints/step_* "
+                                "folders, or leave --checkpoint out for the newest")
     ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir, log=print)
     if ckpt is not None:
         weights, _, saved = load_checkpoint(ckpt)

@@ -81,7 +81,16 @@ def tokenizer_before_target(config: Config) -> Any:
 def folder_tokenizer(location: str, family, chat_template: str | None, trust_remote_code: bool) -> Any:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:  # (its files missing or damaged: transformers says so over several lines)
+        if not Path(location).is_dir():
+            raise
+        fix = ("set model.trust_remote_code=true if you trust the code it ships" if "trust_remote_code" in str(e) else
+               "copy the checkpoint's tokenizer files (tokenizer.json, tokenizer_config.json) into it, or point "
+               "model.path at the whole checkpoint")
+        raise ValueError(f"model folder {location}: its tokenizer does not load ({' '.join(str(e).split())[:300]}); "
+                         f"{fix}") from None
     if chat_template:
         path = Path(chat_template).expanduser()
         if not path.is_file():
