@@ -152,7 +152,7 @@ class TargetConfig:
 
 
 class DraftAttention(Choice):
-    eager = "eager"  # the TTT attention pattern in plain PyTorch (draft/ttt.py), the one written
+    eager = "eager"  # the TTT attention pattern in plain PyTorch (methods/eagle3/ttt.py), the one written
 
 
 class TokenLoss(Choice):
@@ -182,7 +182,7 @@ class DraftSettings:
     # (data/vocab.py choose_mask_token: the tokenizer's mask token, else an unused special token), recorded in
     # the checkpoint and the export.
     mask_token_id: Optional[int] = None
-    attn_implementation: DraftAttention = DraftAttention.eager  # eager: the attention in plain PyTorch (draft/ttt.py)
+    attn_implementation: DraftAttention = DraftAttention.eager  # eager: plain-PyTorch attention (methods/eagle3/ttt.py)
     step_loss_decay: float = 0.8  # step (or slot) k's loss weight is decay**k
     init_lm_head_from_target: bool = True  # the draft's lm_head starts as the target's rows of the draft vocabulary
     # The lm_head keeps the rows it starts from (speculators' default): the draft learns to speak in the target's

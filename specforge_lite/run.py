@@ -287,11 +287,14 @@ def _check_fixed_shape(config: Config, spec: DraftSpec) -> None:
 
 
 def _check_kept_shape(config: Config, spec: DraftSpec) -> None:
-    """A continued draft keeps its shape (its layers, norms, mask slots): settings of the shape that differ from
-    their defaults were given to be used, so where they differ from the draft's own too they are refused, never
-    dropped. Left at their defaults, the draft's own shape is taken, whatever it is."""
+    """A continued draft keeps its shape (its layers, norms, mask slots, the aux states it reads): settings of the
+    shape that differ from their defaults were given to be used, so where they differ from the draft's own too they
+    are refused, never dropped. Left at their defaults, the draft's own shape is taken, whatever it is. (Not its
+    vocabulary: every recipe sets one, so a value here says nothing of what the user asked; the [draft] line
+    says the draft's own.)"""
     method, d = draft_method(spec.method), config.draft
-    shape = lambda settings: {"num_layers": settings.num_layers, **method.spec_fields(settings)}  # noqa: E731
+    shape = lambda settings: {"num_layers": settings.num_layers, "aux_layer_ids": settings.aux_layer_ids,  # noqa: E731
+                              **method.spec_fields(settings)}
     given, defaults = shape(d), shape(type(d)())
     differ = [key for key, value in given.items() if value != defaults[key] and getattr(spec, key) != value]
     if differ:

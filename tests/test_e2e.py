@@ -109,7 +109,7 @@ def test_trained_draft_beats_an_untrained_one_on_heldout_acc0(default_run):
 
 def test_a_run_continues_a_trained_draft_as_it_is(default_run, tmp_path):
     """draft.init_from=RUN: the run's draft is the trained one, exactly (its weights, vocabulary and aux ids,
-    whatever this run's draft settings say), so its held-out accuracy is the one the first run's evaluation
+    whatever vocabulary this run's recipe sets), so its held-out accuracy is the one the first run's evaluation
     measured. A folder with no draft, or a draft of another method, is refused with the fix."""
     import dataclasses
 
@@ -124,7 +124,7 @@ def test_a_run_continues_a_trained_draft_as_it_is(default_run, tmp_path):
 
     out, _ = default_run
     config = to_config(OmegaConf.load(out / "config.yaml"))
-    config.draft = dataclasses.replace(config.draft, init_from=str(out), draft_vocab_size=1234, aux_layer_ids=[1, 2, 3])
+    config.draft = dataclasses.replace(config.draft, init_from=str(out), draft_vocab_size=1234)
     run = Run.online(config, log=lambda m: None)
     draft = run.build_draft()
     spec, weights = load_export(out / "final")

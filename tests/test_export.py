@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import EAGLE31, ROOT, file_size_limit, tiny_draft, tiny_target
-from specforge_lite.draft.ttt import TTTCache
+from specforge_lite.methods.eagle3.ttt import TTTCache
 from specforge_lite.export import export_draft, load_export
 from specforge_lite.formats import ExportRefused
 from specforge_lite.export.for_target import draft_from_weights

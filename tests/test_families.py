@@ -12,7 +12,7 @@ from specforge_lite.config import available_presets
 from specforge_lite.compose import load_config
 from specforge_lite.data.images import image_inputs
 from specforge_lite.data.vocab import DraftVocab
-from specforge_lite.draft.ttt import shift_left
+from specforge_lite.draft.objective import shift_left
 from specforge_lite.targets import build_target
 from specforge_lite.targets import HFTarget, Teacher
 

@@ -5,8 +5,10 @@ import time or inside a function, and nothing else. So evaluate/ never imports r
 the run that made it is wiring), export/ and evaluate/ never import training/ (they read checkpoints and metrics
 from records.py, below the trainer that writes them), data/ and targets/ stand side by side, and nothing of the
 package imports the studies beside it. A method owns its export formats: what every format shares (formats/) stands
-below the methods, and the entry points that write, read and check a folder (export/) above them. Read from the
-code's own imports (ast), as the method-name rule of tests/test_settings.py reads its text."""
+below the methods, and the entry points that write, read and check a folder (export/) above them. A method's folder is
+its own: the stages ask the method through the registry (methods/__init__.py), and only the benchmarks, which time one
+method's parts, import a module of it. Read from the code's own imports (ast), as the method-name rule of
+tests/test_settings.py reads its text."""
 
 from __future__ import annotations
 
@@ -104,6 +106,9 @@ def studies_paths_of(path: Path) -> list[tuple[int, str]]:
             for found in [STUDIES_PATH.search(node.value)] if found]
 
 
+METHOD_PARTS_READERS = ("methods", "bench")  # (the benchmarks time one method's parts: its attention, its drafting)
+
+
 def broken_rules(package: Path) -> list[str]:
     """Every import that breaks the floors, as 'file:line: A imports B (floor m above floor n)'; a unit that is on
     no floor, an import of the studies and a path to them are broken rules too."""
@@ -128,6 +133,10 @@ def broken_rules(package: Path) -> list[str]:
             other = unit_of(module)
             if other in ("", "__init__", unit) or other not in STANDS_ON:
                 continue
+            method_folder = module.split(".")[2:3] if other == "methods" and module.count(".") >= 3 else []
+            if method_folder and unit not in METHOD_PARTS_READERS:
+                broken.append(f"{rel}:{line}: {unit} imports {module}, a module of the {method_folder[0]} method: "
+                              "ask the method (methods' registry: draft_method(name))")
             if other not in below(unit):
                 broken.append(f"{rel}:{line}: {unit} imports {other} ({module}), which {unit} does not stand on "
                               f"(it stands on {', '.join(sorted(below(unit))) or 'nothing'})")
@@ -154,7 +163,8 @@ def test_the_floors_hold_no_circle_and_put_the_stages_in_their_order():
 def test_an_import_up_a_floor_or_of_the_studies_is_named(tmp_path):
     """The rule fails where it should: evaluate importing run (the wiring), export importing training (reading a
     checkpoint), the formats' core asking the methods' registry, a sibling importing a sibling, an unplaced unit,
-    and the package importing a study or reaching the studies' folder by path (a docstring may name it)."""
+    the package importing a study or reaching the studies' folder by path (a docstring may name it), and a stage
+reaching into a method's folder instead of asking the method."""
     package = tmp_path / "specforge_lite"
     files = {"evaluate/finished.py": "def f():\n    from ..run import Run\n",
              "export/__init__.py": "from ..training.checkpoint import load_checkpoint\n",
@@ -164,6 +174,8 @@ def test_an_import_up_a_floor_or_of_the_studies_is_named(tmp_path):
              "newstage/x.py": "from ..config import Config\n", "bench/levers.py": "from studies import levers\n",
              "formats/format.py": "def f():\n    from ..methods import draft_method\n",
              "methods/eagle3/export/vllm.py": "from ....formats import ExportFormat\n",
+             "evaluate/tree.py": "from ..methods import draft_method\nfrom ..methods.eagle3.drafting import X\n",
+             "bench/draft_cache.py": "def f():\n    from ..methods.eagle3.drafting import DraftContext\n",
              "bench/peers.py": '"""Drivers in studies/peers/ (a docstring may say so)."""\nfrom pathlib import Path\n'
                                'DRIVERS = Path(__file__).parents[2] / "studies" / "peers"\n'
                                'NAME, HELP = "studies.levers", f"run {DRIVERS} (the studies beside the package)"\n'}
@@ -178,11 +190,13 @@ def test_an_import_up_a_floor_or_of_the_studies_is_named(tmp_path):
     assert "bench/levers.py:1: imports studies" in broken
     assert "formats/format.py:2: formats imports methods" in broken
     assert "records.py" not in broken and "targets/store.py" not in broken and "rank.py" not in broken
-    assert "vllm.py" not in broken
+    assert "vllm.py" not in broken and "bench/draft_cache.py" not in broken
+    assert "evaluate/tree.py:2: evaluate imports specforge_lite.methods.eagle3.drafting, a module of" in broken
+    assert "evaluate/tree.py:1" not in broken
     assert "bench/peers.py:3: names the studies in a path ('studies')" in broken
     assert "bench/peers.py:4: names the studies in a path ('studies.levers')" in broken
     assert "bench/peers.py:1" not in broken and "beside the package" not in broken
-    assert len(broken.splitlines()) == 8
+    assert len(broken.splitlines()) == 9
 
 
 PACKAGE_LINES_BUDGET = 24_000  # docs/design.md, "What belongs in the package"

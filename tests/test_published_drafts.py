@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import ROOT
 from specforge_lite.methods import draft_method
-from specforge_lite.draft.ttt import TTTCache
+from specforge_lite.methods.eagle3.ttt import TTTCache
 from specforge_lite.export import fit_to_target, load_export
 
 FIXTURES = ROOT / "tests" / "fixtures" / "published"

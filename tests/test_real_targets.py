@@ -9,7 +9,7 @@ import torch
 
 from specforge_lite.compose import load_config
 from specforge_lite.data.vocab import DraftVocab
-from specforge_lite.draft.ttt import shift_left
+from specforge_lite.draft.objective import shift_left
 from specforge_lite.targets import build_target
 from specforge_lite.targets import HFTarget, Teacher
 

@@ -177,7 +177,7 @@ def test_speculators_loads_our_export_and_its_logits_equal_ours(speculators_outp
     """speculators' own Eagle3 model, built from our export, gives our logits at every TTT step: with per-aux
     norms (fc_norm), as EAGLE 3.1 (norm_before_fc, norm_output fed back, a second layer), and with the first
     layer's residual taken after hidden_norm as well (norm_before_residual: speculators' own default)."""
-    from specforge_lite.draft.ttt import TTTCache
+    from specforge_lite.methods.eagle3.ttt import TTTCache
 
     (draft, ids, aux), theirs = outputs_of(speculators_outputs, variant)
     theirs = theirs["logits"]

@@ -7,8 +7,8 @@ import torch
 
 from conftest import EAGLE31, tiny_draft, tiny_target
 from specforge_lite.evaluate import confidence, spec_decode
-from specforge_lite.draft import drafting
-from specforge_lite.draft.drafting import DraftContext, draft_chain
+from specforge_lite.methods.eagle3 import drafting
+from specforge_lite.methods.eagle3.drafting import DraftContext, draft_chain
 from specforge_lite.evaluate.spec_decode import (acceptance_by_context_length, acceptance_summary, greedy_generate,
                                                  speculative_generate)
 
@@ -78,7 +78,7 @@ def test_acceptance_summary():
 def uncached_chain(draft, aux, context, next_token, k):
     """The draft's first step over the whole context every round, then k - 1 chain steps at the last row
     (what evaluation did before it kept a draft KV cache): the last row's state and the proposals."""
-    from specforge_lite.draft.ttt import TTTCache
+    from specforge_lite.methods.eagle3.ttt import TTTCache
 
     n, cache = len(context), TTTCache()
     h = draft.step(torch.tensor([context[1:] + [next_token]]), draft.project_aux(aux), torch.arange(n)[None],
@@ -104,7 +104,7 @@ def test_draft_kv_cache_equals_recomputing_the_context_every_round():
 def _kept_keys_equal_recomputing(target, draft):
     import pytest
 
-    from specforge_lite.evaluate.tree import draft_tree
+    from specforge_lite.methods.eagle3.drafting import draft_tree
 
     ids = torch.randint(0, target.vocab_size, (1, 40))
     aux = target.capture(ids).aux
@@ -212,7 +212,7 @@ def test_speculative_sampling_draws_from_the_target_distribution():
 def _oracle_tree(full, round_no, context_len, depth, vocab):
     """A tree whose true path (the target's greedy continuation in ``full``) sits at a different sibling rank
     each round and stops after a round-dependent depth; every other node is a wrong token."""
-    from specforge_lite.evaluate.tree import DraftTree
+    from specforge_lite.draft.drafting import DraftTree
 
     tokens, parents, depths, scores = [], [], [], []
     parent, good_depth = -1, round_no % (depth + 1)  # 0..depth correct levels
@@ -245,7 +245,7 @@ def test_tree_decoding_equals_greedy_whatever_branch_is_right(monkeypatch):
         calls["n"] += 1
         return _oracle_tree(full, calls["n"], len(context), depth, target.vocab_size)
 
-    monkeypatch.setattr(tree_mod, "draft_tree", oracle)
+    monkeypatch.setattr(drafting, "draft_tree", oracle)
     gen = tree_mod.tree_generate(target, draft, prompt, 40, depth=3, topk=3, budget=9, stop_ids=set())
     assert gen.tokens == truth
     assert set(gen.accepted) == {0, 1, 2, 3}
@@ -254,8 +254,8 @@ def test_tree_decoding_equals_greedy_whatever_branch_is_right(monkeypatch):
 def test_tree_drafting_scores_equal_chain_unrolls_along_each_path():
     """Every node's cumulative score from the tree (one batched step per depth, TreeCache masks) equals
     the log-probabilities of feeding its path token by token through the TTT chain pattern."""
-    from specforge_lite.draft.ttt import TTTCache
-    from specforge_lite.evaluate.tree import draft_tree
+    from specforge_lite.methods.eagle3.ttt import TTTCache
+    from specforge_lite.methods.eagle3.drafting import draft_tree
 
     target = tiny_target()
     draft = tiny_draft(target, seed=3)
@@ -288,6 +288,7 @@ def test_tree_sampling_draws_from_the_target_distribution(monkeypatch):
     """Tree verification at temperature > 0 keeps the target's distribution: the first speculated token
     follows sum_x1 p(x1) p(x2 | x1) (chi-square over 1000 draws). The tree holds the target's own three
     likeliest tokens at each level plus a wrong one, so both accepting and rejecting branches run."""
+    from specforge_lite.draft.drafting import DraftTree
     from specforge_lite.evaluate import tree as tree_mod
 
     target = tiny_target(aux_ids=[0, 1, 2], num_layers=2)
@@ -300,9 +301,9 @@ def test_tree_sampling_draws_from_the_target_distribution(monkeypatch):
         with torch.no_grad():
             row = target.model(torch.tensor([context + [next_token]])).logits[0, -1]
         top = row.topk(3).indices.tolist()
-        return tree_mod.DraftTree(top + [(top[0] + 7) % V], [-1] * 4, [1] * 4, [-0.1, -0.2, -0.3, -0.4])
+        return DraftTree(top + [(top[0] + 7) % V], [-1] * 4, [1] * 4, [-0.1, -0.2, -0.3, -0.4])
 
-    monkeypatch.setattr(tree_mod, "draft_tree", likely_tree)
+    monkeypatch.setattr(drafting, "draft_tree", likely_tree)
     g = torch.Generator().manual_seed(0)
     counts, rounds, accepted, n = torch.zeros(V), 0, 0, 1000
     for _ in range(n):

@@ -294,6 +294,19 @@ def test_init_from_with_a_shape_given_otherwise_is_refused_and_the_drafts_own_sh
         initial_draft(init_from(export, "draft.num_layers=2", "draft.parallel_drafting=true"), log=lambda m: None)
 
 
+def test_init_from_with_its_aux_ids_given_otherwise_is_refused(export):
+    """A continued draft reads its own aux ids: draft.aux_layer_ids=[1,3,5] trained the folder's [2,4,6], said only in
+    the [draft] line. Given as the draft's own, they are taken."""
+    from specforge_lite.run import initial_draft
+
+    assert initial_draft(init_from(export, "draft.aux_layer_ids=[2,4,6]"), log=lambda m: None)[0].aux_layer_ids == \
+        [2, 4, 6]
+    with pytest.raises(ValueError, match=rf"^draft.init_from={export} is a draft with aux_layer_ids \[2, 4, 6\], "
+                                         r"and this run gives draft.aux_layer_ids=\[1, 3, 5\]: a continued draft "
+                                         r"keeps its shape; drop those settings, or train a new draft"):
+        initial_draft(init_from(export, "draft.aux_layer_ids=[1,3,5]"), log=lambda m: None)
+
+
 def test_init_from_a_draft_of_another_target_names_the_target_not_an_overridden_setting(tmp_path):
     """draft.init_from keeps the draft's aux ids and vocabulary: a message proposing draft.aux_layer_ids (which
     it overrides) would send the user in a circle. Refused before any data is prepared (the rows are only read

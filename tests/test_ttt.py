@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import EAGLE31, tiny_draft, tiny_target
 from specforge_lite.draft.objective import UnrollInputs
 from specforge_lite.methods.eagle3.objective import TTTObjective
-from specforge_lite.draft.ttt import TTTCache
-from specforge_lite.draft.drafting import DraftContext, draft_chain
+from specforge_lite.methods.eagle3.ttt import TTTCache
+from specforge_lite.methods.eagle3.drafting import DraftContext, draft_chain
 
 
 def rope(x, pos, theta):
@@ -71,7 +71,7 @@ def naive_unroll(draft, aux, input_ids, steps):
 
 
 def vectorised_unroll(draft, aux, input_ids, steps):
-    from specforge_lite.draft.ttt import shift_left
+    from specforge_lite.draft.objective import shift_left
 
     T = input_ids.shape[1]
     hidden, cache, outs = draft.project_aux(aux), TTTCache(), []
@@ -149,7 +149,7 @@ def test_loss_alignment_and_normalisation():
 
 
 def vectorised_unroll_batched(draft, aux, ids, steps):
-    from specforge_lite.draft.ttt import shift_left
+    from specforge_lite.draft.objective import shift_left
 
     B, T = ids.shape
     hidden, cache, outs = draft.project_aux(aux), TTTCache(), []
@@ -361,7 +361,7 @@ def test_under_autocast_each_draft_step_computes_what_its_bf16_weights_compute_a
     and a two-layer EAGLE 3.1, whose fed-back state is its final norm's output. The residual stream, the state fed
     forward and the keys stay in bf16: an fp32 norm weight times bf16 rows would promote them all to fp32 (twice
     the memory and traffic, and numbers a server does not compute)."""
-    from specforge_lite.draft.ttt import shift_left
+    from specforge_lite.draft.objective import shift_left
 
     target = tiny_target()
     ids = torch.randint(0, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
@@ -664,7 +664,7 @@ def test_parallel_draft_unroll_is_the_servers_one_forward_over_mask_slots():
     """P-EAGLE: the objective's unroll step d at row t equals the server's single causal forward over the
     context and d mask slots; the loss is the soft cross-entropy of those states (decay**d, mean per step).
     Fails when a mask slot reads the previous step's token or state (plain EAGLE3)."""
-    from specforge_lite.draft.ttt import shift_left
+    from specforge_lite.draft.objective import shift_left
 
     target = tiny_target()
     for options in ({}, {"norm_before_fc": True}):

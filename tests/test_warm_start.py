@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama, tiny_draft, tiny_target
-from specforge_lite.draft.ttt import TTTCache
+from specforge_lite.methods.eagle3.ttt import TTTCache
 from specforge_lite.targets.families import get_family
 
 

@@ -4,7 +4,7 @@
         [--k 3] [--commit 2] [--repeats 5]
 
 A round drafts k tokens after a context of n tokens, of which ``--commit`` were committed by the last
-round. "cached" keeps the draft's step-0 keys of the context (draft/drafting.py DraftContext): the
+round. "cached" keeps the draft's step-0 keys of the context (methods/eagle3/drafting.py DraftContext): the
 round runs the draft's first step over the committed rows only. "recompute" runs the first step over
 all n rows every round (evaluation before the cache). Random aux states, fp32, the target not run;
 the median of --repeats rounds each, side by side in one process, and their ratio.
@@ -21,7 +21,7 @@ import torch
 
 @torch.no_grad()
 def _round_seconds(draft, aux, context: list[int], k: int, commit: int, cached: bool, repeats: int) -> float:
-    from ..draft.drafting import DraftContext, draft_chain
+    from ..methods.eagle3.drafting import DraftContext, draft_chain
 
     n, times = len(context) - 1, []  # the last token is the one drafted after
     for _ in range(repeats):

@@ -84,7 +84,7 @@ def replace_attention(objective, way: str):
 def way_options(way: str) -> dict:
     """The objective's settings of a way "ATTENTION[+ckpt][+compile][+frozen_head]"; the attention "default" leaves
     the attention and compile settings null: the device's (draft/objective.py ``BY_DEVICE``), as a run's defaults."""
-    from ..draft.ttt import TTT_ATTENTION
+    from ..methods.eagle3.ttt import TTT_ATTENTION
 
     attention, *options = way.split("+")
     if attention not in (*TTT_ATTENTION, "default") or set(options) - {"ckpt", "compile", "frozen_head"}:

@@ -1,14 +1,13 @@
 """What every draft method shares: the spec and the model base (model.py), the objective every method's builds on
-and its loss (objective.py, head_loss.py), the attention and the key cache of a chain draft's steps (attention.py,
-ttt.py), a row shared by ranks (sequence_parallel.py), chain drafting (drafting.py) and what a method is
-(method.py). The methods themselves, each in its folder, are registered in specforge_lite/methods/."""
+and its loss (objective.py, head_loss.py), causal attention with its log-sum-exp (attention.py), a row shared by
+ranks (sequence_parallel.py), what drafting gives an evaluation (drafting.py) and what a method is (method.py).
+The methods themselves, each in its folder, are registered in specforge_lite/methods/."""
 
 from .method import DraftMethod
 from .model import DraftSpec, TargetWiredDraft
 from .objective import DraftObjective, ObjectiveOutput, by_device, device_settings, sim_accepted_drafts
-from .ttt import TTTCache, ttt_attention
 
 Draft = TargetWiredDraft  # what a registered method's model is
 
-__all__ = ["Draft", "DraftMethod", "DraftObjective", "DraftSpec", "ObjectiveOutput", "TTTCache", "TargetWiredDraft",
-           "by_device", "device_settings", "sim_accepted_drafts", "ttt_attention"]
+__all__ = ["Draft", "DraftMethod", "DraftObjective", "DraftSpec", "ObjectiveOutput", "TargetWiredDraft", "by_device",
+           "device_settings", "sim_accepted_drafts"]

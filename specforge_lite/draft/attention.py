@@ -7,7 +7,7 @@ Memory is linear in T: one block's [B, h, QUERY_BLOCK, T] scores at a time.
 
 PyTorch's fused kernels do not fit here: SDPA returns no log-sum-exp, the private flash ops that do
 give it no gradient, and flex attention needs a compile step per shape on CPU. TTT needs the
-log-sum-exp with its gradient, to merge each unroll step's same-row keys in exactly (draft/ttt.py).
+log-sum-exp with its gradient, to merge each unroll step's same-row keys in exactly (methods/eagle3/ttt.py).
 """
 
 from __future__ import annotations

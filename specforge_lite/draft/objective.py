@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import fused
-from .ttt import shift_left
 
 if TYPE_CHECKING:  # (only named in signatures: the draft stage imports nothing of the target's at run time)
     from ..targets.teacher import Teacher
@@ -52,6 +51,14 @@ class UnrollInputs:
     in_vocab: torch.Tensor
     loss_mask: torch.Tensor
     position_ids: torch.Tensor | None = None
+
+
+def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, n:] padded with zeros at the end back to x's length."""
+    if n == 0:
+        return x
+    pad = torch.zeros_like(x[:, :n])
+    return torch.cat([x[:, n:], pad], dim=1)
 
 
 def token_loss(kind: str, teacher_p: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,9 @@
-"""Ulysses sequence parallelism for the draft's training step (DeepSpeed's ``deepspeed.sequence``).
+"""A row shared by the ranks of a sequence-parallel group (DeepSpeed's Ulysses, ``deepspeed.sequence``).
 
-The ranks of a sequence-parallel group read the same rows. The frozen target runs on the whole row on
-each of them (it keeps no activations); the draft's unroll runs on this rank's contiguous share of the
-rows only. Everything in the draft layer is per row except attention: there DeepSpeed's
-``DistributedAttention`` exchanges queries, keys and values all-to-all so that each rank holds every
-row for its share of the heads, runs the TTT attention (step-0 causal keys, packed-row boundaries,
-same-row keys of later steps) over the whole row, and exchanges the output back.
+The ranks of a group read the same rows. The frozen target runs on the whole row on each of them (it keeps no
+activations); the draft's steps run on this rank's contiguous share of the rows only (``SequenceShard``), and a
+method whose objective takes a shard exchanges what is not per row, its attention, with the other ranks (EAGLE3:
+methods/eagle3/ulysses.py).
 
 Each rank's loss is its rows' summed loss over the valid tokens of the WHOLE row, so the group's losses
 add up to the single-process loss; DeepSpeed sums gradients within the group (and averages across
@@ -18,8 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from .ttt import TTTCache
 
 
 @dataclass(frozen=True)
@@ -38,54 +34,6 @@ class SequenceShard:
         """This rank's rows [lo, hi) of a row padded to ``padded_length(T)``."""
         share = self.padded_length(T) // self.size
         return self.rank * share, (self.rank + 1) * share
-
-    def cache(self, segments: torch.Tensor | None, attention: str) -> "UlyssesCache":
-        return UlyssesCache(TTTCache(segments, attention), self)
-
-
-class UlyssesCache:
-    """A ``TTTCache`` over whole rows, fed and read through DeepSpeed's all-to-all: ``append`` takes this
-    rank's rows of keys and values, ``attend`` this rank's rows of queries, and the wrapped cache holds
-    every row of this rank's heads."""
-
-    def __init__(self, inner: TTTCache, shard: SequenceShard):
-        from deepspeed.sequence.layer import DistributedAttention
-
-        self.inner, self.shard = inner, shard
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._scale: float | None = None
-        # [B, rows, heads, d] in, scatter the heads (dim 2), gather the rows (dim 1)
-        self._attention = DistributedAttention(self._local, shard.group, scatter_idx=2, gather_idx=1)
-        self._layers = {0: self}
-
-    def layer(self, i: int) -> "UlyssesCache":
-        """Draft layer i's cache (multi-layer drafts), exchanged the same way."""
-        if i not in self._layers:
-            self._layers[i] = UlyssesCache(self.inner.layer(i), self.shard)
-        return self._layers[i]
-
-    def truncate(self, steps: int) -> None:
-        self.inner.truncate(steps)
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._pending = (k, v)  # exchanged together with the queries in attend()
-
-    def attend(self, q: torch.Tensor, q_offset: int, scale: float) -> torch.Tensor:
-        """q, and the keys and values appended before, [B, heads, rows of this rank, d]."""
-        if q_offset:
-            raise ValueError("sequence-parallel attention covers whole rows (training); drafting uses TTTCache")
-        (k, v), self._pending = self._pending, None
-        self._scale = scale
-        out = self._attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0)
-        return out.transpose(1, 2)
-
-    def _local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Every row of this rank's heads, [B, rows, heads / size, d]: the TTT attention over whole rows."""
-        self.inner.append(k.transpose(1, 2), v.transpose(1, 2))
-        return self.inner.attend(q.transpose(1, 2), 0, self._scale).transpose(1, 2)
 
 
 def padded_rows(x: torch.Tensor, length: int, value=0) -> torch.Tensor:

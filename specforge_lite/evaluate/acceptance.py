@@ -17,7 +17,6 @@ from ..config import Config, EvalConfig
 from ..data.chat import generation_prompt_ids
 from ..data.images import image_inputs
 from ..device import dtype_name
-from ..draft.ttt import TreeCache
 from ..methods import build_objective, draft_method
 from ..targets import target_identity
 from ..targets.teacher import Teacher
@@ -178,23 +177,11 @@ def measure_step_costs(target, draft, prompt: list[int], ev: EvalConfig, repeats
     one_forward = method.drafting(draft).one_forward
 
     def draft_round():
-        n = len(prompt)
         drafted = method.drafting(draft)
         if drafted.one_forward:  # all k from one forward per round (mask slots): the newest row and the slots
             drafted.propose([a[:, :-1] for a in aux], prompt[:-1], prompt[-1], ev.num_draft_tokens)
             return lambda: drafted.propose([a[:, -1:] for a in aux], prompt, prompt[-1], ev.num_draft_tokens)
-        dcache = TreeCache()
-        h = draft.step(torch.tensor([prompt[1:] + prompt[-1:]], device=device), draft.project_aux(aux),
-                       torch.arange(n, device=device)[None], dcache)[:, -1:].expand(1, width, -1)
-
-        def run():
-            x = h
-            for d in range(ev.num_draft_tokens):
-                dcache.add_nodes(list(range(d * width - width, d * width)) if d else [-1] * width)
-                x = draft.step(torch.tensor([prompt[-1:] * width], device=device), x,
-                               torch.full((1, width), n + d, device=device), dcache)
-                draft.compute_logits(x).topk(width, dim=-1)
-        return run
+        return drafted.round_at_width(aux, prompt, ev.num_draft_tokens, width)
 
     verify_s = timed(target_step(verify_len))
     k = ev.num_draft_tokens

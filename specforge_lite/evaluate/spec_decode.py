@@ -5,7 +5,7 @@ target verifies them in one cached forward, and the longest agreeing prefix plus
 token are committed. With greedy verification the output equals the target's greedy decoding.
 
 Both models keep a KV cache across rounds, as servers do: the target its own, the draft the step-0 keys
-of the committed context (its method's drafting, e.g. draft/drafting.py ``DraftContext``), so a round costs
+of the committed context (its method's drafting, e.g. EAGLE3's in methods/eagle3/drafting.py), so a round costs
 the draft only the rows committed since the last one.
 """
 
@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..draft.drafting import DraftContext
 from ..methods import draft_method
 
 
@@ -141,21 +140,17 @@ def speculative_sample(target, draft, prompt: list[int], max_new_tokens: int, k:
     cache = _new_cache(target)
     aux_new, logits = target.forward_cached(torch.tensor([prompt], device=device), cache, **(inputs or {}))
     V = logits.shape[-1]
-    context, drafted = list(prompt), DraftContext(draft)
+    context, drafted = list(prompt), draft_method(draft.spec.method).drafting(draft)
     next_token = sample(torch.softmax(logits[0, -1].float() / temperature, -1))
     gen = Generation([next_token])
+
+    def drawn(h: torch.Tensor) -> tuple[int, torch.Tensor]:
+        q = _draft_probs(draft, h, V, temperature)
+        return sample(q), q
+
     while len(gen.tokens) < max_new_tokens and next_token not in stop_ids:
         n = len(context)
-        dcache, h = drafted.open_round(aux_new, context, next_token)
-        proposals, qs = [], []
-        for j in range(k):
-            q = _draft_probs(draft, h, V, temperature)
-            d = sample(q)
-            proposals.append(d)
-            qs.append(q)
-            if j + 1 < k:
-                ids, h = draft.next_step_inputs(torch.tensor([[d]], device=device), h)
-                h = draft.step(ids, h, torch.tensor([[n + j]], device=device), dcache, q_offset=n - 1)
+        proposals, qs = drafted.propose_sampled(aux_new, context, next_token, k, drawn)
         verify = torch.tensor([[next_token] + proposals], device=device)
         aux_verified, vlogits, snapshot = _verify(target, cache, verify)
         ps = torch.softmax(vlogits[0].float() / temperature, -1)  # ps[i]: the target after verify[:i+1]

@@ -1,6 +1,7 @@
-"""Tree drafting and tree verification (EAGLE-2's dynamic tree), at temperature 0 and above.
+"""Tree verification (EAGLE-2's dynamic tree) of the trees a draft proposes, at temperature 0 and above.
 
-Each round the draft grows a tree from the committed token: the ``topk`` best children of the root, then
+Each round the draft grows a tree from the committed token (its method's drafting, ``propose_tree``: EAGLE3's in
+methods/eagle3/drafting.py): the ``topk`` best children of the root, then
 ``depth - 1`` times the ``topk`` best frontier nodes (by cumulative draft log-probability) each get
 their ``topk`` best children; the ``budget`` best nodes of the whole tree are kept (an ancestor always
 outranks its descendants, so the kept set is a tree). The target scores every kept node in one forward,
@@ -18,90 +19,14 @@ which is why their draft probabilities do not enter the test.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..config import EvalConfig
-from ..draft.drafting import DraftContext
+from ..draft.drafting import DraftTree
 from ..methods import draft_method
-from ..draft.ttt import TreeCache
 from .spec_decode import Generation, _croppable, _cut, _new_cache
 
 TREE = EvalConfig(drafting="tree")  # what a method is asked whether it can be evaluated with
-
-
-@dataclass
-class DraftTree:
-    """Nodes in an order where every parent comes before its children."""
-
-    tokens: list[int]  # target ids
-    parents: list[int]  # index of the parent node, -1 for children of the root (the committed token)
-    depths: list[int]  # 1 for children of the root
-    scores: list[float]  # cumulative draft log-probability from the root
-
-    def children(self) -> dict[int, list[int]]:
-        """Child indices of each node (-1: the root), best score first."""
-        kids: dict[int, list[int]] = {-1: []}
-        for i, p in enumerate(self.parents):
-            kids.setdefault(p, []).append(i)
-            kids.setdefault(i, [])
-        for key in kids:
-            kids[key].sort(key=lambda i: -self.scores[i])
-        return kids
-
-    def visible(self) -> torch.Tensor:
-        """[N+1, N+1] bool over [root] + nodes: which verify positions each position attends to."""
-        n = len(self.tokens)
-        seen = torch.eye(n + 1, dtype=torch.bool)
-        seen[:, 0] = True
-        for i, p in enumerate(self.parents):
-            if p >= 0:
-                seen[i + 1] |= seen[p + 1]
-        return seen
-
-
-@torch.no_grad()
-def draft_tree(drafted: DraftContext, aux_new: list[torch.Tensor], context: list[int], next_token: int, depth: int,
-               topk: int, budget: int) -> DraftTree:
-    """The draft's tree after ``context + [next_token]`` (target ids); ``aux_new``: the aux states of the
-    context rows ``drafted`` does not hold yet."""
-    draft, device, n = drafted.draft, aux_new[0].device, len(context)
-    cache, h = drafted.open_round(aux_new, context, next_token, TreeCache)
-    logp = torch.log_softmax(draft.compute_logits(h)[0, -1].float(), -1)
-    best = logp.topk(min(topk, logp.numel()))
-    # Every candidate node: token, parent candidate, depth, score, and the draft state it was predicted from.
-    tokens = draft.draft_to_target(best.indices).tolist()
-    parents, depths, scores = [-1] * len(tokens), [1] * len(tokens), best.values.tolist()
-    source = [h[0, 0]] * len(tokens)
-    frontier = list(range(len(tokens)))
-    in_cache: dict[int, int] = {}  # candidate -> its key's index in the tree cache (expanded nodes only)
-    for d in range(1, depth):
-        expand = sorted(frontier, key=lambda c: -scores[c])[:topk]
-        cache.add_nodes([in_cache[parents[c]] if parents[c] >= 0 else -1 for c in expand])
-        for c in expand:
-            in_cache[c] = len(in_cache)
-        out = draft.step(torch.tensor([[tokens[c] for c in expand]], device=device),
-                         torch.stack([source[c] for c in expand])[None],
-                         torch.full((1, len(expand)), n - 1 + d, device=device), cache)
-        logp = torch.log_softmax(draft.compute_logits(out)[0].float(), -1)  # [len(expand), Vd]
-        kids = logp.topk(min(topk, logp.shape[-1]), dim=-1)
-        frontier = []
-        for row, c in enumerate(expand):
-            for lp, idx in zip(kids.values[row].tolist(), draft.draft_to_target(kids.indices[row]).tolist()):
-                frontier.append(len(tokens))
-                tokens.append(idx)
-                parents.append(c)
-                depths.append(d + 1)
-                scores.append(scores[c] + lp)
-                source.append(out[0, row])
-    # Rerank (EAGLE-2): the best nodes overall; ties go to the shallower node so parents precede children.
-    keep = sorted(range(len(tokens)), key=lambda c: (-scores[c], depths[c]))[:budget]
-    keep.sort(key=lambda c: (depths[c], -scores[c]))
-    where = {c: i for i, c in enumerate(keep)}
-    return DraftTree(tokens=[tokens[c] for c in keep],
-                     parents=[where[parents[c]] if parents[c] >= 0 else -1 for c in keep],
-                     depths=[depths[c] for c in keep], scores=[scores[c] for c in keep])
 
 
 def _verify_tree(target, cache, next_token: int, tree: DraftTree, context_len: int):
@@ -181,9 +106,10 @@ def tree_generate(target, draft, prompt: list[int], max_new_tokens: int, depth: 
                                            generator=generator))
     else:
         next_token = int(logits[0, -1].argmax())
-    context, drafted, gen = list(prompt), DraftContext(draft), Generation([next_token])
+    drafted = draft_method(draft.spec.method).drafting(draft)
+    context, gen = list(prompt), Generation([next_token])
     while len(gen.tokens) < max_new_tokens and next_token not in stop_ids:
-        tree = draft_tree(drafted, aux_new, context, next_token, depth, topk, budget)
+        tree = drafted.propose_tree(aux_new, context, next_token, depth, topk, budget)
         aux_verified, vlogits = _verify_tree(target, cache, next_token, tree, len(context))
         path, following = _walk(vlogits[0], tree, tree.children(), temperature, generator)
         rows = torch.tensor([0] + [c + 1 for c in path])

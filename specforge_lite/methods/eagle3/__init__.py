@@ -1,21 +1,22 @@
 """EAGLE3 as a registered method (methods/__init__.py), with its options: EAGLE 3.1 (``draft.norm_before_fc``,
 ``draft.norm_output``), P-EAGLE (``draft.parallel_drafting``: the later tokens from mask slots, one forward)
 and several layers (``draft.num_layers``). The model is model.py here, P-EAGLE's mask slots and drafting
-parallel.py; its objective, the training-time-test unroll, objective.py."""
+parallel.py; its objective, the training-time-test unroll, objective.py, over the attention pattern and key caches
+of ttt.py (ulysses.py: across a sequence-parallel group); its chain and tree drafting, drafting.py."""
 
 from __future__ import annotations
 
 import torch
 
-from ...draft.drafting import DraftContext
 from ...draft.method import DraftMethod, layers_label
-from ...draft.ttt import TTT_ATTENTION
+from .drafting import DraftContext
 from .export import EXPORT_FORMATS, PUBLISHED_FORMATS
 from .model import Eagle3Draft
 from .objective import TTTObjective
 from .parallel import ParallelDraftContext
 from .settings import Eagle3Settings
 from .spec import Eagle3Spec, norm_problems
+from .ttt import TTT_ATTENTION
 
 
 def spec_fields(draft_settings) -> dict:
@@ -61,7 +62,8 @@ def warm_start(draft, draft_settings, target) -> None:
     draft.start_from_target([target.llama_layer(top + i) for i in range(spec.num_layers)], target.final_norm_weight())
 
 
-def drafting(draft) -> DraftContext:
+def drafting_of(draft) -> DraftContext:
+    """A draft's drafting at serving time: P-EAGLE's one forward, or one step per token."""
     return ParallelDraftContext(draft) if draft.spec.parallel_drafting else DraftContext(draft)
 
 
@@ -76,7 +78,7 @@ def label(spec: dict) -> str:
 
 
 METHOD = DraftMethod("eagle3", Eagle3Draft, Eagle3Spec, Eagle3Settings, TTTObjective, refused, refused_evaluation,
-                     drafting, EXPORT_FORMATS, label,
+                     drafting_of, EXPORT_FORMATS, label,
                      has_mask_slots=lambda draft_settings: draft_settings.parallel_drafting,
                      scored_steps=lambda draft_settings: draft_settings.ttt_length,
                      steps_settings=lambda n: {"ttt_length": n}, spec_fields=spec_fields,

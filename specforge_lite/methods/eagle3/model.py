@@ -20,9 +20,9 @@ from torch import nn
 
 from ...draft import fused
 from ...draft.model import DraftMLP, DraftRMSNorm, TargetWiredDraft
-from ...draft.ttt import DraftCache
 from .parallel import mask_slot_inputs, new_mask_hidden
 from .spec import Eagle3Spec
+from .ttt import DraftCache
 
 
 class DraftAttention(nn.Module):

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 from ...draft import fused
-from ...draft.objective import DraftObjective, ObjectiveOutput, UnrollInputs, by_device
+from ...draft.objective import DraftObjective, ObjectiveOutput, UnrollInputs, by_device, shift_left
 from ...draft.sequence_parallel import SequenceShard, continued_positions, padded_rows
-from ...draft.ttt import TTT_ATTENTION, TTTCache, shift_left
+from .ttt import TTT_ATTENTION, TTTCache
+from .ulysses import UlyssesCache
 
 
 class TTTObjective(DraftObjective):
@@ -75,7 +76,9 @@ class TTTObjective(DraftObjective):
             segments = (positions == 0).long().cumsum(-1)  # 1, 2, ... per conversation; 0 never occurs
         teacher_top = x.teacher_logits.argmax(-1)
         attention = by_device("ttt_attention", self.attention, x.input_ids.device)
-        cache = (TTTCache(segments, attention) if self.sequence is None else self.sequence.cache(segments, attention))
+        cache = TTTCache(segments, attention)
+        if self.sequence is not None:  # every row of this rank's heads, through the group's all-to-all
+            cache = UlyssesCache(cache, self.sequence)
         input_ids, loss_mask, in_vocab = (padded_rows(t, Tp) for t in (x.input_ids, x.loss_mask, x.in_vocab))
         scored_whole, scored_mine, rows = self._scored_rows(loss_mask, in_vocab, segments, lo, hi)
         hidden = draft.project_aux([padded_rows(a, Tp)[:, lo:hi] for a in x.aux])

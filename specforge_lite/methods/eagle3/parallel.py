@@ -8,7 +8,7 @@ causally to the context and to the slots before it. vLLM 0.32 serves it as ``met
 ``parallel_drafting=true`` (its ``llm_base_proposer``: the mask slots' state is
 ``combine_hidden_states(mask_hidden)``, the token id read from the config's ``mask_token_id``).
 
-The key pattern is exactly TTT's (draft/ttt.py): slot d after row t sits at position t + d and sees the
+The key pattern is exactly TTT's (ttt.py): slot d after row t sits at position t + d and sees the
 step-0 keys of rows <= t and the keys of slots 1..d of its own row. So the same unroll trains it; only what
 step k >= 1 reads changes (``mask_slot_inputs``), which is what this module holds, with the drafting that
 serves it (``ParallelDraftContext``: one forward per round).
@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...draft.drafting import DraftContext, greedy_with_confidence
-from ...draft.ttt import TTTCache
+from ...draft.drafting import greedy_with_confidence
+from .drafting import DraftContext
+from .ttt import TTTCache
 
 # Scale of mask_hidden at initialisation: unit-scale like the residual stream it stands in for (a zero
 # vector would make the fused state's RMSNorm divide by ~sqrt(eps)).
@@ -45,7 +46,7 @@ class ParallelDraftContext(DraftContext):
     """P-EAGLE drafting as vLLM runs it (``parallel_drafting=true``): ONE draft forward per round, over the
     rows committed since the last round followed by k - 1 mask slots, causal over all of them. Mask slot d
     sits at position n - 1 + d and sees the step-0 keys of every committed row and the slots before it:
-    exactly the keys unroll step d at row n - 1 sees (draft/ttt.py), so the proposals equal the k-step
+    exactly the keys unroll step d at row n - 1 sees (ttt.py), so the proposals equal the k-step
     ``draft_chain``'s. Only the committed rows' keys are kept for the next round."""
 
     one_forward = True

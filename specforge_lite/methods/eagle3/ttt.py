@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from .attention import causal_attention_lse, causal_attention_lse_flex, causal_block_mask
+from ...draft.attention import causal_attention_lse, causal_attention_lse_flex, causal_block_mask
 
 # blockwise: step-0 attention in query blocks with its log-sum-exp, the same-row keys merged in through it;
 # memory linear in T. flex: the same, the step-0 attention one flex-attention kernel (CUDA). dense: the [T, T]
@@ -317,11 +317,3 @@ class TreeCache(PerLayer):
 
 
 DraftCache = TTTCache | TreeCache
-
-
-def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x[:, n:] padded with zeros at the end back to x's length."""
-    if n == 0:
-        return x
-    pad = torch.zeros_like(x[:, :n])
-    return torch.cat([x[:, n:], pad], dim=1)
