@@ -276,20 +276,16 @@ def read_config_file(path: Path) -> Config:
         raise UserError(f"{path}: {e}") from None
 
 
-# Another method's settings at the defaults they had when earlier versions saved a run's config.yaml (which holds
-# every setting): draft.ttt_attention was blockwise before the device chose it (null).
-FORMER_DEFAULTS = {"ttt_attention": ("blockwise",)}
-
-
 def method_settings(settings: type, saved: dict) -> dict:
     """The saved draft settings that ``settings`` has (an earlier version's read in its names: ``saved``);
-    another method's at that method's default (or a former default) dropped."""
+    another method's at that method's default (or a default it had before: its ``former_defaults``) dropped."""
     saved = settings.saved(saved)
     own = {f.name for f in dataclasses.fields(settings)}
     defaults = {f.name: f.default for m in METHODS.values() for f in dataclasses.fields(m.settings)
                 if f.name not in own}
+    former = {key: values for m in METHODS.values() for key, values in m.settings.former_defaults.items()}
     foreign = {key: value for key, value in saved.items() if key not in own and (
-        key not in defaults or (defaults[key] != value and value not in FORMER_DEFAULTS.get(key, ())))}
+        key not in defaults or (defaults[key] != value and value not in former.get(key, ())))}
     if foreign:
         raise ValueError(f"the saved draft settings {foreign} are not settings of a {saved.get('method', DEFAULT)} "
                          "draft: give the config.yaml of a run this version can read, or write its draft settings "

@@ -171,6 +171,9 @@ class DraftSettings:
 
     # the values each of the method's own numbers may take, as in ``RANGES`` (named without "draft.")
     ranges: ClassVar[dict[str, str]] = {}
+    # defaults its own settings had when earlier versions saved a run's config.yaml (which holds every setting):
+    # a run of another method that saved one of them never chose it
+    former_defaults: ClassVar[dict[str, tuple]] = {}
     method: str = ""  # the method these settings are for (methods/<name>/), set by its settings class
     # Decoder layers: EAGLE3's 1 is what every server loads; more are plain Llama layers after the first
     # (served by vLLM; SGLang loads one layer).

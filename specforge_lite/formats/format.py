@@ -21,7 +21,6 @@ class ExportFormat:
     server = ""  # who reads it, as the check's report names it
     layout = ""  # the config layout: several servers may read one
     serve_method = ""  # vLLM's speculative_config method for a folder of this layout
-    serve_options: dict = {}  # and what else vLLM's speculative_config should say for it
     # why vLLM's CPU build (scripts/setup_serving.sh) cannot serve this layout, when it cannot: the served check
     # and the ranking then say so and use our own evaluation
     cpu_serving_refusal: str | None = None
@@ -65,6 +64,10 @@ class ExportFormat:
     def check(self, config: dict, shapes: dict, report) -> None:
         """This server's own reading rules (beyond the layout's shared ones, ``check_shared``)."""
         raise NotImplementedError(f"the {self.name} format does not check a folder")
+
+    def serve_options(self, config: dict) -> dict:
+        """What else vLLM's speculative_config should say for a folder of this config.json, beyond its method."""
+        return {}
 
     def fixed_draft_tokens(self, config: dict) -> int | None:
         """The one k a folder of this layout can be served at (a block draft's), or None: any k."""

@@ -20,11 +20,13 @@ from .spec import DSparkSpec
 class DSparkFormat(DFlashFormat):
     name, server, layout = "dspark", "vLLM (method=dspark)", "dspark"
     serve_method = "dspark"
-    serve_options = {"enable_adaptive_verification": True}  # vLLM sizes verification from its confidence head
     arch = "DSparkDraftModel"
     extra_weights = r"markov_head\.markov_w[12]\.weight|confidence_head\.proj\.(?:weight|bias)"
     cpu_serving_refusal = v2_runner_only("method=dspark",
                                          "Model Runner V1 does not support: dspark speculative decoding")
+
+    def serve_options(self, config: dict) -> dict:
+        return {"enable_adaptive_verification": True}  # vLLM sizes verification from its confidence head
 
     def write_config(self, spec: DSparkSpec, dtype: torch.dtype, verifier: dict, num_speculative_tokens: int,
                      warn) -> dict:

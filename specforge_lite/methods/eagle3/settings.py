@@ -13,6 +13,7 @@ from ...config import DraftSettings, TokenLoss
 @dataclass
 class Eagle3Settings(DraftSettings):
     ranges: ClassVar[dict[str, str]] = {"ttt_length": "[1, inf)"}
+    former_defaults: ClassVar[dict[str, tuple]] = {"ttt_attention": ("blockwise",)}  # (before the device chose it)
     method: str = "eagle3"
     # Training-time-test unroll steps: step k is fed the draft's own output of step k - 1 (the EAGLE3 paper's 7,
     # SpecForge's and speculators' default); served at any k

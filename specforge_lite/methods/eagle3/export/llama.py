@@ -22,6 +22,10 @@ class LlamaEagle3Format(ExportFormat):
     serve_method = "eagle3"
     writes_mask_slots = False  # P-EAGLE's mask_token_id and mask_hidden
 
+    def serve_options(self, config: dict) -> dict:
+        """P-EAGLE's mask slots: vLLM takes parallel drafting from its speculative config, not from the folder."""
+        return {"parallel_drafting": True} if config.get("parallel_drafting") else {}
+
     # ---- writing ----------------------------------------------------------------------------------
     def server_aux_ids(self, spec: Eagle3Spec, warn) -> list[int]:
         """Our aux ids (targets/capture.py) in the server's own convention."""
