@@ -202,7 +202,7 @@ class DraftSettings:
     loss_chunk_rows: Optional[int] = None
     # The elementwise chains of each training step (RMSNorm, rope, SwiGLU, the loss's softmax and gradient) as
     # compiled kernels (torch.compile; draft/fused.py): far fewer passes over memory on a GPU, after compiling at
-    # the start. On a CPU it needs a C++ compiler. Null: on a GPU, off elsewhere (draft/objective.py BY_DEVICE).
+    # the start. On a CPU it needs a C++ compiler. Null: on a GPU, off elsewhere (draft/objective.py STEP_DEFAULTS).
     compile: Optional[bool] = None
 
     @classmethod

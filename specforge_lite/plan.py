@@ -341,7 +341,7 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
     from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                                FakeTensorMode)
 
-    from .draft.objective import BY_DEVICE, DraftObjective, UnrollInputs
+    from .draft.objective import STEP_DEFAULTS, DraftObjective, UnrollInputs
     from .methods import draft_method
     from .targets.families import get_family
     from .targets.families.base import architecture_class
@@ -402,7 +402,7 @@ def trace(config, rows: int, tokens: int, fake: bool = True, peak=None) -> Trace
             # passes, which fake tensors measure without compiling)
             changes = {"compile": False, **({"checkpointing": True} if checkpointing else {})}
             if config.draft.loss_chunk_rows is None:
-                changes["loss_chunk_rows"] = BY_DEVICE["cuda"]["loss_chunk_rows"]
+                changes["loss_chunk_rows"] = STEP_DEFAULTS.cuda["loss_chunk_rows"]
             objective = method.objective.from_config(dataclasses.replace(config.draft, **changes))
             # the products as CUDA autocast makes them (trainer.precision=fp32: none)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.trainer.precision != "fp32"):
@@ -505,10 +505,13 @@ MEASURED = (
 def way_keys(config, checkpointing: bool) -> list[str]:
     """The measured way names that time this run's draft step, the closest first: its TTT attention way on a GPU
     (draft.ttt_attention, null: the GPU's flex), with +ckpt under draft.checkpointing and +compile when compiled."""
-    from .draft.objective import BY_DEVICE
+    from .methods import draft_method
 
-    d, gpu = config.draft, BY_DEVICE["cuda"]
-    way = getattr(d, "ttt_attention", None) or gpu["ttt_attention"]
+    d = config.draft
+    gpu = draft_method(d.method).objective.device_defaults.cuda
+    way = getattr(d, "ttt_attention", None) or gpu.get("ttt_attention")
+    if way is None:  # (the measured ways are EAGLE3's TTT attention: a method without it has none measured)
+        return []
     compiled = getattr(d, "compile", None)
     keys = [f"{way}+ckpt"] if checkpointing else []
     if compiled if compiled is not None else gpu["compile"]:

@@ -26,7 +26,7 @@ from .data.prepare import check_rows
 from .data.images import image_inputs
 from .data.vocab import choose_mask_token
 from .device import dtype_name, native_bf16, resolve_device, resolve_dtype
-from .draft import Draft, DraftObjective, DraftSpec, device_settings
+from .draft import Draft, DraftObjective, DraftSpec
 from .draft.method import DraftMethod
 from .export import load_export
 from .export.for_target import draft_from_weights, target_mismatch
@@ -161,11 +161,12 @@ def describe_precision(config: Config, target: Target) -> str:
 
 def describe_step(draft_settings, device: torch.device, allocator: str | None = None) -> str:
     """One line for the run's log: how the draft's step runs on this device, and which of its settings the device
-    chose (left null: draft/objective.py ``BY_DEVICE``); ``allocator``: what CUDA's allocator runs with
+    chose (left null: its method's objective's ``device_defaults``); ``allocator``: what CUDA's allocator runs with
     (``allocator_setting``)."""
     said = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731 (as the command line says it)
     return ", ".join([f"draft.{n}={said(value)}" + (f" ({device.type}'s default)" if chosen else "")
-                      for n, (value, chosen) in device_settings(draft_settings, device).items()]
+                      for n, (value, chosen) in draft_method(draft_settings.method).objective.device_defaults.settings(
+                          draft_settings, device).items()]
                      + ([allocator] if allocator else []))
 
 

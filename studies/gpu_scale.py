@@ -13,7 +13,7 @@ row is scored (the teacher's argmax counted inside the draft vocabulary), as the
 Ways of the TTT attention (draft.ttt_attention): blockwise (query blocks in a Python loop), flex (one
 compiled flex-attention kernel per step), sdpa (one SDPA call per step over every step's keys with an
 explicit mask: memory quadratic in T), dense, and default (the settings left null, as a run has them: the
-device's way, draft/objective.py BY_DEVICE); a way's "+ckpt" recomputes each step in backward
+device's way, the objective's device_defaults); a way's "+ckpt" recomputes each step in backward
 (draft.checkpointing), its "+compile" runs the step's elementwise chains as compiled kernels (draft.compile), its
 "+frozen_head" keeps the lm_head frozen (draft.freeze_lm_head=true, speculators' recipe: one product of the step
 fewer). The table pairs like with like: our ways that train the lm_head against SpecForge (which trains it), our

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from specforge_lite.bench.step_ways import replace_objective
 from specforge_lite.device import describe_cpu
-from specforge_lite.draft.objective import BY_DEVICE
+from specforge_lite.draft.objective import STEP_DEFAULTS
 
 from .step_flops import our_step
 from .step_traffic import FREE
@@ -98,7 +98,7 @@ def held(target: str, T: int, draft_vocab: int, ttt: int, checkpointing: bool) -
     """Per phase (forward with the loss, backward), the peak live bytes above the inputs of one eager step of T
     tokens, and what was live at it."""
     draft, objective, inputs = our_step(target, T, draft_vocab, ttt)
-    objective = replace_objective(objective, loss_chunk_rows=BY_DEVICE["cuda"]["loss_chunk_rows"],
+    objective = replace_objective(objective, loss_chunk_rows=STEP_DEFAULTS.cuda["loss_chunk_rows"],
                                   checkpointing=checkpointing)
     bf16 = torch.bfloat16  # (the target's dtype: its captured states and the teacher's logits)
     inputs = dataclasses.replace(inputs, aux=[a.to(bf16) for a in inputs.aux],

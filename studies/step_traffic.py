@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 
 from specforge_lite.bench.step_ways import replace_objective
 from specforge_lite.device import describe_cpu
-from specforge_lite.draft.objective import BY_DEVICE
+from specforge_lite.draft.objective import STEP_DEFAULTS
 
 from .step_flops import our_step
 
@@ -88,7 +88,7 @@ def traffic(target: str, T: int, draft_vocab: int, ttt: int) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     draft, objective, inputs = our_step(target, T, draft_vocab, ttt)
-    objective = replace_objective(objective, loss_chunk_rows=BY_DEVICE["cuda"]["loss_chunk_rows"])
+    objective = replace_objective(objective, loss_chunk_rows=STEP_DEFAULTS.cuda["loss_chunk_rows"])
     bf16 = torch.bfloat16  # (the target's dtype: its captured states and the teacher's logits)
     inputs = dataclasses.replace(inputs, aux=[a.to(bf16) for a in inputs.aux],
                                  teacher_logits=inputs.teacher_logits.to(bf16))

@@ -237,10 +237,10 @@ def test_left_null_the_step_takes_the_way_measured_fastest_and_correct_on_its_de
     measurement, docs/benchmarks.md); on a CPU blockwise, eager, 512 rows; a value the user sets is kept."""
     import torch
 
-    from specforge_lite.draft.objective import by_device
+    from specforge_lite.methods.eagle3.objective import TTTObjective
 
     def on(device: str, draft) -> dict:
-        return {n: by_device(n, getattr(draft, n), torch.device(device))
+        return {n: TTTObjective.device_defaults.value(n, getattr(draft, n), torch.device(device))
                 for n in ("ttt_attention", "compile", "loss_chunk_rows")}
 
     default = load_config(["tracker=none"]).draft

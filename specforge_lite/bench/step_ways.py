@@ -83,7 +83,7 @@ def replace_attention(objective, way: str):
 
 def way_options(way: str) -> dict:
     """The objective's settings of a way "ATTENTION[+ckpt][+compile][+frozen_head]"; the attention "default" leaves
-    the attention and compile settings null: the device's (draft/objective.py ``BY_DEVICE``), as a run's defaults."""
+    the attention and compile settings null: the device's (the objective's ``device_defaults``), as a run's defaults."""
     from ..methods.eagle3.ttt import TTT_ATTENTION
 
     attention, *options = way.split("+")

@@ -5,9 +5,9 @@ The methods themselves, each in its folder, are registered in specforge_lite/met
 
 from .method import DraftMethod
 from .model import DraftSpec, TargetWiredDraft
-from .objective import DraftObjective, ObjectiveOutput, by_device, device_settings, sim_accepted_drafts
+from .objective import DraftObjective, ObjectiveOutput, sim_accepted_drafts
 
 Draft = TargetWiredDraft  # what a registered method's model is
 
-__all__ = ["Draft", "DraftMethod", "DraftObjective", "DraftSpec", "ObjectiveOutput", "TargetWiredDraft", "by_device",
-           "device_settings", "sim_accepted_drafts"]
+__all__ = ["Draft", "DraftMethod", "DraftObjective", "DraftSpec", "ObjectiveOutput", "TargetWiredDraft",
+           "sim_accepted_drafts"]

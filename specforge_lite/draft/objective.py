@@ -89,29 +89,40 @@ def sim_accepted_drafts(accs: list[float]) -> float:
 
 
 # A step's settings left null take the value of the device it runs on. On a GPU (an H200 at Llama-3.1-8B's shape:
-# docs/benchmarks.md) flex attention with the compiled chains was the fastest correct way of the step, 4x blockwise
-# and 1.2x flex alone at 8k tokens, in less memory than either, and 4096-row loss chunks ran faster than 512 (each
-# chunk adds the lm_head's whole weight gradient once more; small chunks leave the device underused). Elsewhere:
-# blockwise attention (flex has no backward on a CPU), eager chains (compiling there needs a C++ compiler), 512 rows.
-BY_DEVICE = {"cuda": {"ttt_attention": "flex", "compile": True, "loss_chunk_rows": 4096}}
-OTHER_DEVICES = {"ttt_attention": "blockwise", "compile": False, "loss_chunk_rows": 512}
+# docs/benchmarks.md) the compiled chains were part of the fastest correct way of the step, and 4096-row loss chunks
+# ran faster than 512 (each chunk adds the lm_head's whole weight gradient once more; small chunks leave the device
+# underused). Elsewhere: eager chains (compiling there needs a C++ compiler), 512 rows. A method's objective adds
+# its own settings (EAGLE3: its attention, methods/eagle3/objective.py).
+@dataclass(frozen=True)
+class DeviceDefaults:
+    """The values of a step's settings left null: ``cuda``'s on a GPU, ``other``'s anywhere else."""
+
+    cuda: dict
+    other: dict
+
+    def value(self, name: str, setting, device: torch.device):
+        """``setting``, or where it is null, the value of draft.``name`` on ``device``'s kind."""
+        return setting if setting is not None else (self.cuda if device.type == "cuda" else self.other)[name]
+
+    def settings(self, draft_settings, device: torch.device) -> dict[str, tuple]:
+        """Each of these settings that ``draft_settings`` has: (its value on ``device``, whether the device chose
+        it)."""
+        return {n: (self.value(n, getattr(draft_settings, n), device), getattr(draft_settings, n) is None)
+                for n in self.other if hasattr(draft_settings, n)}
+
+    def joined(self, cuda: dict, other: dict) -> "DeviceDefaults":
+        """These with a method's own settings (said first in the run's [step] line; a method's value wins)."""
+        mine = lambda own, shared: {**own, **{k: v for k, v in shared.items() if k not in own}}  # noqa: E731
+        return DeviceDefaults(mine(cuda, self.cuda), mine(other, self.other))
 
 
-def by_device(name: str, setting, device: torch.device):
-    """``setting``, or where it is null, the value of draft.``name`` on ``device``'s kind (``BY_DEVICE``)."""
-    return setting if setting is not None else BY_DEVICE.get(device.type, OTHER_DEVICES)[name]
-
-
-def device_settings(draft_settings, device: torch.device) -> dict[str, tuple]:
-    """Each of ``BY_DEVICE``'s settings that ``draft_settings`` has: (its value on ``device``, whether the device
-    chose it)."""
-    return {n: (by_device(n, getattr(draft_settings, n), device), getattr(draft_settings, n) is None)
-            for n in OTHER_DEVICES if hasattr(draft_settings, n)}
+STEP_DEFAULTS = DeviceDefaults(cuda={"compile": True, "loss_chunk_rows": 4096},
+                               other={"compile": False, "loss_chunk_rows": 512})
 
 
 def chunk_size(setting: int | None, rows: torch.Tensor) -> int:
     """Rows per loss chunk over ``rows`` [N, ...]: the setting, 0 for all N at once, null for the device's default."""
-    return by_device("loss_chunk_rows", setting, rows.device) or max(rows.shape[0], 1)
+    return STEP_DEFAULTS.value("loss_chunk_rows", setting, rows.device) or max(rows.shape[0], 1)
 
 
 def chunked(chunk, rows: tuple[torch.Tensor, ...], size: int | None) -> tuple[torch.Tensor, ...]:
@@ -136,9 +147,11 @@ class DraftObjective:
     rows, its decay over the steps and the metrics. ``scored_steps``: how many steps each proposal is scored at
     (the metrics' acc_0 .. acc_{n-1})."""
 
+    device_defaults = STEP_DEFAULTS  # the step's settings a device chooses, where they are left null
+
     def __init__(self, scored_steps: int, decay: float = 0.8, loss: str = "soft_ce",
                  loss_chunk_rows: int | None = None, compile: bool | None = None):
-        """``compile``, ``loss_chunk_rows`` None: the device's (``BY_DEVICE``)."""
+        """``compile``, ``loss_chunk_rows`` None: the device's (``device_defaults``)."""
         if scored_steps < 1:
             raise ValueError(f"{scored_steps} scored steps: a draft's proposal is scored at one step at least")
         if loss not in LOSSES:
@@ -173,7 +186,7 @@ class DraftObjective:
         """The draft's steps over a batch, each scored (``score_steps``), the elementwise chains compiled where
         ``compile`` says."""
         # (training steps only: an evaluation under no_grad would compile graphs of its own for a few batches)
-        compile = by_device("compile", self.compile, x.input_ids.device)
+        compile = self.device_defaults.value("compile", self.compile, x.input_ids.device)
         with fused.compiled(compile and torch.is_grad_enabled()):
             return self.score_steps(draft, x)
 

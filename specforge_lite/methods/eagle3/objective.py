@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...draft import fused
-from ...draft.objective import DraftObjective, ObjectiveOutput, UnrollInputs, by_device, shift_left
+from ...draft.objective import STEP_DEFAULTS, DraftObjective, ObjectiveOutput, UnrollInputs, shift_left
 from ...draft.sequence_parallel import SequenceShard, continued_positions, padded_rows
 from .ttt import TTT_ATTENTION, TTTCache
 from .ulysses import UlyssesCache
@@ -20,11 +20,16 @@ class TTTObjective(DraftObjective):
     """The TTT unroll's objective: ``ttt_length`` steps, step k scored against the teacher k positions on, its loss
     weighted ``decay ** k``."""
 
+    # On a GPU (an H200 at Llama-3.1-8B's shape: docs/benchmarks.md) flex attention with the compiled chains was the
+    # fastest correct way of the step, 4x blockwise and 1.2x flex alone at 8k tokens, in less memory than either;
+    # elsewhere blockwise (flex has no backward on a CPU).
+    device_defaults = STEP_DEFAULTS.joined(cuda={"ttt_attention": "flex"}, other={"ttt_attention": "blockwise"})
+
     def __init__(self, ttt_length: int, decay: float = 0.8, loss: str = "soft_ce", attention: str | None = None,
                  loss_chunk_rows: int | None = None, checkpointing: bool = False,
                  sequence: SequenceShard | None = None, compile: bool | None = None):
         """``sequence``: this rank's share of every row under sequence parallelism (draft/sequence_parallel.py);
-        None: whole rows. ``attention``, ``compile``, ``loss_chunk_rows`` None: the device's (``BY_DEVICE``)."""
+        None: whole rows. ``attention``, ``compile``, ``loss_chunk_rows`` None: the device's (``device_defaults``)."""
         if ttt_length < 1:
             raise ValueError(f"draft.ttt_length={ttt_length}: unroll at least 1 step")
         super().__init__(ttt_length, decay, loss, loss_chunk_rows, compile)
@@ -75,7 +80,7 @@ class TTTObjective(DraftObjective):
             positions = continued_positions(x.position_ids, Tp)
             segments = (positions == 0).long().cumsum(-1)  # 1, 2, ... per conversation; 0 never occurs
         teacher_top = x.teacher_logits.argmax(-1)
-        attention = by_device("ttt_attention", self.attention, x.input_ids.device)
+        attention = self.device_defaults.value("ttt_attention", self.attention, x.input_ids.device)
         cache = TTTCache(segments, attention)
         if self.sequence is not None:  # every row of this rank's heads, through the group's all-to-all
             cache = UlyssesCache(cache, self.sequence)

@@ -41,7 +41,7 @@ class Eagle3Settings(DraftSettings):
     # Long rows: blockwise holds no [T, T] scores (memory linear in T); flex is the same through one compiled
     # flex-attention kernel (CUDA only); dense (every [T, T] score held) and sdpa (one SDPA call over every
     # step's keys with an explicit mask) are the references whose memory grows with T squared. Null: the
-    # device's fastest correct way (draft/objective.py BY_DEVICE): flex on a GPU, blockwise elsewhere.
+    # device's fastest correct way (objective.py device_defaults): flex on a GPU, blockwise elsewhere.
     ttt_attention: Optional[str] = None
     # Recompute each TTT step's draft layer in backward instead of keeping its activations.
     checkpointing: bool = False
