@@ -154,8 +154,9 @@ def draft_setting_problems(overrides: list[str]) -> list[str]:
 
 def override_problems(overrides: list[str]) -> list[str]:
     """What Hydra would refuse of the command line's overrides, or compose without refusing, each said in one line
-    (``draft_setting_problems``, ``choice_problems``, ``given_problems``)."""
-    return draft_setting_problems(overrides) + choice_problems(overrides) + given_problems(overrides)
+    (``draft_setting_problems``, ``choice_problems``, ``kind_problems``, ``given_problems``)."""
+    return draft_setting_problems(overrides) + choice_problems(overrides) + kind_problems(overrides) + \
+        given_problems(overrides)
 
 
 def given_problems(overrides: list[str]) -> list[str]:
@@ -179,19 +180,58 @@ def choice_problems(overrides: list[str]) -> list[str]:
     names: ``REGISTRIES``) a value it does not have, as "key=value: not one of a, b": Hydra's own refusal spans
     lines, and ``--cfg job`` would print a registry's unknown name as a valid setting. Each value of a sweep
     (``key=a,b``) is checked; Hydra's other sweep forms and interpolations are left to the composition."""
-    chosen = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "draft"), DEFAULT)
-    draft = METHODS[chosen].settings if chosen in METHODS else None  # (a sweep over methods: each job's own)
+    draft = chosen_settings(overrides)
     problems = []
+    for key, one in given_values(overrides):
+        allowed = allowed_values(key, draft)
+        if allowed is not None and one not in allowed[0]:
+            problems.append(not_one_of(key, one, allowed[1]))
+    return problems
+
+
+def chosen_settings(overrides: list[str]) -> type | None:
+    """The settings class of the method the overrides choose (None: a sweep over methods, each job's own)."""
+    chosen = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "draft"), DEFAULT)
+    return METHODS[chosen].settings if chosen in METHODS else None
+
+
+def given_values(overrides: list[str]) -> list[tuple[str, str]]:
+    """(key, value) of each value the overrides give, each of a sweep's (``key=a,b``); Hydra's other sweep forms and
+    interpolations are left to the composition."""
+    found = []
     for override in overrides:
         key, given, value = override.lstrip("+").partition("=")
-        allowed = None if not given or override.startswith(("~", "-")) else allowed_values(key, draft)
-        if allowed is None or any(c in value for c in "([{$"):
-            continue
-        for one in value.split(","):
-            one = one.strip().strip("'\"")
-            if one not in allowed[0]:
-                problems.append(not_one_of(key, one, allowed[1]))
+        if given and not override.startswith(("~", "-")) and not any(c in value for c in "([{$"):
+            found += [(key, one.strip().strip("'\"")) for one in value.split(",")]
+    return found
+
+
+# The words OmegaConf reads as a bool, and what each kind of number is called in a refusal
+BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
+KIND_WORDS = {bool: "true or false", int: "an integer", float: "a number"}
+
+
+def kind_problems(overrides: list[str]) -> list[str]:
+    """Each override giving a number or a bool setting a value of another kind ("key=value: not an integer"):
+    Hydra's own refusal spans six lines."""
+    draft = chosen_settings(overrides)
+    problems = []
+    for key, one in given_values(overrides):
+        kind, optional = setting_type(key, draft) or (None, False)
+        if kind in KIND_WORDS and not (optional and one == "null") and not is_kind(kind, one):
+            problems.append(f"{key}={one}: not {KIND_WORDS[kind]}")
     return problems
+
+
+def is_kind(kind: type, value: str) -> bool:
+    """Whether ``value`` reads as a ``kind`` (bool, int or float) as OmegaConf reads a command line's text."""
+    if kind is bool:
+        return value.lower() in BOOL_WORDS
+    try:
+        number = float(value)
+        return kind is float or number == int(number)
+    except (ValueError, OverflowError):
+        return False
 
 
 def not_one_of(key: str, value: Any, offered: list[str]) -> str:
@@ -204,6 +244,16 @@ def allowed_values(key: str, draft: type | None) -> tuple[set[str], list[str]] |
     if key in REGISTRIES:
         names = sorted(REGISTRIES[key]())
         return set(names), names
+    kind, optional = setting_type(key, draft) or (None, False)
+    if not (isinstance(kind, type) and issubclass(kind, Choice)):
+        return None
+    null = ["null"] if optional else []
+    return {*kind.__members__, *null}, [*choices(kind), *null]
+
+
+def setting_type(key: str, draft: type | None) -> tuple[Any, bool] | None:
+    """(the type, whether null is allowed) of the setting ``key`` names in config.py (``draft``: the chosen
+    method's settings class); None for a key that names no setting."""
     kind: Any = Config
     for part in key.split("."):
         if kind is Config and part == "draft":
@@ -213,11 +263,7 @@ def allowed_values(key: str, draft: type | None) -> tuple[set[str], list[str]] |
             return None
         kind = typing.get_type_hints(kind)[part]
     optional = type(None) in typing.get_args(kind)
-    kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind) if optional else kind
-    if not (isinstance(kind, type) and issubclass(kind, Choice)):
-        return None
-    null = ["null"] if optional else []
-    return {*kind.__members__, *null}, [*choices(kind), *null]
+    return (next((k for k in typing.get_args(kind) if k is not type(None)), kind) if optional else kind), optional
 
 
 def registry_problems(config: Config) -> list[str]:

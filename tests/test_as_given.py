@@ -216,7 +216,9 @@ def test_a_whole_vocabulary_draft_refuses_a_draft_vocabulary_and_the_recipe_line
 @pytest.mark.parametrize("override, said", [
     ("+foo=1", "foo: no such setting (python train.py --help lists every key)"),
     ("++trainer.max_stepz=3", "trainer.max_stepz: no such setting (python train.py --help lists every key)"),
-    ("trainer.max_steps=abc", "trainer.max_steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+    ("trainer.max_steps=[1,2]", "trainer.max_steps=[1,2]: Value '[1, 2]' of type 'list' could not be converted to "
+                                "Integer"),
+    ("trainer.max_steps=abc", "trainer.max_steps=abc: not an integer"),
     ("draft.aux_layer_ids=2,4", "draft.aux_layer_ids=2,4: Ambiguous value for argument 'draft.aux_layer_ids=2,4' 1. "
                                 "To use it as a list, use key=[value1,value2]"),
 ])
@@ -329,3 +331,26 @@ def test_a_model_folder_without_its_tokenizer_is_one_line(tmp_path):
     with pytest.raises(ValueError, match=rf"^model folder {folder}: its tokenizer does not load \(") as refused:
         tokenizer_before_target(load_config(["model=llama3_tiny", f"model.path={folder}"]))
     assert "\n" not in str(refused.value) and "tokenizer files" in str(refused.value)
+
+
+@pytest.mark.parametrize("override, said", [
+    ("trainer.max_steps=abc", "trainer.max_steps=abc: not an integer"),
+    ("trainer.lr=fast", "trainer.lr=fast: not a number"),
+    ("eval.enabled=maybe", "eval.enabled=maybe: not true or false"),
+    ("trainer.max_steps=5,x", "trainer.max_steps=x: not an integer"),
+    ("draft.ttt_length=seven", "draft.ttt_length=seven: not an integer"),
+])
+def test_a_value_of_the_wrong_kind_is_refused_in_one_line_before_hydra(override, said):
+    """Hydra's own refusal printed six lines (its merge error, OmegaConf's full_key, reference_type and object_type,
+    HYDRA_FULL_ERROR) without the error: prefix; the values Hydra takes (null, a float's exponent, a sweep, an
+    interpolation, yes/no) still pass."""
+    from specforge_lite.arguments import check_arguments
+    from specforge_lite.config import CONF_DIR
+
+    with pytest.raises(SystemExit) as stopped:
+        check_arguments([override], CONF_DIR)
+    assert str(stopped.value.code) == f"error: {said}", stopped.value.code
+    for taken in ("trainer.max_steps=5", "trainer.lr=3e-4", "trainer.lr=1", "eval.enabled=false", "eval.enabled=yes",
+                  "trainer.epochs=null", "trainer.max_steps=1,2", "trainer.max_minutes=${trainer.lr}",
+                  "trainer.max_steps=range(1,3)", "draft.ttt_length=5", "draft=dflash"):
+        check_arguments([taken], CONF_DIR)

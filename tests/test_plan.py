@@ -214,7 +214,7 @@ OUT_OF_RANGE = [
     (["trainer=zero1", "trainer.optimizer=adamw", "trainer.deepspeed.sequence_parallel=2", "--gpus", "3"],
      "sequence_parallel=2"),
     (["trainer=zero9"], "zero3_offload"),
-    (["trainer.lr=abc"], "could not be converted to Float"),
+    (["trainer.lr=abc"], "trainer.lr=abc: not a number"),
 ]
 
 
