@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -66,6 +67,19 @@ def test_bad_prompt_files_are_named_with_the_fix(tmp_path):
         load_file_set("mmlu")
     with pytest.raises(PromptSetError, match="unknown sets"):
         load_prompt_sets(["gsm8k"], {"gsm8K": str(broken)}, None, 2)
+
+
+def test_loading_a_named_file_reads_it_once(tmp_path, monkeypatch):
+    """The settings check reads each named file whole before training; at the evaluation the sets are loaded from
+    it once (the check inside load_prompt_sets read every file whole again first)."""
+    from specforge_lite.evaluate import prompts
+
+    path = write_jsonl(tmp_path / "question.jsonl", [{"turns": [f"Question {i}?"]} for i in range(50)])
+    opened = []
+    real = prompts._rows
+    monkeypatch.setattr(prompts, "_rows", lambda p: opened.append(p) or real(p))
+    sets = load_prompt_sets(["mtbench"], {"mtbench": str(path)}, SimpleNamespace(heldout_prompts=[]), 4)
+    assert [len(s.items) for s in sets] == [4] and opened == [path]
 
 
 def test_multi_turn_items_ask_each_turn_after_the_targets_own_answer():

@@ -164,9 +164,10 @@ def heldout_set(data, limit: int | None = None) -> PromptSet:
     return PromptSet("heldout", "held-out conversations of the training data", items)
 
 
-def prompt_set_problems(names: list[str], files: dict[str, str]) -> list[str]:
+def prompt_set_problems(names: list[str], files: dict[str, str], read_files: bool = True) -> list[str]:
     """What keeps eval.prompt_sets and eval.prompt_files from being measured, each with the fix (settings.py asks
-    before a run trains: the evaluation is its last stage)."""
+    before a run trains: the evaluation is its last stage). ``read_files``: each named file a set measures is read
+    whole too (the evaluation itself, which loads them next, does not read them twice)."""
     problems = []
     if not names:
         problems.append("eval.prompt_sets is empty: the evaluation would measure nothing; name the sets to measure "
@@ -181,7 +182,7 @@ def prompt_set_problems(names: list[str], files: dict[str, str]) -> list[str]:
     unknown_files = sorted(set(files) - set(FORMATS))
     if unknown_files:
         problems.append(f"eval.prompt_files names unknown sets {unknown_files}; file-backed sets: {sorted(FORMATS)}")
-    for name in names:  # (each file a set measures, read whole: a missing or damaged one is said before training)
+    for name in names if read_files else []:  # (a missing or damaged file is said before training)
         if files.get(name) and name in FORMATS:
             try:
                 load_file_set(name, files[name])
@@ -191,7 +192,7 @@ def prompt_set_problems(names: list[str], files: dict[str, str]) -> list[str]:
 
 
 def load_prompt_sets(names: list[str], files: dict[str, str], data, limit: int | None) -> list[PromptSet]:
-    problems = prompt_set_problems(names, files)
+    problems = prompt_set_problems(names, files, read_files=False)  # (each file is read as its set is loaded)
     if problems:
         raise PromptSetError("; ".join(problems))
     if not data.heldout_prompts and len(names) > 1:  # no held-out split (data.heldout_samples=0): the other sets
