@@ -206,9 +206,7 @@ def given_values(overrides: list[str]) -> list[tuple[str, str]]:
     return found
 
 
-# The words OmegaConf reads as a bool, and what each kind of number is called in a refusal
-BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
-KIND_WORDS = {bool: "true or false", int: "an integer", float: "a number"}
+KIND_WORDS = {bool: "true or false", int: "an integer", float: "a number"}  # (each kind, as a refusal names it)
 
 
 def kind_problems(overrides: list[str]) -> list[str]:
@@ -224,13 +222,14 @@ def kind_problems(overrides: list[str]) -> list[str]:
 
 
 def is_kind(kind: type, value: str) -> bool:
-    """Whether ``value`` reads as a ``kind`` (bool, int or float) as OmegaConf reads a command line's text."""
-    if kind is bool:
-        return value.lower() in BOOL_WORDS
+    """Whether ``value`` reads as a ``kind`` (bool, int or float): OmegaConf's own node for that kind takes it."""
+    from omegaconf import BooleanNode, FloatNode, IntegerNode
+    from omegaconf.errors import ValidationError
+
     try:
-        number = float(value)
-        return kind is float or number == int(number)
-    except (ValueError, OverflowError):
+        {bool: BooleanNode, int: IntegerNode, float: FloatNode}[kind](value)
+        return True
+    except ValidationError:
         return False
 
 

@@ -343,7 +343,7 @@ def test_a_model_folder_without_its_tokenizer_is_one_line(tmp_path):
 def test_a_value_of_the_wrong_kind_is_refused_in_one_line_before_hydra(override, said):
     """Hydra's own refusal printed six lines (its merge error, OmegaConf's full_key, reference_type and object_type,
     HYDRA_FULL_ERROR) without the error: prefix; the values Hydra takes (null, a float's exponent, a sweep, an
-    interpolation, yes/no) still pass."""
+    interpolation, every word and integer OmegaConf reads as a bool) still pass."""
     from specforge_lite.arguments import check_arguments
     from specforge_lite.config import CONF_DIR
 
@@ -351,6 +351,7 @@ def test_a_value_of_the_wrong_kind_is_refused_in_one_line_before_hydra(override,
         check_arguments([override], CONF_DIR)
     assert str(stopped.value.code) == f"error: {said}", stopped.value.code
     for taken in ("trainer.max_steps=5", "trainer.lr=3e-4", "trainer.lr=1", "eval.enabled=false", "eval.enabled=yes",
+                  "eval.enabled=y", "eval.enabled=2",
                   "trainer.epochs=null", "trainer.max_steps=1,2", "trainer.max_minutes=${trainer.lr}",
                   "trainer.max_steps=range(1,3)", "draft.ttt_length=5", "draft=dflash"):
         check_arguments([taken], CONF_DIR)
