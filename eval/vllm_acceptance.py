@@ -67,13 +67,17 @@ OWN_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash"
 def speculative_config(draft_dir: Path, k: int) -> dict:
     """How vLLM runs the draft: EAGLE3 step by step, with its mask slots in one forward (P-EAGLE: the
     export writes parallel_drafting; vLLM takes it from the speculative config, not from the folder), or
-    DFlash, DFlash 2 and DSpark (their own architectures; DFlash 2 runs as method=dflash)."""
+    DFlash, DFlash 2 and DSpark (their own architectures; DFlash 2 runs as method=dflash; DSpark's verification
+    sized by its confidence head, which vLLM also takes from the speculative config). The model card's command says
+    the same (each export format's serve_options; this script runs where our package is not installed)."""
     config = json.loads((draft_dir / "config.json").read_text())
     archs = config.get("architectures") or []
     method = next((m for arch, m in OWN_ARCHITECTURES.items() if arch in archs), "eagle3")
     out = {"method": method, "model": str(draft_dir), "num_speculative_tokens": k}
     if config.get("parallel_drafting"):
         out["parallel_drafting"] = True
+    if method == "dspark":
+        out["enable_adaptive_verification"] = True
     return out
 
 

@@ -8,4 +8,9 @@ if [ $# -eq 0 ]; then
   bash scripts/setup_serving.sh >/dev/null 2>&1 &
 fi
 bash scripts/setup.sh
+if [ $# -eq 0 ]; then
+  # two processes, each given a whole file at a time in the order tests/conftest.py sets (a file's module
+  # fixtures, the trained runs the serving tests share among them, are then built once)
+  set -- -n "${TEST_PROCESSES:-2}" --dist loadfile --no-loadscope-reorder
+fi
 exec .venv/bin/python -m pytest -q --durations=25 "$@"  # (the slowest tests, for CI time)

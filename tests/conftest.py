@@ -9,7 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# scripts/test.sh runs the suite in pytest-xdist processes (two on two cores): each takes its share of the cores'
+# threads, for the tests and for the processes they start. Two OpenMP threads a process made two processes at once
+# slower than one alone (a thread waits at each barrier for its partner, whose core the other process holds):
+# tests/test_families.py twice at once took 135 s, 51 s with one thread each, 52 s once alone.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -140,13 +148,20 @@ _serving_setup: dict = {}
 # Order (CI time): the serving environment's build writes ~4 GB in its first minutes, and a test that
 # starts fresh interpreters then re-reads torch from disk (a 2-rank DeepSpeed launch took 136 s instead of
 # 20 s). Tests that run in this process go first, those that launch train.py or torchrun after them, the
-# serving tests last.
+# serving tests last. Under pytest-xdist (scripts/test.sh: two processes, each given a whole file at a time, in
+# this order) the serving tests go first instead: the longest file, it starts by waiting for the build while the
+# other process runs the in-process tests, and the two launching files end the run one beside the other.
 LATE_FILES = ["tests/test_distributed.py", "tests/test_e2e.py", "tests/test_serving.py"]
+FIRST_IN_TWO = "tests/test_serving.py"
 
 
 def pytest_collection_modifyitems(session, config, items):
+    in_two = hasattr(config, "workerinput")  # (a pytest-xdist worker's collection)
+
     def rank(item):
         path = item.nodeid.split("::")[0]
+        if in_two and path == FIRST_IN_TWO:
+            return -1
         return LATE_FILES.index(path) + 1 if path in LATE_FILES else 0
 
     items.sort(key=rank)  # (stable: the order within each group is kept)

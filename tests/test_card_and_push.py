@@ -100,26 +100,33 @@ def test_an_sglang_export_names_sglang_as_its_library(tmp_path):
     assert meta is not None and meta["library_name"] == "sglang" and "sglang" in meta["tags"]
 
 
-@pytest.mark.parametrize("options", [{}, {"parallel_drafting": True, "mask_token_id": 5}])
-def test_the_cards_vllm_command_is_the_speculative_config_vllm_is_served_with_in_the_tests(tmp_path, options):
+@pytest.mark.parametrize("method, options", [
+    ("eagle3", {}), ("eagle3", {"parallel_drafting": True, "mask_token_id": 5}), ("dflash", {}), ("dflash2", {}),
+    ("dspark", {"markov_rank": 8})])
+def test_the_cards_vllm_command_is_the_speculative_config_vllm_is_served_with_in_the_tests(tmp_path, method, options):
     """The card's --speculative-config is what eval/vllm_acceptance.py (which serves our exports in
-    tests/test_serving.py) gives vLLM for the folder: a P-EAGLE draft's parallel_drafting included, which vLLM reads
-    from its speculative config and not from the folder."""
+    tests/test_serving.py) gives vLLM for the folder: a P-EAGLE draft's parallel_drafting and a DSpark draft's
+    adaptive verification included, which vLLM reads from its speculative config and not from the folder. Failed
+    for DSpark: the judge left enable_adaptive_verification out (vLLM's CPU build cannot serve DSpark, so no serving
+    test would have shown it)."""
     import importlib.util
 
     from conftest import ROOT
+    from test_dflash import tiny_block_draft
 
     spec_ = importlib.util.spec_from_file_location("vllm_acceptance", ROOT / "eval" / "vllm_acceptance.py")
     judge = importlib.util.module_from_spec(spec_)
     spec_.loader.exec_module(judge)
     model = tiny_target(aux_ids=[2, 4, 6])
-    draft = tiny_draft(model, draft_vocab_size=100, **options)
+    draft = (tiny_draft(model, draft_vocab_size=100, **options) if method == "eagle3" else
+             tiny_block_draft(model, method, draft_vocab=None if method == "dflash2" else 100, **options))
     out = export_draft(draft.trainable_state_dict(), draft.spec, "vllm", tmp_path / "run" / "final",
                        verifier={"name_or_path": HUB_TARGET})
     _run_files(tmp_path / "run", {"name": "llama3_8b", "path": HUB_TARGET})
     card = write_model_card(out, tmp_path / "run").read_text()
     said = json.loads(re.search(r"--speculative-config '(\{.*?\})'", card).group(1))
-    assert said == judge.speculative_config(out, 3)
+    assert said == judge.speculative_config(out, said["num_speculative_tokens"])
+    assert said["num_speculative_tokens"] == 3  # (a block draft's own k: its default block, the card's eval k)
 
 
 # ---- --push ---------------------------------------------------------------------------------------------------
