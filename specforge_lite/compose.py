@@ -195,6 +195,12 @@ def chosen_settings(overrides: list[str]) -> type | None:
     return METHODS[chosen].settings if chosen in METHODS else None
 
 
+def given_keys(overrides: list[str]) -> frozenset[str]:
+    """The settings the overrides give a value (``Config.command_line``)."""
+    return frozenset(override.lstrip("+").partition("=")[0] for override in overrides
+                     if "=" in override and not override.startswith(("~", "-")))
+
+
 def given_values(overrides: list[str]) -> list[tuple[str, str]]:
     """(key, value) of each value the overrides give, each of a sweep's (``key=a,b``); Hydra's other sweep forms and
     interpolations are left to the composition."""
@@ -359,4 +365,5 @@ def load_config(overrides: list[str] | None = None, config_name: str = "config")
     problems = unread_given(config, overrides)
     if problems:
         raise ValueError("; ".join(problems))
+    config.command_line = given_keys(overrides)
     return config

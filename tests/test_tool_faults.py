@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import tiny_draft, tiny_target
+from conftest import ROOT, tiny_draft, tiny_target
 from specforge_lite.errors import USER_ERRORS
 from specforge_lite.export import export_draft
 
@@ -305,6 +307,27 @@ def test_init_from_with_its_aux_ids_given_otherwise_is_refused(export):
                                          r"and this run gives draft.aux_layer_ids=\[1, 3, 5\]: a continued draft "
                                          r"keeps its shape; drop those settings, or train a new draft"):
         initial_draft(init_from(export, "draft.aux_layer_ids=[1,3,5]"), log=lambda m: None)
+
+
+def test_init_from_with_its_vocabulary_given_otherwise_on_the_command_line_is_refused(export):
+    """draft.draft_vocab_size=64 given with draft.init_from of a 128-token draft trained (and exported) the 128 tokens,
+    said only in the [draft] line. Given as the draft's own, or left to a recipe (every recipe sets one, so its value
+    says nothing of what the user asked), the draft's own is taken."""
+    from specforge_lite.run import initial_draft
+
+    for given in [[], ["recipe=scale"], ["draft.draft_vocab_size=128"]]:
+        assert initial_draft(init_from(export, *given), log=lambda m: None)[0].draft_vocab_size == 128
+    with pytest.raises(ValueError, match=rf"^draft.init_from={export} is a draft with draft_vocab_size 128, and this "
+                                         r"run gives draft.draft_vocab_size=64: a continued draft keeps its shape; "
+                                         r"drop those settings, or train a new draft"):
+        initial_draft(init_from(export, "draft.draft_vocab_size=64"), log=lambda m: None)
+    # train.py composes with Hydra's own entry point: the same line, before the target or the data loads
+    refused = subprocess.run([sys.executable, str(ROOT / "train.py"), "tracker=none", f"draft.init_from={export}",
+                              "draft.draft_vocab_size=64", f"output_dir={export.parent / 'run'}"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and refused.stderr.startswith(f"error: draft.init_from={export} is a draft with "
+                                                                 "draft_vocab_size 128, and this run gives "
+                                                                 "draft.draft_vocab_size=64"), refused.stderr
 
 
 def test_init_from_a_draft_of_another_target_names_the_target_not_an_overridden_setting(tmp_path):
