@@ -289,17 +289,17 @@ def _check_fixed_shape(config: Config, spec: DraftSpec) -> None:
 
 def _check_kept_shape(config: Config, spec: DraftSpec) -> None:
     """A continued draft keeps its shape (its layers, norms, mask slots, the aux states it reads, its vocabulary):
-    settings of the shape that differ from their defaults were given to be used, so where they differ from the
-    draft's own too they are refused, never dropped. Left at their defaults, the draft's own shape is taken, whatever
-    it is. Its vocabulary only where the command line gave one: every recipe sets one, so the value alone says
-    nothing of what the user asked."""
+    settings of the shape that the command line gives, or that differ from their defaults, were given to be used, so
+    where they differ from the draft's own too they are refused, never dropped. Otherwise the draft's own shape is
+    taken, whatever it is. Its vocabulary only where the command line gave one: every recipe sets one, so the value
+    alone says nothing of what the user asked."""
     method, d = draft_method(spec.method), config.draft
     shape = lambda settings: {"num_layers": settings.num_layers, "aux_layer_ids": settings.aux_layer_ids,  # noqa: E731
                               "draft_vocab_size": settings.draft_vocab_size, **method.spec_fields(settings)}
     given, defaults = shape(d), shape(type(d)())
-    if "draft.draft_vocab_size" not in config.command_line:
-        defaults["draft_vocab_size"] = given["draft_vocab_size"]  # (a recipe's: not a request)
-    differ = [key for key, value in given.items() if value != defaults[key] and getattr(spec, key) != value]
+    asked = [key for key, value in given.items() if f"draft.{key}" in config.command_line
+             or (key != "draft_vocab_size" and value != defaults[key])]
+    differ = [key for key in asked if getattr(spec, key) != given[key]]
     if differ:
         said = lambda value: str(value).lower() if isinstance(value, bool) else str(value)  # noqa: E731 (as typed)
         raise ValueError(f"draft.init_from={d.init_from} is a draft with "

@@ -309,6 +309,18 @@ def test_init_from_with_its_aux_ids_given_otherwise_is_refused(export):
         initial_draft(init_from(export, "draft.aux_layer_ids=[1,3,5]"), log=lambda m: None)
 
 
+def test_init_from_with_a_shape_setting_given_at_its_default_on_the_command_line_is_refused(export):
+    """draft.norm_output=true is the method's default (EAGLE 3.1), and the folder's draft has no output norm: given
+    on the command line it is a request all the same, which trained the folder's layout, unsaid. Left out, the draft's
+    own layout is taken."""
+    from specforge_lite.run import initial_draft
+
+    assert not initial_draft(init_from(export), log=lambda m: None)[0].norm_output
+    with pytest.raises(ValueError, match=rf"^draft.init_from={export} is a draft with norm_output false, and this "
+                                         r"run gives draft.norm_output=true: a continued draft keeps its shape"):
+        initial_draft(init_from(export, "draft.norm_output=true"), log=lambda m: None)
+
+
 def test_init_from_with_its_vocabulary_given_otherwise_on_the_command_line_is_refused(export):
     """draft.draft_vocab_size=64 given with draft.init_from of a 128-token draft trained (and exported) the 128 tokens,
     said only in the [draft] line. Given as the draft's own, or left to a recipe (every recipe sets one, so its value
