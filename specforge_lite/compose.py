@@ -99,12 +99,27 @@ READ_WHEN: tuple[tuple[str, Callable[[Config], bool], str], ...] = (
 NOT_READ_WHEN_EXEMPT = ("trainer.deepspeed.enabled",)
 
 
+def given_setting(override: str) -> tuple[str, str] | None:
+    """(key, value) of the setting an override gives a value, or None (a deletion ``~key``, an option)."""
+    key, given, value = override.lstrip("+").partition("=")
+    return (key, value) if given and not override.startswith(("~", "-")) else None
+
+
+def as_given(config: Config, overrides: list[str]) -> Config:
+    """``config`` composed from ``overrides``, with the settings they give recorded (``Config.command_line``); one
+    given where this run would not read it is refused (``unread_given``)."""
+    problems = unread_given(config, overrides)
+    if problems:
+        raise ValueError("; ".join(problems))
+    config.command_line = frozenset(given[0] for given in map(given_setting, overrides) if given)
+    return config
+
+
 def unread_given(config: Config, overrides: list[str]) -> list[str]:
     """Each override of ``READ_WHEN`` that this run would not read, in one line with what it needs."""
     problems = []
-    for override in overrides:
-        key, given, value = override.lstrip("+").partition("=")
-        if not given or override.startswith(("~", "-")) or key in NOT_READ_WHEN_EXEMPT:
+    for key, value in filter(None, map(given_setting, overrides)):
+        if key in NOT_READ_WHEN_EXEMPT:
             continue
         for prefix, read, needs in READ_WHEN:
             if (key == prefix or (prefix.endswith((".", "_")) and key.startswith(prefix))) and not read(config):
@@ -195,19 +210,12 @@ def chosen_settings(overrides: list[str]) -> type | None:
     return METHODS[chosen].settings if chosen in METHODS else None
 
 
-def given_keys(overrides: list[str]) -> frozenset[str]:
-    """The settings the overrides give a value (``Config.command_line``)."""
-    return frozenset(override.lstrip("+").partition("=")[0] for override in overrides
-                     if "=" in override and not override.startswith(("~", "-")))
-
-
 def given_values(overrides: list[str]) -> list[tuple[str, str]]:
     """(key, value) of each value the overrides give, each of a sweep's (``key=a,b``); Hydra's other sweep forms and
     interpolations are left to the composition."""
     found = []
-    for override in overrides:
-        key, given, value = override.lstrip("+").partition("=")
-        if given and not override.startswith(("~", "-")) and not any(c in value for c in "([{$"):
+    for key, value in filter(None, map(given_setting, overrides)):
+        if not any(c in value for c in "([{$"):
             found += [(key, one.strip().strip("'\"")) for one in value.split(",")]
     return found
 
@@ -361,9 +369,4 @@ def load_config(overrides: list[str] | None = None, config_name: str = "config")
             cfg = compose(config_name=config_name, overrides=overrides)
         except (HydraException, OmegaConfBaseException) as e:
             raise ValueError(composition_error(e)) from None
-    config = to_config(cfg)
-    problems = unread_given(config, overrides)
-    if problems:
-        raise ValueError("; ".join(problems))
-    config.command_line = given_keys(overrides)
-    return config
+    return as_given(to_config(cfg), overrides)

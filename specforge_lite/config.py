@@ -582,8 +582,8 @@ class Config:
     # Set by the recipe group (recipe=<name>), named in the run's first line: cpu_20min (the embedded default's
     # 2-core demo), scale (real training of a served target; the default for any other target), none.
     recipe_name: str = "none"
-    # The settings the command line gave (train.py, compose.load_config), not saved: a check that must tell a value
-    # the user asked for from a recipe's reads it (a continued draft's vocabulary: run.py).
+    # The settings the command line gave (compose.as_given), not saved: a check that must tell a value the user asked
+    # for from a default or a recipe's reads it (a continued draft's shape and vocabulary: run.py).
     command_line: ClassVar[frozenset[str]] = frozenset()
 
 

@@ -15,7 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from .arguments import check_arguments
-from .compose import given_keys, hydra_overrides, register_configs, to_config, unread_given
+from .compose import as_given, hydra_overrides, register_configs, to_config
 from .config import CONF_DIR, with_recipe
 from .errors import said_in_one_line
 from .job import run
@@ -30,11 +30,8 @@ def main(cfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     with said_in_one_line():  # what went wrong and the fix, as one message; a traceback only when asked for
-        config = to_config(cfg)  # (a preset's model.family that names no family is refused here)
-        problems = unread_given(config, list(hc.overrides.task))
-        if problems:
-            raise ValueError("; ".join(problems))
-        config.command_line = given_keys(list(hc.overrides.task))
+        # (refused here: a preset's model.family that names no family, a setting given where the run would not read it)
+        config = as_given(to_config(cfg), list(hc.overrides.task))
         if hc.mode == RunMode.MULTIRUN:  # one wandb group per sweep, each run named by its overrides
             config.tracker.group = config.tracker.group or Path(hc.sweep.dir).name
             config.tracker.name = config.tracker.name or (hc.job.override_dirname or f"job{hc.job.num}")
